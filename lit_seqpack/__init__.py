@@ -1,0 +1,108 @@
+"""lit_seqpack: sequence packing and dynamic (token-budget) batching for PyTorch Lightning.
+
+Public names are imported lazily (PEP 562) so that ``import lit_seqpack`` stays cheap, never touches
+CUDA, and the torch-free planner can be used without importing torch or Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # planning (pure Python + numpy)
+    "PACKING_ALGORITHMS": "lit_seqpack.planning",
+    "Packer": "lit_seqpack.planning",
+    "PackingStats": "lit_seqpack.planning",
+    "get_packer": "lit_seqpack.planning",
+    "packing_stats": "lit_seqpack.planning",
+    "Plan": "lit_seqpack.planning",
+    "PlanConfig": "lit_seqpack.planning",
+    "PlanStats": "lit_seqpack.planning",
+    "build_plan": "lit_seqpack.planning",
+    # data
+    "MicrobatchMeta": "lit_seqpack.data.microbatch",
+    "PackedBatchSampler": "lit_seqpack.data.samplers",
+    "DynamicBatchSampler": "lit_seqpack.data.samplers",
+    "PaddedBatchSampler": "lit_seqpack.data.samplers",
+    "PackedCollator": "lit_seqpack.data.collate",
+    "PaddedCollator": "lit_seqpack.data.collate",
+    "SeqPackDataModule": "lit_seqpack.data.datamodule",
+    # model
+    "varlen_attention": "lit_seqpack.model.attention",
+    "available_backends": "lit_seqpack.model.attention",
+    "PackedSequenceMixin": "lit_seqpack.model.mixin",
+    "check_packing_equivalence": "lit_seqpack.model.hf",
+    # metrics and callbacks
+    "PaddingRatio": "lit_seqpack.metrics",
+    "TokensPerSecond": "lit_seqpack.metrics",
+    "PackingEfficiency": "lit_seqpack.metrics",
+    "RankImbalance": "lit_seqpack.metrics",
+    "PackingMonitor": "lit_seqpack.callbacks",
+}
+
+__all__ = [
+    "DynamicBatchSampler",
+    "MicrobatchMeta",
+    "PACKING_ALGORITHMS",
+    "PackedBatchSampler",
+    "PackedCollator",
+    "PackedSequenceMixin",
+    "Packer",
+    "PackingEfficiency",
+    "PackingMonitor",
+    "PackingStats",
+    "PaddedBatchSampler",
+    "PaddedCollator",
+    "PaddingRatio",
+    "Plan",
+    "PlanConfig",
+    "PlanStats",
+    "RankImbalance",
+    "SeqPackDataModule",
+    "TokensPerSecond",
+    "available_backends",
+    "build_plan",
+    "check_packing_equivalence",
+    "get_packer",
+    "packing_stats",
+    "varlen_attention",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lit_seqpack' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
+    from lit_seqpack.callbacks import PackingMonitor
+    from lit_seqpack.data.collate import PackedCollator, PaddedCollator
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+    from lit_seqpack.data.microbatch import MicrobatchMeta
+    from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
+    from lit_seqpack.metrics import PackingEfficiency, PaddingRatio, RankImbalance, TokensPerSecond
+    from lit_seqpack.model.attention import available_backends, varlen_attention
+    from lit_seqpack.model.hf import check_packing_equivalence
+    from lit_seqpack.model.mixin import PackedSequenceMixin
+    from lit_seqpack.planning import (
+        PACKING_ALGORITHMS,
+        Packer,
+        PackingStats,
+        Plan,
+        PlanConfig,
+        PlanStats,
+        build_plan,
+        get_packer,
+        packing_stats,
+    )

@@ -1,0 +1,89 @@
+"""What travels from a batch sampler to the collator: dataset indices plus the plan's step metadata.
+
+A DataLoader hands the object its batch sampler yields to ``dataset.__getitems__`` (when the dataset
+defines it) and that method's return value to ``collate_fn``. The samplers yield :class:`Microbatch`
+lists of indices carrying a :class:`MicrobatchMeta`; :class:`PlannedDataset` fetches the samples and
+returns them as a :class:`Microbatch` with the same metadata, so the collator can put the exact-loss
+normaliser (the loss tokens of the whole optimizer step over all ranks) into the batch without any
+collective. Both classes pickle, so they cross DataLoader worker processes unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Microbatch", "MicrobatchMeta", "PlannedDataset"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MicrobatchMeta:
+    """Plan facts about one microbatch that the model side needs.
+
+    Args:
+        step: index of the optimizer step within the epoch.
+        step_loss_tokens: loss tokens of every microbatch of this optimizer step, summed over all ranks.
+        world_size: number of ranks the plan was made for.
+        accumulate_grad_batches: microbatches per rank per optimizer step in the plan.
+        max_tokens: the token budget of a microbatch (``None`` for the padded baseline).
+        is_empty: the plan had no sample for this slot (lock-step filler); the collator emits a
+            zero-weight dummy batch.
+    """
+
+    step: int
+    step_loss_tokens: int
+    world_size: int
+    accumulate_grad_batches: int
+    max_tokens: int | None = None
+    is_empty: bool = False
+
+    def __post_init__(self) -> None:
+        if self.step_loss_tokens < 0:
+            raise ValueError(f"step_loss_tokens must be >= 0, got {self.step_loss_tokens}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches must be >= 1, got {self.accumulate_grad_batches}")
+
+
+class Microbatch(list):
+    """A ``list`` (of dataset indices, or of samples) with an optional :class:`MicrobatchMeta`.
+
+    Example:
+        >>> mb = Microbatch([3, 1], meta=None)
+        >>> list(mb), mb.meta
+        ([3, 1], None)
+    """
+
+    __slots__ = ("meta",)
+
+    def __init__(self, items: Iterable[Any] = (), meta: MicrobatchMeta | None = None) -> None:
+        super().__init__(items)
+        self.meta = meta
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Microbatch, (list(self), self.meta))
+
+    def __repr__(self) -> str:
+        return f"Microbatch({list.__repr__(self)}, meta={self.meta!r})"
+
+
+class PlannedDataset:
+    """Wraps a map-style dataset so that a batch sampler's :class:`Microbatch` metadata reaches the collator.
+
+    Args:
+        dataset: any object with ``__getitem__`` and ``__len__`` returning sample mappings.
+    """
+
+    def __init__(self, dataset: Sequence[Mapping[str, Any]]) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Mapping[str, Any]:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: Sequence[int]) -> Microbatch:
+        return Microbatch((self.dataset[i] for i in indices), meta=getattr(indices, "meta", None))

@@ -1,0 +1,1 @@
+"""Model layer: varlen attention backends, the LightningModule mixin, the loss, model adapters."""
