@@ -1,0 +1,47 @@
+"""Planning: which sequences share a microbatch, and which rank trains it at which optimizer step.
+
+Pure Python + numpy (compiled hot loops with numba); never imports torch or Lightning. Names are
+re-exported lazily so that importing one piece does not compile or import the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "PACKING_ALGORITHMS": "lit_seqpack.planning.algorithms",
+    "Packer": "lit_seqpack.planning.algorithms",
+    "get_packer": "lit_seqpack.planning.algorithms",
+    "PackingStats": "lit_seqpack.planning.stats",
+    "packing_stats": "lit_seqpack.planning.stats",
+    "Plan": "lit_seqpack.planning.plan",
+    "PlanConfig": "lit_seqpack.planning.plan",
+    "PlanStats": "lit_seqpack.planning.plan",
+    "build_plan": "lit_seqpack.planning.plan",
+}
+
+__all__ = [
+    "PACKING_ALGORITHMS",
+    "Packer",
+    "PackingStats",
+    "Plan",
+    "PlanConfig",
+    "PlanStats",
+    "build_plan",
+    "get_packer",
+    "packing_stats",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lit_seqpack.planning' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
