@@ -1,0 +1,134 @@
+"""Causal-LM loss on the batch contract, and the exact normalisation over accumulation and ranks.
+
+A loss is described by a :class:`LossOutput`: the *sum* of per-unit losses of one microbatch (units are tokens
+for the default token-mean loss), how many units it holds, and how many units the whole optimizer step holds
+over all ranks. :func:`exact_loss` turns it into the value to back-propagate so that, after Lightning divides by
+``accumulate_grad_batches`` and DDP averages over ``world_size`` ranks, the gradient is the one of the mean over
+every unit of the optimizer step, as if all its samples had been one big padded batch.
+
+Example:
+    >>> import torch
+    >>> logits = torch.zeros(1, 4, 8)
+    >>> labels = torch.tensor([[-100, 1, 2, -100]])
+    >>> out = token_cross_entropy(logits, labels)
+    >>> round(out.loss_sum.item() / out.num_units, 4), out.num_units
+    (2.0794, 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["IGNORE_INDEX", "LossOutput", "exact_loss", "shift_labels", "token_cross_entropy"]
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossOutput:
+    """What a loss hook returns for one microbatch.
+
+    Args:
+        loss_sum: scalar tensor, the sum of the per-unit losses of this microbatch (attached to the graph).
+        num_units: units (tokens for a token-mean loss, documents for a sequence-mean loss) summed in
+            ``loss_sum``; the logged value is ``loss_sum / num_units`` with ``batch_size=num_units``.
+        step_units: units of the whole optimizer step over all ranks. With it the loss is exact (the gradient
+            of the mean over every unit of the step). ``None`` normalises locally: the microbatch mean, which
+            Lightning and DDP then average (exact only when every microbatch holds as many units).
+    """
+
+    loss_sum: torch.Tensor
+    num_units: int
+    step_units: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_sum.ndim != 0:
+            raise ValueError(f"loss_sum must be a scalar tensor, got shape {tuple(self.loss_sum.shape)}")
+        if self.num_units < 0:
+            raise ValueError(f"num_units must be >= 0, got {self.num_units}")
+        if self.step_units is not None and self.step_units < self.num_units:
+            raise ValueError(
+                f"step_units ({self.step_units}) must be >= num_units ({self.num_units}): the step total includes "
+                "this microbatch"
+            )
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Labels aligned with the logits: ``out[..., t] = labels[..., t + 1]``, the last position ignored.
+
+    Shifting the labels (a copy of ``[B, T]`` integers) rather than slicing the logits keeps the ``[B, T, V]``
+    logits contiguous, so they flatten without a copy.
+
+    Example:
+        >>> shift_labels(torch.tensor([[-100, 5, 6]])).tolist()
+        [[5, 6, -100]]
+    """
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def token_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    num_loss_tokens: int | None = None,
+    step_loss_tokens: int | None = None,
+    chunk_size: int | None = None,
+) -> LossOutput:
+    """Summed next-token cross-entropy over the labels that are not ``-100`` (HF shift convention).
+
+    Args:
+        logits: ``[B, T, V]``; ``logits[:, t]`` predicts ``labels[:, t + 1]``.
+        labels: ``[B, T]`` with ``-100`` on positions without a target.
+        num_loss_tokens: the count of target positions if the caller knows it (the collator's Python int);
+            computed otherwise (one device sync).
+        step_loss_tokens: the optimizer step's loss tokens over all ranks, passed through to the output.
+        chunk_size: compute the loss over this many positions at a time, each chunk upcast to float32 on its
+            own, so a bf16 model never holds a float32 copy of all its logits; ``None`` does it in one go.
+            Half-precision logits are upcast to float32; float32 and float64 logits are used as they are.
+    """
+    if logits.ndim != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"logits must be [B, T, V] and labels [B, T], got {tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_labels = shift_labels(labels).reshape(-1)
+    step = max(flat_labels.numel(), 1) if chunk_size is None else chunk_size
+    parts = [
+        F.cross_entropy(_upcast(chunk), target, ignore_index=IGNORE_INDEX, reduction="sum")
+        for chunk, target in zip(flat_logits.split(step), flat_labels.split(step), strict=True)
+    ]
+    loss_sum = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+    if num_loss_tokens is None:
+        num_loss_tokens = int((flat_labels != IGNORE_INDEX).sum())
+    return LossOutput(loss_sum=loss_sum, num_units=num_loss_tokens, step_units=step_loss_tokens)
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+def exact_loss(output: LossOutput, batch: Mapping[str, Any]) -> torch.Tensor:
+    """The value to back-propagate for one microbatch of an optimizer step.
+
+    ``loss_sum * world_size * accumulate_grad_batches / step_units``: Lightning divides the returned loss by
+    ``accumulate_grad_batches`` and DDP averages the gradients over ``world_size`` ranks, so the update is the
+    gradient of ``sum(all loss_sums of the step) / step_units`` with no collective. Without ``step_units`` the
+    local mean ``loss_sum / num_units`` is returned (Lightning's usual semantics).
+
+    Args:
+        output: the microbatch's loss.
+        batch: the batch (its ``world_size`` and ``accumulate_grad_batches`` scalars, 1 when absent).
+    """
+    if output.step_units is None:
+        return output.loss_sum / max(output.num_units, 1)
+    if output.step_units == 0:  # no target in the whole step: a zero that still reaches every parameter
+        return output.loss_sum * 0.0
+    scale = int(batch.get("world_size", 1)) * int(batch.get("accumulate_grad_batches", 1))
+    return output.loss_sum * (scale / output.step_units)
