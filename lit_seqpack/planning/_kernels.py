@@ -1,0 +1,331 @@
+"""Hot loops of the packers: numba-compiled, with the very same code as the pure-Python fallback.
+
+Backend selection (this module owns it):
+
+- Every kernel is plain Python written in the subset numba compiles. When ``numba`` imports, each
+  public kernel is wrapped in ``numba.njit(cache=True)``: it is compiled on first use and the machine
+  code is cached on disk (next to this file, or under ``NUMBA_CACHE_DIR``), so later processes skip the
+  compile. Helpers are ``register_jitable``: inlined into compiled callers, plain Python otherwise.
+- When ``numba`` cannot be imported, or the environment variable ``LIT_SEQPACK_DISABLE_NUMBA`` is
+  ``1``/``true``/``yes`` (read at every call, so tests can flip it), :func:`get_kernel` returns the
+  uncompiled functions. Both paths run the same statements, so they give identical bins; the fallback
+  is only much slower (about 1-2 s per 100k items instead of milliseconds).
+
+Conventions shared by every kernel: ``sizes`` is an ``int64`` array of item lengths in the order the
+algorithm processes them, every size is in ``[0, capacity]``, and the result is the bin id of each
+position (bins are numbered in the order they are opened, from 0).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+try:
+    import numba
+    from numba.extending import register_jitable as _jitable
+except ImportError:  # pragma: no cover - exercised only where numba is missing
+    numba = None
+
+    def _jitable(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return fn
+
+
+NUMBA_AVAILABLE: bool = numba is not None
+DISABLE_ENV_VAR = "LIT_SEQPACK_DISABLE_NUMBA"
+_KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+
+
+def numba_enabled() -> bool:
+    """Whether kernels run compiled: numba is importable and ``LIT_SEQPACK_DISABLE_NUMBA`` is not set."""
+    flag = os.environ.get(DISABLE_ENV_VAR, "").strip().lower()
+    return NUMBA_AVAILABLE and flag not in {"1", "true", "yes", "on"}
+
+
+def _kernel(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Register ``fn`` as a kernel (compiled lazily when numba is present); returns ``fn`` unchanged."""
+    compiled = numba.njit(cache=True)(fn) if NUMBA_AVAILABLE else fn
+    _KERNELS[fn.__name__] = (compiled, fn)
+    return fn
+
+
+def get_kernel(name: str) -> Callable[..., Any]:
+    """The kernel called ``name``: compiled when :func:`numba_enabled`, the pure-Python one otherwise."""
+    compiled, python = _KERNELS[name]
+    return compiled if numba_enabled() else python
+
+
+@_jitable
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+@_kernel
+def concatenative(sizes: np.ndarray, capacity: int) -> np.ndarray:
+    """Next fit in input order: open a new bin whenever the item does not fit the current one."""
+    bins = np.empty(sizes.shape[0], np.int64)
+    current = 0
+    used = 0
+    for k in range(sizes.shape[0]):
+        if used + sizes[k] > capacity:
+            current += 1
+            used = 0
+        used += sizes[k]
+        bins[k] = current
+    return bins
+
+
+@_kernel
+def first_fit(sizes: np.ndarray, capacity: int, initial_remaining: np.ndarray) -> np.ndarray:
+    """First fit: each item goes to the lowest-numbered bin with room, in O(log n) per item.
+
+    A segment tree over bins stores the largest remaining capacity of each subtree; bins not opened yet
+    hold ``capacity``, so the leftmost leaf that fits is either an open bin or the next new one. Bins
+    ``0 .. len(initial_remaining) - 1`` already exist with the given remaining capacities.
+    """
+    n = sizes.shape[0]
+    n_initial = initial_remaining.shape[0]
+    p = _pow2_at_least(n + n_initial)
+    tree = np.full(2 * p, capacity, np.int64)
+    tree[p : p + n_initial] = initial_remaining
+    for node in range(p - 1, 0, -1):
+        tree[node] = max(tree[2 * node], tree[2 * node + 1])
+    bins = np.empty(n, np.int64)
+    for k in range(n):
+        size = sizes[k]
+        node = 1
+        while node < p:
+            node *= 2
+            if tree[node] < size:
+                node += 1
+        bins[k] = node - p
+        tree[node] -= size
+        node //= 2
+        while node >= 1:
+            best = max(tree[2 * node], tree[2 * node + 1])
+            if tree[node] == best:
+                break
+            tree[node] = best
+            node //= 2
+    return bins
+
+
+@_jitable
+def _first_nonempty_at_least(count: np.ndarray, p: int, x: int) -> int:
+    """Smallest leaf index ``>= x`` whose count is positive in a sum segment tree, or -1."""
+    node = p + x
+    if count[node] > 0:
+        return x
+    while node > 1:
+        if node % 2 == 0 and count[node + 1] > 0:
+            node += 1
+            while node < p:
+                node *= 2
+                if count[node] == 0:
+                    node += 1
+            return node - p
+        node //= 2
+    return -1
+
+
+@_jitable
+def _tree_add(count: np.ndarray, p: int, leaf: int, delta: int) -> None:
+    node = p + leaf
+    while node >= 1:
+        count[node] += delta
+        node //= 2
+
+
+@_kernel
+def best_fit_dense(sizes: np.ndarray, capacity: int) -> np.ndarray:
+    """Best fit in O(log capacity) per item, with O(capacity) memory.
+
+    Bins are kept in one stack per remaining capacity (``head``/``below``) and a sum segment tree over
+    remaining capacities finds the tightest non-empty level ``>= size``. Among bins with the same
+    remaining capacity the one that reached it last is chosen (LIFO), exactly like :func:`best_fit_sorted`.
+    """
+    n = sizes.shape[0]
+    p = _pow2_at_least(capacity + 1)
+    count = np.zeros(2 * p, np.int32)
+    head = np.full(capacity + 1, -1, np.int32)
+    below = np.empty(n, np.int32)
+    bins = np.empty(n, np.int64)
+    n_bins = 0
+    for k in range(n):
+        size = sizes[k]
+        level = _first_nonempty_at_least(count, p, size)
+        if level < 0:
+            b = n_bins
+            n_bins += 1
+            level = capacity
+        else:
+            b = head[level]
+            head[level] = below[b]
+            _tree_add(count, p, level, -1)
+        level -= size
+        below[b] = head[level]
+        head[level] = b
+        _tree_add(count, p, level, 1)
+        bins[k] = b
+    return bins
+
+
+@_jitable
+def _lower_bound(keys: np.ndarray, m: int, x: int) -> int:
+    """First position in the ascending ``keys[:m]`` whose value is ``>= x`` (``m`` if none)."""
+    lo = 0
+    hi = m
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if keys[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@_kernel
+def best_fit_sorted(sizes: np.ndarray, capacity: int) -> np.ndarray:
+    """Best fit with O(n) memory (for huge capacities): open bins in an array sorted by remaining room.
+
+    O(log b + b) per item for b open bins, which is cheap exactly when the capacity is huge (few bins).
+    A bin re-enters in front of the bins with equal room, so ties go to the most recent (LIFO).
+    """
+    n = sizes.shape[0]
+    keys = np.empty(n, np.int64)
+    ids = np.empty(n, np.int64)
+    bins = np.empty(n, np.int64)
+    m = 0
+    n_bins = 0
+    for k in range(n):
+        size = sizes[k]
+        pos = _lower_bound(keys, m, size)
+        if pos == m:
+            b = n_bins
+            n_bins += 1
+            room = capacity - size
+        else:
+            b = ids[pos]
+            room = keys[pos] - size
+            keys[pos : m - 1] = keys[pos + 1 : m].copy()
+            ids[pos : m - 1] = ids[pos + 1 : m].copy()
+            m -= 1
+        pos = _lower_bound(keys, m, room)
+        keys[pos + 1 : m + 1] = keys[pos:m].copy()
+        ids[pos + 1 : m + 1] = ids[pos:m].copy()
+        keys[pos] = room
+        ids[pos] = b
+        m += 1
+        bins[k] = b
+    return bins
+
+
+@_kernel
+def group_by_bin(order: np.ndarray, bins: np.ndarray, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counting sort of ``order`` by bin (stable): the items of bin ``b`` are ``flat[ends[b-1]:ends[b]]``."""
+    ends = np.zeros(n_bins, np.int64)
+    for k in range(bins.shape[0]):
+        ends[bins[k]] += 1
+    for b in range(1, n_bins):
+        ends[b] += ends[b - 1]
+    fill = np.zeros(n_bins, np.int64)
+    for b in range(1, n_bins):
+        fill[b] = ends[b - 1]
+    flat = np.empty(bins.shape[0], np.int64)
+    for k in range(bins.shape[0]):
+        flat[fill[bins[k]]] = order[k]
+        fill[bins[k]] += 1
+    return flat, ends
+
+
+@_jitable
+def _find(parent: np.ndarray, i: int) -> int:
+    """Union-find root with path compression (used as "next unused position" pointers)."""
+    root = i
+    while parent[root] != root:
+        root = parent[root]
+    while parent[i] != root:
+        up = parent[i]
+        parent[i] = root
+        i = up
+    return root
+
+
+@_jitable
+def _largest_fitting(desc: np.ndarray, unused: np.ndarray, room: int, lo: int, hi: int) -> int:
+    """Position of the largest unused item of ``desc[lo:hi]`` not above ``room`` (-1 if none)."""
+    left = 0
+    right = desc.shape[0]
+    while left < right:
+        mid = (left + right) // 2
+        if desc[mid] > room:
+            left = mid + 1
+        else:
+            right = mid
+    j = _find(unused, max(left, lo))
+    return j if j < hi else -1
+
+
+@_jitable
+def _place(j: int, b: int, desc: np.ndarray, bins: np.ndarray, room: np.ndarray, nxt: np.ndarray, prv: np.ndarray):
+    bins[j] = b
+    room[b] -= desc[j]
+    nxt[j] = j + 1
+    prv[j + 1] = j
+
+
+@_kernel
+def mffd_large_bins(desc: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 1-4 of Johnson & Garey's modified first fit decreasing (the caller runs step 5).
+
+    ``desc`` is non-increasing. Classes: large (> C/2), medium (> C/3), small (> C/6), tiny (the rest).
+    1. one bin per large item; 2. forward over those bins, add the largest medium that fits;
+    3. backward over the bins without a medium, if the two smallest smalls fit, add the smallest small
+    and the largest small that still fits; 4. forward over the bins, add the largest remaining item that
+    fits until none does. Returns the bin of each position (-1: left for first fit) and each bin's room.
+    ``nxt``/``prv`` are union-find pointers to the next unused position at or after / before ``i``.
+    """
+    n = desc.shape[0]
+    n_large = 0
+    while n_large < n and 2 * desc[n_large] > capacity:
+        n_large += 1
+    medium_end = n_large
+    while medium_end < n and 3 * desc[medium_end] > capacity:
+        medium_end += 1
+    small_end = medium_end
+    while small_end < n and 6 * desc[small_end] > capacity:
+        small_end += 1
+    nxt = np.arange(n + 1)
+    prv = np.arange(n + 1)
+    bins = np.full(n, -1, np.int64)
+    room = np.full(n_large, capacity, np.int64)
+    for b in range(n_large):
+        _place(b, b, desc, bins, room, nxt, prv)
+    has_medium = np.zeros(n_large, np.bool_)
+    for b in range(n_large):
+        j = _largest_fitting(desc, nxt, room[b], n_large, medium_end)
+        if j >= 0:
+            _place(j, b, desc, bins, room, nxt, prv)
+            has_medium[b] = True
+    for b in range(n_large - 1, -1, -1):
+        smallest = _find(prv, small_end) - 1
+        second = _find(prv, smallest) - 1 if smallest >= medium_end else -1
+        if second < medium_end:
+            break
+        if has_medium[b] or desc[smallest] + desc[second] > room[b]:
+            continue
+        _place(smallest, b, desc, bins, room, nxt, prv)
+        j = _largest_fitting(desc, nxt, room[b], medium_end, small_end)
+        _place(j, b, desc, bins, room, nxt, prv)
+    for b in range(n_large):
+        j = _largest_fitting(desc, nxt, room[b], n_large, n)
+        while j >= 0:
+            _place(j, b, desc, bins, room, nxt, prv)
+            j = _largest_fitting(desc, nxt, room[b], n_large, n)
+    return bins, room

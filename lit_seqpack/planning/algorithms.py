@@ -1,0 +1,266 @@
+"""Bin-packing algorithms: which sequences share a microbatch of at most ``capacity`` tokens.
+
+``get_packer(algorithm, capacity, ...).pack(lengths)`` returns bins as lists of indices into
+``lengths``; every index appears exactly once and no bin holds more than ``capacity`` tokens.
+
+Algorithms (``PACKING_ALGORITHMS``, names are case-insensitive):
+
+- ``concatenative``: input order; a new bin whenever the next sequence does not fit (next fit).
+- ``first_fit_decreasing``: longest first, each into the lowest-numbered bin with room.
+- ``first_fit_shuffle``: first fit in a random order drawn from ``numpy.random.default_rng(seed)``;
+  the global ``random``/``numpy.random`` state is never read or changed.
+- ``modified_first_fit_decreasing``: Johnson & Garey (1985). Large items (> C/2) open one bin each,
+  then mediums (> C/3), pairs of smalls (> C/6), a greedy fill with anything that fits, and first fit
+  decreasing for the leftovers.
+- ``best_fit_decreasing``: longest first, each into the fullest bin that still has room (ties: the
+  bin that reached that fill last).
+
+"Decreasing" orders are stable (equal lengths keep index order) and the first fit / best fit searches
+use segment trees (O(n log n) in total), compiled with numba (see ``_kernels`` for the pure-Python
+fallback and the ``LIT_SEQPACK_DISABLE_NUMBA`` switch). Bins are numbered in the order they are
+opened; inside a bin, indices follow the algorithm's processing order. Same input and seed, same bins.
+
+Lengths must be integers in ``[0, capacity]``. A zero-length sequence is valid and placed like any
+other item (it fits in any bin), so "each index exactly once" holds for it too, and it counts as a
+sequence when bins are split.
+
+Bin counts: ``min_bin_count`` and ``bin_count_multiple`` (e.g. to give every rank the same number of
+microbatches) set the final count to the smallest multiple of ``bin_count_multiple`` that is
+``>= max(bins the algorithm made, min_bin_count)``. Extra bins come from splitting the fullest bin
+that has at least two sequences into two halves of similar fill (largest first, each to the lighter
+half), until the count is reached; a split bin is a subset of a valid bin, so capacity holds and the
+fullest bin never gets fuller. Bins are never empty, so a count above the number of sequences raises
+``ValueError``; so does ``min_bin_count > 0`` with no sequences.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lit_seqpack.planning import _kernels
+
+__all__ = ["PACKING_ALGORITHMS", "Packer", "get_packer"]
+
+PACKING_ALGORITHMS: tuple[str, ...] = (
+    "concatenative",
+    "first_fit_decreasing",
+    "first_fit_shuffle",
+    "modified_first_fit_decreasing",
+    "best_fit_decreasing",
+)
+# Best fit keeps O(capacity) memory up to this capacity, then switches to an O(n) structure.
+DENSE_BEST_FIT_MAX_CAPACITY = 1 << 22
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Packer:
+    """A configured packing algorithm; build it with :func:`get_packer`.
+
+    Args:
+        algorithm: one of :data:`PACKING_ALGORITHMS` (case-insensitive; stored lower-case).
+        capacity: the most tokens a bin may hold (>= 1).
+        min_bin_count: produce at least this many bins (>= 0), splitting bins if needed.
+        bin_count_multiple: make the bin count a multiple of this (>= 1).
+        seed: seed of ``first_fit_shuffle``'s order (>= 0); ignored by the other algorithms.
+    """
+
+    algorithm: str
+    capacity: int
+    min_bin_count: int | None = None
+    bin_count_multiple: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        name = self.algorithm.strip().lower() if isinstance(self.algorithm, str) else self.algorithm
+        if name not in PACKING_ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(PACKING_ALGORITHMS)}; got {self.algorithm!r}")
+        object.__setattr__(self, "algorithm", name)
+        if not _is_int(self.capacity) or self.capacity < 1:
+            raise ValueError(f"capacity must be an integer >= 1, got {self.capacity!r}")
+        if self.min_bin_count is not None and (not _is_int(self.min_bin_count) or self.min_bin_count < 0):
+            raise ValueError(f"min_bin_count must be None or an integer >= 0, got {self.min_bin_count!r}")
+        if self.bin_count_multiple is not None and (
+            not _is_int(self.bin_count_multiple) or self.bin_count_multiple < 1
+        ):
+            raise ValueError(f"bin_count_multiple must be None or an integer >= 1, got {self.bin_count_multiple!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+
+    def pack(self, lengths: Sequence[int] | np.ndarray) -> list[list[int]]:
+        """Pack sequences into bins.
+
+        Args:
+            lengths: token count of each sequence (integers in ``[0, capacity]``).
+
+        Returns:
+            Bins as lists of indices into ``lengths``; every index exactly once.
+
+        Raises:
+            ValueError: a length is negative, not an integer or above ``capacity`` (the message names
+                the index, the length and the capacity), or the bin count cannot be reached.
+
+        Example:
+            >>> get_packer("first_fit_decreasing", 10).pack([6, 5, 4, 3, 2])
+            [[0, 2], [1, 3, 4]]
+        """
+        sizes = _as_sizes(lengths, self.capacity)
+        if sizes.shape[0] == 0:
+            self._check_reachable(0, 0)
+            return []
+        order, bin_ids = _ASSIGNERS[self.algorithm](sizes, self.capacity, self.seed)
+        n_bins = int(bin_ids.max()) + 1
+        flat, ends = _kernels.get_kernel("group_by_bin")(order, bin_ids, n_bins)
+        items = flat.tolist()
+        bins = [items[start:end] for start, end in zip([0, *ends[:-1].tolist()], ends.tolist())]
+        target = self.target_bin_count(n_bins)
+        if target > n_bins:
+            self._check_reachable(target, sizes.shape[0])
+            bins = _split_fullest(bins, sizes, target)
+        return bins
+
+    def target_bin_count(self, n_bins: int) -> int:
+        """The final bin count when the algorithm made ``n_bins`` bins (see the module docstring)."""
+        target = max(n_bins, self.min_bin_count or 0)
+        multiple = self.bin_count_multiple or 1
+        return -(-target // multiple) * multiple
+
+    def _check_reachable(self, target: int, n_sequences: int) -> None:
+        target = max(target, self.target_bin_count(0))
+        if target > n_sequences:
+            raise ValueError(
+                f"Cannot create {target} bins with only {n_sequences} sequences (bins are never empty; "
+                f"min_bin_count={self.min_bin_count}, bin_count_multiple={self.bin_count_multiple}, "
+                f"algorithm={self.algorithm!r}, capacity={self.capacity})"
+            )
+
+
+def get_packer(
+    algorithm: str,
+    capacity: int,
+    *,
+    min_bin_count: int | None = None,
+    bin_count_multiple: int | None = None,
+    seed: int = 0,
+) -> Packer:
+    """Build a :class:`Packer`; invalid arguments raise ``ValueError`` here, not at ``pack`` time.
+
+    Example:
+        >>> get_packer("Concatenative", 8).pack([5, 3, 4, 0, 4])
+        [[0, 1], [2, 3, 4]]
+    """
+    return Packer(
+        algorithm=algorithm,
+        capacity=capacity,
+        min_bin_count=min_bin_count,
+        bin_count_multiple=bin_count_multiple,
+        seed=seed,
+    )
+
+
+def _as_sizes(lengths: Sequence[int] | np.ndarray, capacity: int) -> np.ndarray:
+    """Validate ``lengths`` and return them as a 1-D ``int64`` array."""
+    array = np.asarray(lengths)
+    if array.ndim != 1:
+        raise ValueError(f"lengths must be one-dimensional, got shape {array.shape}")
+    if array.dtype.kind in "iu":
+        sizes = array.astype(np.int64, copy=False)
+    elif array.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(array) | (array != np.round(array)))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"lengths[{i}] = {array[i]!r} is not an integer (capacity={capacity})")
+        sizes = array.astype(np.int64)
+    elif array.size == 0:
+        sizes = np.zeros(0, np.int64)
+    else:
+        i = next((i for i, value in enumerate(array.tolist()) if not _is_int(value)), 0)
+        raise ValueError(f"lengths[{i}] = {array[i]!r} is not an integer (capacity={capacity})")
+    bad = np.flatnonzero((sizes < 0) | (sizes > capacity))
+    if bad.size:
+        i = int(bad[0])
+        problem = "is negative" if sizes[i] < 0 else "is above the capacity"
+        raise ValueError(f"lengths[{i}] = {int(sizes[i])} {problem} (capacity={capacity})")
+    return sizes
+
+
+def _decreasing(sizes: np.ndarray) -> np.ndarray:
+    """Indices by decreasing size; equal sizes keep index order."""
+    return np.argsort(-sizes, kind="stable")
+
+
+def _concatenative(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.arange(sizes.shape[0]), _kernels.get_kernel("concatenative")(sizes, capacity)
+
+
+def _first_fit_in(order: np.ndarray, sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    return order, _kernels.get_kernel("first_fit")(sizes[order], capacity, np.zeros(0, np.int64))
+
+
+def _first_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    return _first_fit_in(_decreasing(sizes), sizes, capacity)
+
+
+def _first_fit_shuffle(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    return _first_fit_in(np.random.default_rng(seed).permutation(sizes.shape[0]), sizes, capacity)
+
+
+def _best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    order = _decreasing(sizes)
+    name = "best_fit_dense" if capacity <= DENSE_BEST_FIT_MAX_CAPACITY else "best_fit_sorted"
+    return order, _kernels.get_kernel(name)(sizes[order], capacity)
+
+
+def _modified_first_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    order = _decreasing(sizes)
+    desc = sizes[order]
+    bin_ids, room = _kernels.get_kernel("mffd_large_bins")(desc, capacity)
+    left = np.flatnonzero(bin_ids < 0)
+    if left.size:
+        bin_ids[left] = _kernels.get_kernel("first_fit")(desc[left], capacity, room)
+    return order, bin_ids
+
+
+_ASSIGNERS = {
+    "concatenative": _concatenative,
+    "first_fit_decreasing": _first_fit_decreasing,
+    "first_fit_shuffle": _first_fit_shuffle,
+    "modified_first_fit_decreasing": _modified_first_fit_decreasing,
+    "best_fit_decreasing": _best_fit_decreasing,
+}
+
+
+def _split_fullest(bins: list[list[int]], sizes: np.ndarray, target: int) -> list[list[int]]:
+    """Split the fullest splittable bin in two until there are ``target`` bins (needs enough sequences).
+
+    A bin's halves: its items by decreasing size, the first two to different halves, then each to the
+    lighter half (ties: the first). The half with the largest item keeps the bin's place, the other is
+    appended. Both keep the bin's item order.
+    """
+    bins = [list(b) for b in bins]
+    fill = [int(sizes[b].sum()) for b in bins]
+    heap = [(-f, i) for i, (f, b) in enumerate(zip(fill, bins)) if len(b) >= 2]
+    heapq.heapify(heap)
+    while len(bins) < target:
+        _, i = heapq.heappop(heap)
+        members = bins[i]
+        by_size = sorted(range(len(members)), key=lambda k: -int(sizes[members[k]]))
+        side = [0] * len(members)
+        loads = [int(sizes[members[by_size[0]]]), int(sizes[members[by_size[1]]])]
+        side[by_size[1]] = 1
+        for k in by_size[2:]:
+            side[k] = 0 if loads[0] <= loads[1] else 1
+            loads[side[k]] += int(sizes[members[k]])
+        bins[i] = [m for m, s in zip(members, side) if s == 0]
+        bins.append([m for m, s in zip(members, side) if s == 1])
+        for j, load in ((i, loads[0]), (len(bins) - 1, loads[1])):
+            if len(bins[j]) >= 2:
+                heapq.heappush(heap, (-load, j))
+    return bins
