@@ -119,7 +119,7 @@ class Packer:
         n_bins = int(bin_ids.max()) + 1
         flat, ends = _kernels.get_kernel("group_by_bin")(order, bin_ids, n_bins)
         items = flat.tolist()
-        bins = [items[start:end] for start, end in zip([0, *ends[:-1].tolist()], ends.tolist())]
+        bins = [items[start:end] for start, end in zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True)]
         target = self.target_bin_count(n_bins)
         if target > n_bins:
             self._check_reachable(target, sizes.shape[0])
@@ -246,7 +246,7 @@ def _split_fullest(bins: list[list[int]], sizes: np.ndarray, target: int) -> lis
     """
     bins = [list(b) for b in bins]
     fill = [int(sizes[b].sum()) for b in bins]
-    heap = [(-f, i) for i, (f, b) in enumerate(zip(fill, bins)) if len(b) >= 2]
+    heap = [(-f, i) for i, (f, b) in enumerate(zip(fill, bins, strict=True)) if len(b) >= 2]
     heapq.heapify(heap)
     while len(bins) < target:
         _, i = heapq.heappop(heap)
@@ -258,8 +258,8 @@ def _split_fullest(bins: list[list[int]], sizes: np.ndarray, target: int) -> lis
         for k in by_size[2:]:
             side[k] = 0 if loads[0] <= loads[1] else 1
             loads[side[k]] += int(sizes[members[k]])
-        bins[i] = [m for m, s in zip(members, side) if s == 0]
-        bins.append([m for m, s in zip(members, side) if s == 1])
+        bins[i] = [m for m, s in zip(members, side, strict=True) if s == 0]
+        bins.append([m for m, s in zip(members, side, strict=True) if s == 1])
         for j, load in ((i, loads[0]), (len(bins) - 1, loads[1])):
             if len(bins[j]) >= 2:
                 heapq.heappush(heap, (-load, j))
