@@ -1,0 +1,351 @@
+"""Variable-length (packed) attention: one signature, three backends, and a reference to test them against.
+
+A packed row holds several documents back to back; ``cu_seqlens`` (int32, FlashAttention-2 naming) marks where
+each one starts, and attention never crosses a boundary::
+
+    tokens       a a a b b b b b c c p p      q, k, v: [total_tokens=12, heads, head_dim]
+    cu_seqlens   0     3         8   10  12   (the padding tail p p is a segment of its own)
+
+    causal mask  a: a a a   b: b b b b b   c: c c   p: p p   (lower triangle inside each block)
+
+Backends (``backend=`` of :func:`varlen_attention`):
+
+* ``"flash_attn"``: ``flash_attn.flash_attn_varlen_func`` (CUDA, float16/bfloat16, ``pip install
+  'lit-seqpack[flash-attn]'``).
+* ``"torch_varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.9, CUDA only, float16/bfloat16). Its
+  signature changed between releases (``is_causal=`` first, ``window_size=(-1, 0)`` later); it is adapted at
+  call time by inspecting the installed function.
+* ``"sdpa"``: exact ``F.scaled_dot_product_attention`` per document over ``torch.split`` views. Runs anywhere;
+  the CPU path. (Slicing ``x[s:e]`` per document is 10-50x slower in backward than ``split``.)
+
+``"auto"`` picks the first usable one in that order for the tensors' device and dtype. Nothing here touches
+CUDA or imports flash-attn at import time. Tests force a backend with :func:`use_backend` and swap a kernel
+for a CPU stand-in with the kernel's own signature with :func:`override_backend` (for instance
+:func:`reference_flash_attn_varlen_func`), so the argument routing is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from lit_seqpack._imports import FLASH_ATTN_AVAILABLE, FLASH_ATTN_INSTALL_HINT
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "available_backends",
+    "override_backend",
+    "reference_flash_attn_varlen_func",
+    "reference_varlen_attention",
+    "use_backend",
+    "varlen_attention",
+]
+
+BACKENDS: tuple[str, ...] = ("flash_attn", "torch_varlen", "sdpa")
+"""Backend names, in the order ``"auto"`` tries them."""
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_OVERRIDES: dict[str, Callable[..., torch.Tensor]] = {}
+_FORCED: list[str] = []
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested attention backend cannot run here; the message says why and how to fix it."""
+
+
+@functools.cache
+def _load_flash_attn() -> tuple[Callable[..., torch.Tensor] | None, str | None]:
+    if not FLASH_ATTN_AVAILABLE:
+        return None, f"flash-attn is not installed: {FLASH_ATTN_INSTALL_HINT}"
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as err:
+        return None, f"flash-attn is installed but does not import ({err}); {FLASH_ATTN_INSTALL_HINT}"
+    return flash_attn_varlen_func, None
+
+
+@functools.cache
+def _load_torch_varlen() -> tuple[Callable[..., torch.Tensor] | None, str | None]:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, f"torch.nn.attention.varlen needs torch >= 2.9 (installed {torch.__version__}): upgrade torch"
+    return varlen_attn, None
+
+
+_LOADERS = {"flash_attn": _load_flash_attn, "torch_varlen": _load_torch_varlen}
+
+
+def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype | None) -> str | None:
+    """Why backend ``name`` cannot run on ``device``/``dtype`` (``None`` when it can)."""
+    if name == "sdpa" or name in _OVERRIDES:
+        return None
+    if device.type != "cuda":
+        return f"the {name} kernel runs on CUDA tensors only (got device {device.type!r}); use backend='sdpa'"
+    if dtype is not None and dtype not in _HALF_DTYPES:
+        return f"the {name} kernel needs float16 or bfloat16 tensors (got {dtype}); use backend='sdpa'"
+    return _LOADERS[name]()[1]
+
+
+def available_backends(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> list[str]:
+    """Backends that can run on ``device`` (default: CUDA if visible, else CPU) and ``dtype`` (default: any).
+
+    Example:
+        >>> "sdpa" in available_backends("cpu")
+        True
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    return [name for name in BACKENDS if _unavailable_reason(name, device, dtype) is None]
+
+
+def _resolve(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    if backend == "auto" and _FORCED:
+        backend = _FORCED[-1]
+    if backend == "auto":
+        return next(name for name in BACKENDS if _unavailable_reason(name, device, dtype) is None)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    reason = _unavailable_reason(backend, device, dtype)
+    if reason is not None:
+        raise BackendUnavailableError(f"attention backend {backend!r} is unavailable: {reason}")
+    return backend
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Make ``backend="auto"`` resolve to ``name`` inside the block (an unusable ``name`` then raises)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    _FORCED.append(name)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+@contextlib.contextmanager
+def override_backend(name: str, kernel: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Replace backend ``name``'s kernel by ``kernel`` inside the block; it then counts as usable everywhere.
+
+    ``kernel`` takes the replaced kernel's own signature (``flash_attn_varlen_func``'s for ``"flash_attn"``,
+    ``torch.nn.attention.varlen.varlen_attn``'s for ``"torch_varlen"``), so the code that maps
+    :func:`varlen_attention`'s arguments onto the kernel is exercised unchanged, e.g. on CPU with
+    :func:`reference_flash_attn_varlen_func`.
+    """
+    if name not in _LOADERS:
+        raise ValueError(f"only kernel backends {tuple(_LOADERS)} can be overridden, got {name!r}")
+    previous = _OVERRIDES.get(name)
+    _OVERRIDES[name] = kernel
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _OVERRIDES[name]
+        else:
+            _OVERRIDES[name] = previous
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a [total_tokens, heads, head_dim] tensor, got {getattr(t, 'shape', t)}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k and v must be [{q.shape[0]}, kv_heads, {q.shape[2]}] like q, got {k.shape} and {v.shape}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on {q.device}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D tensor [num_segments + 1], got {getattr(cu_seqlens, 'shape', None)}"
+        )
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens must be int32 (FlashAttention's dtype), got {cu_seqlens.dtype}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 1:
+        raise ValueError(f"max_seqlen must be a positive Python int (not a tensor: no device sync), got {max_seqlen!r}")
+
+
+def _segment_lengths(cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int) -> list[int]:
+    """Check cu_seqlens' values and return the segment lengths (reads the tensor on the host)."""
+    bounds = cu_seqlens.tolist()
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    if bounds[0] != 0 or bounds[-1] != total_tokens:
+        raise ValueError(f"cu_seqlens must start at 0 and end at total_tokens={total_tokens}, got {bounds}")
+    if min(lengths) < 0:
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    if max(lengths) > max_seqlen:
+        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest segment ({max(lengths)})")
+    return lengths
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention inside each segment of a packed row.
+
+    Args:
+        q: queries ``[total_tokens, heads, head_dim]``.
+        k: keys ``[total_tokens, kv_heads, head_dim]``; ``kv_heads`` divides ``heads`` (grouped-query attention:
+            query head ``h`` reads kv head ``h // (heads // kv_heads)``).
+        v: values, shaped like ``k``.
+        cu_seqlens: int32 ``[num_segments + 1]`` segment boundaries, ``0`` first and ``total_tokens`` last.
+        max_seqlen: the longest segment, a Python int (no device sync).
+        causal: mask future tokens inside each segment.
+        softmax_scale: score scale; default ``head_dim ** -0.5``.
+        backend: ``"auto"`` or one of :data:`BACKENDS`.
+
+    Returns:
+        ``[total_tokens, heads, head_dim]``.
+
+    Raises:
+        ValueError: bad shapes, dtypes or boundaries (the values of ``cu_seqlens`` are checked whenever they are
+            on the host or the backend reads them anyway, so a CUDA kernel call never pays for a sync).
+        BackendUnavailableError: an explicit ``backend`` cannot run here; the message says how to fix it.
+    """
+    _check_inputs(q, k, v, cu_seqlens, max_seqlen)
+    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    name = _resolve(backend, q.device, q.dtype)
+    max_seqlen = int(max_seqlen)
+    if name == "sdpa":
+        return _sdpa_varlen(q, k, v, _segment_lengths(cu_seqlens, q.shape[0], max_seqlen), causal, scale)
+    if cu_seqlens.device.type == "cpu":
+        _segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
+    if name == "flash_attn":
+        kernel = _OVERRIDES.get(name) or _load_flash_attn()[0]
+        return kernel(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal
+        )
+    return _torch_varlen(q, k, v, cu_seqlens, max_seqlen, causal, scale)
+
+
+def _sdpa_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], causal: bool, scale: float
+) -> torch.Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    # [heads, tokens, head_dim] views split along tokens: SDPA treats heads as the batch dimension.
+    chunks = zip(*(x.transpose(0, 1).split(lengths, dim=1) for x in (q, k, v)), strict=True)
+    outs = [
+        F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=gqa)
+        for (qd, kd, vd), length in zip(chunks, lengths, strict=True)
+        if length > 0
+    ]
+    return torch.cat(outs, dim=1).transpose(0, 1).contiguous()
+
+
+@functools.cache
+def _parameters(kernel: Callable[..., torch.Tensor]) -> frozenset[str]:
+    return frozenset(inspect.signature(kernel).parameters)
+
+
+def _torch_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    kernel = _OVERRIDES.get("torch_varlen") or _load_torch_varlen()[0]
+    params = _parameters(kernel)
+    kwargs: dict[str, object] = {}
+    if "window_size" in params:  # torch >= 2.11: causal is the window (-1, 0)
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif "is_causal" in params:  # torch 2.9 / 2.10
+        kwargs["is_causal"] = causal
+    else:
+        raise BackendUnavailableError(f"unrecognised varlen_attn signature {sorted(params)}; use backend='sdpa'")
+    if "scale" in params:
+        kwargs["scale"] = scale
+    else:  # the kernel applies head_dim ** -0.5 itself
+        q = q * (scale * math.sqrt(q.shape[-1]))
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+
+
+def reference_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Naive dense masked attention with :func:`varlen_attention`'s signature: the ground truth of the tests.
+
+    Builds the full ``[total_tokens, total_tokens]`` block-diagonal mask and computes in the inputs' dtype (pass
+    float64 for a high-precision reference). Quadratic in the row length: for tests only.
+
+    Example:
+        >>> q = torch.randn(5, 2, 4, dtype=torch.float64)
+        >>> cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+        >>> out = reference_varlen_attention(q, q, q, cu, 3)
+        >>> torch.allclose(out[:2], reference_varlen_attention(q[:2], q[:2], q[:2], cu[:2], 2))
+        True
+    """
+    _check_inputs(q, k, v, cu_seqlens, max_seqlen)
+    lengths = _segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    segment = torch.repeat_interleave(
+        torch.arange(len(lengths), device=q.device), torch.tensor(lengths, device=q.device)
+    )
+    allowed = segment[:, None] == segment[None, :]
+    if causal:
+        allowed = allowed.tril()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def reference_flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """A CPU stand-in with ``flash_attn.flash_attn_varlen_func``'s signature (self-attention, no dropout).
+
+    Use it with :func:`override_backend` to test code that routes through the ``"flash_attn"`` backend.
+    """
+    if dropout_p != 0.0:
+        raise ValueError(f"the reference kernel has no dropout, got dropout_p={dropout_p}")
+    if not torch.equal(cu_seqlens_q, cu_seqlens_k) or max_seqlen_q != max_seqlen_k:
+        raise ValueError("the reference kernel only does self-attention (cu_seqlens_q == cu_seqlens_k)")
+    return reference_varlen_attention(q, k, v, cu_seqlens_q, max_seqlen_q, causal=causal, softmax_scale=softmax_scale)
