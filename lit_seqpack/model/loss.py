@@ -24,7 +24,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "LossOutput", "exact_loss", "shift_labels", "token_cross_entropy"]
+__all__ = [
+    "IGNORE_INDEX",
+    "LossOutput",
+    "exact_loss",
+    "sequence_cross_entropy",
+    "shift_labels",
+    "token_cross_entropy",
+]
 
 IGNORE_INDEX = -100
 
@@ -108,6 +115,53 @@ def token_cross_entropy(
     if num_loss_tokens is None:
         num_loss_tokens = int((flat_labels != IGNORE_INDEX).sum())
     return LossOutput(loss_sum=loss_sum, num_units=num_loss_tokens, step_units=step_loss_tokens)
+
+
+def sequence_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    num_documents: int | None = None,
+    step_documents: int | None = None,
+) -> LossOutput:
+    """Summed per-document mean cross-entropy: every document weighs the same, whatever its length.
+
+    Args:
+        logits: ``[B, T, V]``.
+        labels: ``[B, T]`` with ``-100`` on positions without a target.
+        cu_seqlens: the segments of a packed row (``B == 1``); ``None`` makes every row a document.
+        num_documents: documents of a packed row (its first segments; a padding tail is not one); ``None``
+            counts every segment.
+        step_documents: documents of the whole optimizer step over all ranks (exact normalisation); ``None``
+            normalises by this microbatch's documents.
+
+    Example:
+        >>> logits = torch.zeros(1, 5, 4)
+        >>> labels = torch.tensor([[-100, 1, -100, 2, 3]])  # documents [0, 2) and [2, 5)
+        >>> out = sequence_cross_entropy(logits, labels, cu_seqlens=torch.tensor([0, 2, 5]))
+        >>> round(out.loss_sum.item(), 4), out.num_units
+        (2.7726, 2)
+    """
+    targets = shift_labels(labels)
+    token_loss = F.cross_entropy(
+        _upcast(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    if cu_seqlens is None:
+        lengths = torch.full((labels.shape[0],), labels.shape[1], device=labels.device)
+    elif labels.shape[0] != 1:
+        raise ValueError(
+            f"a packed row (cu_seqlens given) must have batch size 1, got labels of shape {tuple(labels.shape)}"
+        )
+    else:
+        lengths = cu_seqlens.diff().long()
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=labels.device), lengths)
+    n = len(lengths) if num_documents is None else num_documents
+    loss_per_doc = token_loss.new_zeros(len(lengths)).index_add(0, segment, token_loss)[:n]
+    has_target = (targets.reshape(-1) != IGNORE_INDEX).to(token_loss.dtype)
+    targets_per_doc = token_loss.new_zeros(len(lengths)).index_add(0, segment, has_target)[:n]
+    loss_sum = (loss_per_doc / targets_per_doc.clamp(min=1)).sum()
+    return LossOutput(loss_sum=loss_sum, num_units=n, step_units=step_documents)
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_seqpack.model.loss import IGNORE_INDEX, LossOutput, exact_loss, shift_labels, token_cross_entropy
+from lit_seqpack.model.loss import (
+    IGNORE_INDEX,
+    LossOutput,
+    exact_loss,
+    sequence_cross_entropy,
+    shift_labels,
+    token_cross_entropy,
+)
 
 
 def _reference_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -138,3 +145,34 @@ def test_exact_loss_of_a_step_without_targets_is_a_connected_zero() -> None:
     loss = exact_loss(out, {"world_size": 2, "accumulate_grad_batches": 2})
     loss.backward()
     assert loss.item() == 0.0 and logits.grad is not None
+
+
+def test_sequence_cross_entropy_weighs_documents_equally_in_a_packed_row() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 10, 6, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 6, (1, 10), generator=gen)
+    cu_seqlens = torch.tensor([0, 3, 8, 10], dtype=torch.int32)  # two documents and a padding tail [8, 10)
+    labels[0, [0, 3, 8, 9]] = IGNORE_INDEX
+    out = sequence_cross_entropy(logits, labels, cu_seqlens=cu_seqlens, num_documents=2, step_documents=6)
+    doc_means = [
+        _reference_sum(logits[:, s:e], labels[:, s:e]) / int((labels[0, s + 1 : e] != IGNORE_INDEX).sum())
+        for s, e in [(0, 3), (3, 8)]
+    ]
+    torch.testing.assert_close(out.loss_sum, sum(doc_means))
+    assert (out.num_units, out.step_units) == (2, 6)
+
+
+def test_sequence_cross_entropy_takes_padded_rows_as_documents(padded_batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    logits, labels = padded_batch
+    out = sequence_cross_entropy(logits, labels)
+    row_means = [
+        _reference_sum(logits[b : b + 1], labels[b : b + 1]) / int((labels[b, 1:] != IGNORE_INDEX).sum())
+        for b in range(3)
+    ]
+    torch.testing.assert_close(out.loss_sum, sum(row_means))
+    assert out.num_units == 3 and out.step_units is None
+
+
+def test_sequence_cross_entropy_rejects_a_packed_batch_with_several_rows() -> None:
+    with pytest.raises(ValueError, match="batch size 1"):
+        sequence_cross_entropy(torch.zeros(2, 3, 4), torch.zeros(2, 3).long(), cu_seqlens=torch.tensor([0, 3]))
