@@ -176,13 +176,14 @@ def _as_sizes(lengths: Sequence[int] | np.ndarray, capacity: int) -> np.ndarray:
         bad = np.flatnonzero(~np.isfinite(array) | (array != np.round(array)))
         if bad.size:
             i = int(bad[0])
-            raise ValueError(f"lengths[{i}] = {array[i]!r} is not an integer (capacity={capacity})")
+            raise ValueError(f"lengths[{i}] = {array[i].item()!r} is not an integer (capacity={capacity})")
         sizes = array.astype(np.int64)
-    elif array.size == 0:
-        sizes = np.zeros(0, np.int64)
     else:
-        i = next((i for i, value in enumerate(array.tolist()) if not _is_int(value)), 0)
-        raise ValueError(f"lengths[{i}] = {array[i]!r} is not an integer (capacity={capacity})")
+        values = array.tolist()
+        i = next((i for i, value in enumerate(values) if not _is_int(value)), None)
+        if i is not None:
+            raise ValueError(f"lengths[{i}] = {values[i]!r} is not an integer (capacity={capacity})")
+        sizes = np.array(values, dtype=np.int64).reshape(-1)
     bad = np.flatnonzero((sizes < 0) | (sizes > capacity))
     if bad.size:
         i = int(bad[0])
