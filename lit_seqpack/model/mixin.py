@@ -1,0 +1,197 @@
+"""``PackedSequenceMixin``: train, validate and test a causal LM on packed or dynamic batches, with an exact loss.
+
+Mix it in front of ``LightningModule``; it implements ``training_step``, ``validation_step`` and ``test_step``
+for the batch contract of :mod:`lit_seqpack.data.collate` and owns no state, so ``__init__``,
+``save_hyperparameters`` and LightningCLI introspection stay the user's::
+
+    class MyLM(PackedSequenceMixin, LightningModule):
+        def __init__(self, *, vocab_size: int = 32000) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.model = MyDecoder(vocab_size)
+
+        def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, attention_mask=None):
+            return self.model(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                              attention_mask=attention_mask)
+
+A packed row goes to ``forward`` with ``cu_seqlens`` / ``max_seqlen`` / ``position_ids`` (never an attention mask),
+a padded ``[B, L]`` batch with ``attention_mask`` / ``position_ids``. Three hooks change that:
+``seqpack_model_inputs(batch)`` (the keyword arguments), ``seqpack_forward(batch)`` (the logits) and
+``seqpack_loss(logits, batch)`` (a :class:`~lit_seqpack.model.loss.LossOutput`).
+
+**Exact loss.** The value returned for backward is ``loss_sum * world_size * accumulate_grad_batches /
+step_loss_tokens`` where ``step_loss_tokens`` counts the targets of the whole optimizer step over all ranks (the
+plan knows it; the collator puts it in the batch). Lightning divides by ``accumulate_grad_batches`` and DDP
+averages over ranks, so the update is the gradient of the token mean over the step, as with one big padded batch.
+The batch's ``world_size`` and ``accumulate_grad_batches`` must therefore be the trainer's: every training step
+checks it and raises ``ValueError`` otherwise (a mismatch would silently scale the gradient).
+
+**Isolation.** The first packed batch a module sees (per process) triggers a probe: a two-document packed row is
+compared with each document run alone; a model whose attention crosses document boundaries raises
+:class:`~lit_seqpack.model.hf.PackingLeakError` instead of training silently wrong.
+
+**Logging.** ``train/loss`` is the microbatch's token mean (unscaled) logged with ``batch_size=num_loss_tokens``;
+``val/loss`` and ``test/loss`` are logged per epoch with ``batch_size=num_loss_tokens`` and ``sync_dist=True``,
+so the epoch value is the token-weighted mean over all batches and ranks. Zero-weight dummy batches (lock-step
+fillers) return ``0 * logits.sum()`` so every parameter still gets a (zero) gradient under DDP.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lit_seqpack.model.loss import LossOutput, exact_loss, token_cross_entropy
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+__all__ = ["PackedSequenceMixin", "is_packed_batch"]
+
+_STAGE_PREFIX = {"train": "train", "validate": "val", "test": "test"}
+_VERIFIED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def is_packed_batch(batch: Mapping[str, Any]) -> bool:
+    """Whether ``batch`` is a packed row (it carries ``cu_seqlens``) rather than a padded ``[B, L]`` batch."""
+    return batch.get("cu_seqlens") is not None
+
+
+class PackedSequenceMixin:
+    """Training, validation and test steps for packed and dynamic batches with an exact token-mean loss.
+
+    Use it as the first base: ``class MyLM(PackedSequenceMixin, LightningModule)``. See the module docstring for
+    what it routes, how it normalises the loss and what it logs.
+
+    Example, a sequence-mean loss (every document weighs the same, whatever its length)::
+
+        from lit_seqpack.model.loss import sequence_cross_entropy
+
+        class SequenceMeanLM(PackedSequenceMixin, LightningModule):
+            def seqpack_loss(self, logits, batch):
+                # step_documents=None: the mean over this microbatch's documents, then averaged by Lightning
+                # (accumulation) and DDP; pass the step's document count over all ranks to make it exact.
+                return sequence_cross_entropy(
+                    logits, batch["labels"], cu_seqlens=batch.get("cu_seqlens"),
+                    num_documents=batch.get("num_documents"), step_documents=None,
+                )
+    """
+
+    # ----------------------------------------------------------------------------------------------- hooks
+    def seqpack_model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """Keyword arguments of ``self(...)`` for ``batch``.
+
+        Packed rows give ``input_ids``, ``position_ids``, ``cu_seqlens`` and ``max_seqlen``; padded batches give
+        ``input_ids``, ``attention_mask`` and ``position_ids``. Override to rename or add arguments.
+        """
+        if is_packed_batch(batch):
+            keys = ("input_ids", "position_ids", "cu_seqlens", "max_seqlen")
+        else:
+            keys = ("input_ids", "attention_mask", "position_ids")
+        return {key: batch[key] for key in keys if key in batch}
+
+    def seqpack_forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """The logits ``[B, T, V]`` of ``batch``: ``self(**self.seqpack_model_inputs(batch))``.
+
+        An output with a ``logits`` attribute (a transformers ``ModelOutput``) is unwrapped.
+        """
+        output = self(**self.seqpack_model_inputs(batch))  # type: ignore[operator]
+        return getattr(output, "logits", output)
+
+    def seqpack_loss(self, logits: torch.Tensor, batch: Mapping[str, Any]) -> LossOutput:
+        """The microbatch's loss: by default the summed next-token cross-entropy, normalised over the step.
+
+        Override to change the loss; return a :class:`~lit_seqpack.model.loss.LossOutput` whose ``step_units``
+        is the unit count of the whole optimizer step over all ranks (exact) or ``None`` (local mean).
+        """
+        return token_cross_entropy(
+            logits,
+            batch["labels"],
+            num_loss_tokens=batch.get("num_loss_tokens"),
+            step_loss_tokens=batch.get("step_loss_tokens"),
+        )
+
+    def seqpack_verify_packing(self, batch: Mapping[str, Any]) -> None:
+        """Raise :class:`~lit_seqpack.model.hf.PackingLeakError` if the model attends across documents.
+
+        Runs once per module and process, on the first packed batch: a two-document row built from the batch's
+        device is compared with each document alone (eval mode, no grad). Override with ``pass`` to skip it.
+        """
+        if self in _VERIFIED:
+            return
+        from lit_seqpack.model.hf import probe_packing_isolation
+
+        probe_packing_isolation(self, batch)
+        _VERIFIED.add(self)  # type: ignore[arg-type]
+
+    # ----------------------------------------------------------------------------------------------- steps
+    def seqpack_step(self, batch: Mapping[str, Any], stage: str) -> torch.Tensor:
+        """Forward, loss and logging of one batch in ``stage`` (``"train"``, ``"validate"`` or ``"test"``).
+
+        Returns the value to back-propagate in training (exactly normalised) and the microbatch mean otherwise.
+        """
+        if stage not in _STAGE_PREFIX:
+            raise ValueError(f"stage must be one of {tuple(_STAGE_PREFIX)}, got {stage!r}")
+        if is_packed_batch(batch):
+            self.seqpack_verify_packing(batch)
+        logits = self.seqpack_forward(batch)
+        output = self.seqpack_loss(logits, batch)
+        if batch.get("is_empty", False):
+            if stage != "train":  # weight 0: no effect on the epoch mean, same logged keys on every rank
+                self._seqpack_log(stage, output.loss_sum.detach() * 0.0, 0)
+            return logits.sum() * 0.0
+        if stage == "train":
+            if output.step_units is not None:
+                _check_step_layout(batch, self._seqpack_trainer())
+            loss = exact_loss(output, batch)
+        else:
+            loss = output.loss_sum / max(output.num_units, 1)
+        if output.num_units > 0:
+            self._seqpack_log(stage, output.loss_sum.detach() / output.num_units, output.num_units)
+        return loss
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
+        """The exactly normalised loss of one microbatch (see the module docstring)."""
+        return self.seqpack_step(batch, "train")
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """Logs ``val/loss`` (token-weighted over the epoch); returns the microbatch's token mean."""
+        return self.seqpack_step(batch, "validate")
+
+    def test_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """Logs ``test/loss`` (token-weighted over the epoch); returns the microbatch's token mean."""
+        return self.seqpack_step(batch, "test")
+
+    # ----------------------------------------------------------------------------------------------- private
+    def _seqpack_trainer(self) -> Trainer | None:
+        return getattr(self, "_trainer", None)
+
+    def _seqpack_log(self, stage: str, value: torch.Tensor, batch_size: int) -> None:
+        if self._seqpack_trainer() is None:  # a bare forward outside a Trainer: nothing to log to
+            return
+        name = f"{_STAGE_PREFIX[stage]}/loss"
+        if stage == "train":
+            self.log(name, value, batch_size=batch_size, prog_bar=True)  # type: ignore[attr-defined]
+        else:
+            self.log(  # type: ignore[attr-defined]
+                name, value, batch_size=batch_size, on_step=False, on_epoch=True, sync_dist=True, prog_bar=True
+            )
+
+
+def _check_step_layout(batch: Mapping[str, Any], trainer: Trainer | None) -> None:
+    """Fail when the batch was planned for another world size or accumulation than the trainer runs."""
+    if trainer is None:
+        return
+    planned = (int(batch.get("world_size", 1)), int(batch.get("accumulate_grad_batches", 1)))
+    actual = (int(trainer.world_size), int(trainer.accumulate_grad_batches))
+    if planned != actual:
+        raise ValueError(
+            f"the batch was planned for world_size={planned[0]}, accumulate_grad_batches={planned[1]} but the "
+            f"trainer runs world_size={actual[0]}, accumulate_grad_batches={actual[1]}; the exact loss would scale "
+            "the gradient by the wrong factor. Build the plan (PlanConfig / the lit_seqpack batch sampler) with the "
+            "trainer's values. Batches without plan metadata (a plain DataLoader) declare 1 and 1; for those, "
+            "override seqpack_loss to return step_units=None (a local mean)."
+        )
