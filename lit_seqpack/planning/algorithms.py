@@ -193,7 +193,9 @@ def _as_sizes(lengths: Sequence[int] | np.ndarray, capacity: int) -> np.ndarray:
 
 
 def _decreasing(sizes: np.ndarray) -> np.ndarray:
-    """Indices by decreasing size; equal sizes keep index order."""
+    """Indices by decreasing size; equal sizes keep index order (a radix sort when sizes fit 16 bits)."""
+    if sizes.shape[0] and sizes.max() < 1 << 16:
+        return np.argsort((sizes.max() - sizes).astype(np.uint16), kind="stable")
     return np.argsort(-sizes, kind="stable")
 
 

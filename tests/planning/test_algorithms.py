@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -218,6 +220,18 @@ def test_pure_python_fallback_gives_identical_bins(algorithm, capacity, monkeypa
     assert not _kernels.numba_enabled()
     assert _kernels.get_kernel("first_fit") is _kernels.first_fit
     assert packer.pack(lengths) == compiled
+
+
+def test_runs_when_numba_cannot_be_imported():
+    code = (
+        "import sys; sys.modules['numba'] = None\n"
+        "from lit_seqpack.planning import _kernels, algorithms\n"
+        "assert not _kernels.NUMBA_AVAILABLE and not _kernels.numba_enabled()\n"
+        "print([algorithms.get_packer(a, 10).pack([6, 5, 4, 3, 2, 0]) for a in algorithms.PACKING_ALGORITHMS])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    expected = [get_packer(a, 10).pack([6, 5, 4, 3, 2, 0]) for a in PACKING_ALGORITHMS]
+    assert done.stdout.strip() == str(expected)
 
 
 @pytest.mark.parametrize("numba_off", [False, True])

@@ -1,0 +1,120 @@
+"""Benchmark the packers: bins against the lower bound, and speed against textbook pure-Python packers.
+
+For each length distribution (lognormal median 512 sigma 1, power law p(L) ~ L^-1.5, uniform; all
+on [16, 4096]), size and algorithm it prints a Markdown row: bins, theoretical minimum, efficiency,
+median seconds of ``--repeats`` calls of ``get_packer(...).pack`` (after a warm-up that compiles or
+loads the numba cache), and the time and bins of the pure-Python packer of ``_reference_packers.py``
+(run once, only up to ``--reference-max-size``; "n/a" above it, nothing is extrapolated).
+
+    .venv/bin/python benchmarks/bench_planner.py            # 10k, 100k, 1M (reference up to 100k)
+    .venv/bin/python benchmarks/bench_planner.py --quick    # 10k and 100k, reference at 10k only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from _reference_packers import REFERENCE_PACKERS  # benchmarks/ is sys.path[0] when run as a script
+
+from lit_seqpack.planning import _kernels
+from lit_seqpack.planning.algorithms import PACKING_ALGORITHMS, get_packer
+from lit_seqpack.planning.stats import packing_stats
+
+LOW, HIGH = 16, 4096
+
+
+def lognormal(n: int, rng: np.random.Generator) -> np.ndarray:
+    return np.clip(np.round(rng.lognormal(np.log(512), 1.0, n)), LOW, HIGH).astype(np.int64)
+
+
+def power_law(n: int, rng: np.random.Generator, exponent: float = 1.5) -> np.ndarray:
+    """Inverse-CDF sampling of p(L) ~ L^-exponent on [LOW, HIGH]."""
+    a = 1.0 - exponent
+    u = rng.random(n)
+    values = (LOW**a + u * (HIGH**a - LOW**a)) ** (1.0 / a)
+    return np.clip(np.round(values), LOW, HIGH).astype(np.int64)
+
+
+def uniform(n: int, rng: np.random.Generator) -> np.ndarray:
+    return rng.integers(LOW, HIGH + 1, n).astype(np.int64)
+
+
+DISTRIBUTIONS: dict[str, Callable[[int, np.random.Generator], np.ndarray]] = {
+    "lognormal": lognormal,
+    "power_law": power_law,
+    "uniform": uniform,
+}
+
+
+def seconds(repeats: int, fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    """Median wall time of ``repeats`` calls of ``fn(*args)``, and the last result."""
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn(*args)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def row(dist: str, lengths: np.ndarray, algorithm: str, args: argparse.Namespace) -> str:
+    """One Markdown table row: the packer's bins and median time, and the reference's when small enough."""
+    packer = get_packer(algorithm, args.capacity, seed=args.seed)
+    took, bins = seconds(args.repeats, packer.pack, lengths)
+    stats = packing_stats(lengths, bins, args.capacity)
+    ref_s = speedup = ref_bins = "n/a"
+    if lengths.shape[0] <= args.reference_max_size:
+        reference = REFERENCE_PACKERS[algorithm]
+        ref_took, ref = seconds(1, reference, lengths.tolist(), args.capacity, args.seed)
+        ref_s, speedup, ref_bins = f"{ref_took:.3f}", f"{ref_took / took:,.1f}x", f"{len(ref):,}"
+    return (
+        f"| {dist} | {lengths.shape[0]:,} | {algorithm} | {stats.num_bins:,} | {stats.theoretical_min_bins:,} | "
+        f"{stats.packing_efficiency:.5f} | {took:.4f} | {ref_s} | {speedup} | {ref_bins} |"
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated sequence counts")
+    parser.add_argument("--quick", action="store_true", help="sizes 10k,100k, reference at 10k, 1 repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per cell (median reported)")
+    parser.add_argument("--reference-max-size", type=int, default=100_000, help="largest n for the reference")
+    parser.add_argument("--distributions", default=",".join(DISTRIBUTIONS))
+    parser.add_argument("--algorithms", default=",".join(PACKING_ALGORITHMS))
+    parser.add_argument("--capacity", type=int, default=HIGH)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.reference_max_size, args.repeats = "10000,100000", 10_000, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    algorithms = args.algorithms.split(",")
+    print(f"# python {platform.python_version()}, {os.cpu_count()} CPUs, numba compiled: {_kernels.numba_enabled()}")
+    start = time.perf_counter()
+    warm = lognormal(2000, np.random.default_rng(0))
+    for algorithm in algorithms:
+        get_packer(algorithm, args.capacity).pack(warm)
+    print(f"# warm-up (compile or load the numba cache): {time.perf_counter() - start:.2f} s")
+    print(f"# capacity {args.capacity}, median of {args.repeats} calls; reference once, n <= {args.reference_max_size}")
+    print()
+    print("| lengths | n | algorithm | bins | min bins | efficiency | seconds | reference s | speedup | ref. bins |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for dist in args.distributions.split(","):
+        for n in sizes:
+            lengths = DISTRIBUTIONS[dist](n, np.random.default_rng(args.seed))
+            for algorithm in algorithms:
+                print(row(dist, lengths, algorithm, args), flush=True)
+
+
+if __name__ == "__main__":
+    main()
