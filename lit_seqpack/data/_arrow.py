@@ -1,0 +1,122 @@
+"""Arrow tables (Parquet files, ``datasets.save_to_disk`` directories) to flat token arrays, validated per row.
+
+``pyarrow`` and ``datasets`` are optional: they are imported here, inside the functions, and a missing
+one raises an ``ImportError`` that names the extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+IGNORE_INDEX = -100
+_INT32_MAX = int(np.iinfo(np.int32).max)
+_EXTRAS = {"pyarrow": "parquet", "pyarrow.parquet": "parquet", "datasets": "datasets"}
+
+
+def require(module: str) -> ModuleType:
+    """Import an optional dependency or raise an ImportError naming the extra that provides it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        package = module.split(".")[0]
+        raise ImportError(
+            f"reading this format needs the optional package {package!r}: "
+            f"pip install 'lit-seqpack[{_EXTRAS[module]}]' (or pip install {package})"
+        ) from err
+
+
+def parquet_table(path: Path, columns: tuple[str, ...]) -> Any:
+    """Read the wanted columns (those present) of a Parquet file as a ``pyarrow.Table``."""
+    pq = require("pyarrow.parquet")
+    names = pq.read_schema(path).names
+    return pq.read_table(path, columns=[c for c in columns if c in names])
+
+
+def hf_disk_table(path: Path, split: str | None) -> Any:
+    """Load a ``save_to_disk`` directory and return its ``input_ids``/``labels`` columns as a ``pyarrow.Table``."""
+    datasets = require("datasets")
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(f"{path} holds a DatasetDict with splits {sorted(loaded)}; split={split!r} is not one")
+        loaded = loaded[split]
+    elif split is not None:
+        raise ValueError(f"split={split!r} was given but {path} holds a single Dataset, not a DatasetDict")
+    columns = [c for c in ("input_ids", "labels") if c in loaded.column_names]
+    if "input_ids" not in columns:
+        raise ValueError(f"{path}: no 'input_ids' column (columns: {loaded.column_names})")
+    return loaded.select_columns(columns).with_format("arrow")[:]
+
+
+def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Validate a table with an ``input_ids`` column (and optional ``labels``) and flatten it.
+
+    Returns:
+        ``(tokens, offsets, labels)``; rows whose ``labels`` are null get a copy of their ids.
+    """
+    if "input_ids" not in table.column_names:
+        raise ValueError(f"{where}: no 'input_ids' column (columns: {table.column_names})")
+    if table.num_rows == 0:
+        raise ValueError(f"{where}: no samples")
+    tokens, lengths, _ = _list_column(table.column("input_ids"), "input_ids", where, allow_null=False)
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    if (lengths == 0).any():
+        raise ValueError(f"{where}, row {int(np.argmax(lengths == 0))}: 'input_ids' is empty")
+    _check_values(tokens, tokens < 0, offsets, "input_ids", where, "ids must be >= 0")
+    if "labels" not in table.column_names:
+        return tokens, offsets, None
+    values, label_lengths, valid = _list_column(table.column("labels"), "labels", where, allow_null=True)
+    mismatch = valid & (label_lengths != lengths)
+    if mismatch.any():
+        row = int(np.argmax(mismatch))
+        counts = f"{int(label_lengths[row])} entries but 'input_ids' has {int(lengths[row])}"
+        raise ValueError(f"{where}, row {row}: 'labels' has {counts}")
+    labels = tokens.copy()
+    labels[np.repeat(valid, lengths)] = values
+    _check_values(
+        labels, (labels < 0) & (labels != IGNORE_INDEX), offsets, "labels", where, "labels are ids >= 0 or -100"
+    )
+    return tokens, offsets, labels
+
+
+def _list_column(column: Any, key: str, where: str, *, allow_null: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Values (int64), per-row lengths (0 for null rows) and the validity mask of a list-of-int column."""
+    pa = require("pyarrow")
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    list_type = pa.types.is_list(array.type) or pa.types.is_large_list(array.type)
+    if not list_type or not pa.types.is_integer(array.type.value_type):
+        raise ValueError(f"{where}: column '{key}' must hold lists of ints, its type is {array.type}")
+    valid = np.asarray(array.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    if not allow_null and not valid.all():
+        raise ValueError(f"{where}, row {int(np.argmin(valid))}: '{key}' is null")
+    lengths = np.asarray(array.value_lengths().fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+    flat = array.flatten()
+    if flat.null_count:
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        first = int(np.argmin(np.asarray(flat.is_valid().to_numpy(zero_copy_only=False), dtype=bool)))
+        raise ValueError(f"{where}, row {_row_of(first, offsets)}: '{key}' contains a null")
+    values = np.asarray(flat.to_numpy(zero_copy_only=False))
+    if values.size and values.max() > _INT32_MAX:
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        raise ValueError(
+            f"{where}, row {_row_of(int(np.argmax(values)), offsets)}: '{key}' has an id above {_INT32_MAX}"
+        )
+    return values.astype(np.int64), lengths, valid
+
+
+def _check_values(values: np.ndarray, bad: np.ndarray, offsets: np.ndarray, key: str, where: str, rule: str) -> None:
+    if bad.any():
+        first = int(np.argmax(bad))
+        row = _row_of(first, offsets)
+        raise ValueError(
+            f"{where}, row {row}: '{key}' has {int(values[first])} at position {first - offsets[row]}; {rule}"
+        )
+
+
+def _row_of(flat_index: int, offsets: np.ndarray) -> int:
+    return int(np.searchsorted(offsets, flat_index, side="right") - 1)

@@ -1,0 +1,258 @@
+"""Pre-tokenised data on disk: JSONL, Parquet and Hugging Face ``save_to_disk`` directories.
+
+Every loader validates each record (``input_ids`` a non-empty list of non-negative ints, optional
+``labels`` of the same length holding ids or -100) and raises a ``ValueError`` naming the file, the
+line or row, and the problem. Samples are held as one flat ``int32`` token buffer plus offsets, so a
+million documents cost two arrays, ``lengths`` and ``loss_tokens`` are free, and the dataset pickles
+cheaply into DataLoader workers.
+
+Parquet needs ``pyarrow`` and ``save_to_disk`` directories need ``datasets``; both are optional and
+imported only by the loader that needs them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["TOKENIZED_FORMATS", "TokenizedDataset", "load_tokenized"]
+
+TOKENIZED_FORMATS: tuple[str, ...] = ("auto", "jsonl", "parquet", "hf_disk")
+IGNORE_INDEX = -100
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+class TokenizedDataset:
+    """Map-style pre-tokenised samples: ``dataset[i] -> {"input_ids": LongTensor[L], "labels"?: LongTensor[L]}``.
+
+    Build it with :meth:`from_records`, :meth:`from_jsonl`, :meth:`from_parquet`, :meth:`from_hf_disk`
+    or :func:`load_tokenized`. Samples without labels are returned without a ``labels`` key (every
+    token is trained on); when only some records have labels, the others get a copy of their ids.
+
+    Args:
+        tokens: all token ids, concatenated (1-D integer array).
+        offsets: ``num_samples + 1`` increasing offsets into ``tokens``; sample ``i`` is
+            ``tokens[offsets[i]:offsets[i + 1]]``.
+        labels: the labels, concatenated like ``tokens``, or ``None``.
+        source: where the data came from (used in messages).
+        fingerprint: a stable identity of the source for the lengths cache; ``None`` hashes the content.
+
+    Example:
+        >>> ds = TokenizedDataset.from_records([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8]}])
+        >>> ds.lengths.tolist(), ds.loss_tokens.tolist(), ds[1]["labels"].tolist()
+        ([3, 1], [2, 0], [8])
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        offsets: np.ndarray,
+        labels: np.ndarray | None = None,
+        *,
+        source: str = "<memory>",
+        fingerprint: str | None = None,
+    ) -> None:
+        self.tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+        self.labels = None if labels is None else np.ascontiguousarray(labels, dtype=np.int32)
+        self.source = source
+        self._fingerprint = fingerprint
+        if self.offsets.ndim != 1 or len(self.offsets) < 2 or self.offsets[0] != 0:
+            raise ValueError(f"{source}: offsets must start at 0 and describe at least one sample")
+        if self.offsets[-1] != len(self.tokens) or (np.diff(self.offsets) <= 0).any():
+            raise ValueError(f"{source}: offsets must increase strictly and end at len(tokens)={len(self.tokens)}")
+        if self.labels is not None and self.labels.shape != self.tokens.shape:
+            raise ValueError(f"{source}: labels hold {len(self.labels)} entries but tokens hold {len(self.tokens)}")
+        self.lengths = np.diff(self.offsets)
+        self.lengths.flags.writeable = False
+        self.loss_tokens = _loss_tokens(self.labels, self.offsets)
+        self.loss_tokens.flags.writeable = False
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        i = int(index)
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
+        start, stop = self.offsets[i], self.offsets[i + 1]
+        sample = {"input_ids": torch.from_numpy(self.tokens[start:stop].astype(np.int64))}
+        if self.labels is not None:
+            sample["labels"] = torch.from_numpy(self.labels[start:stop].astype(np.int64))
+        return sample
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the data for the lengths cache: path, size and mtime of a file, else a content hash."""
+        if self._fingerprint is None:
+            digest = hashlib.blake2b(digest_size=20)
+            for array in (self.offsets, self.tokens, self.labels if self.labels is not None else np.empty(0)):
+                digest.update(memoryview(np.ascontiguousarray(array)).cast("B"))
+            self._fingerprint = f"content:{digest.hexdigest()}"
+        return self._fingerprint
+
+    @classmethod
+    def from_records(cls, records: Iterable[Mapping[str, Any]], *, source: str = "<memory>") -> TokenizedDataset:
+        """Validate and pack in-memory records (mappings with ``input_ids`` and optional ``labels``)."""
+        return _pack(((f"{source}, record {i}", r) for i, r in enumerate(records)), source, None)
+
+    @classmethod
+    def from_jsonl(cls, path: str | os.PathLike[str]) -> TokenizedDataset:
+        """Read a JSONL file: one JSON object per line; whitespace-only lines are skipped."""
+        path = Path(path)
+        return _pack(_jsonl_records(path), str(path), _file_fingerprint("jsonl", path))
+
+    @classmethod
+    def from_parquet(cls, path: str | os.PathLike[str]) -> TokenizedDataset:
+        """Read a Parquet file with an ``input_ids`` list-of-int column and an optional ``labels`` column."""
+        from lit_seqpack.data._arrow import parquet_table, table_to_arrays
+
+        path = Path(path)
+        tokens, offsets, labels = table_to_arrays(parquet_table(path, ("input_ids", "labels")), str(path))
+        return cls(tokens, offsets, labels, source=str(path), fingerprint=_file_fingerprint("parquet", path))
+
+    @classmethod
+    def from_hf_disk(cls, path: str | os.PathLike[str], *, split: str | None = None) -> TokenizedDataset:
+        """Read a directory written by ``datasets.Dataset.save_to_disk`` (``split`` picks one of a DatasetDict)."""
+        from lit_seqpack.data._arrow import hf_disk_table, table_to_arrays
+
+        path = Path(path)
+        where = f"{path}" if split is None else f"{path} [split {split!r}]"
+        tokens, offsets, labels = table_to_arrays(hf_disk_table(path, split), where)
+        return cls(tokens, offsets, labels, source=where, fingerprint=_file_fingerprint(f"hf_disk:{split}", path))
+
+
+def load_tokenized(path: str | os.PathLike[str], format: str = "auto", *, split: str | None = None) -> TokenizedDataset:
+    """Load pre-tokenised data; ``format="auto"`` picks by suffix (``.jsonl``, ``.parquet``) or directory.
+
+    Args:
+        path: a ``.jsonl``/``.json`` file, a ``.parquet`` file, or a ``save_to_disk`` directory.
+        format: one of ``TOKENIZED_FORMATS``.
+        split: the split of a saved ``DatasetDict`` (``hf_disk`` only).
+    """
+    path = Path(path)
+    if format not in TOKENIZED_FORMATS:
+        raise ValueError(f"format={format!r} must be one of {TOKENIZED_FORMATS}")
+    if not path.exists():
+        raise ValueError(f"path={str(path)!r} does not exist")
+    if format == "auto":
+        format = _detect_format(path)
+    if split is not None and format != "hf_disk":
+        raise ValueError(f"split={split!r} only applies to format='hf_disk', not {format!r}")
+    if format == "jsonl":
+        return TokenizedDataset.from_jsonl(path)
+    if format == "parquet":
+        return TokenizedDataset.from_parquet(path)
+    return TokenizedDataset.from_hf_disk(path, split=split)
+
+
+def _detect_format(path: Path) -> str:
+    if path.is_dir():
+        return "hf_disk"
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        return "jsonl"
+    if suffix in (".parquet", ".pq"):
+        return "parquet"
+    raise ValueError(f"format='auto' cannot tell the format of {str(path)!r}; pass format='jsonl' or 'parquet'")
+
+
+def _jsonl_records(path: Path) -> Iterable[tuple[str, Any]]:
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}, line {number}", json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}, line {number}: invalid JSON ({err.msg})") from err
+
+
+def _pack(records: Iterable[tuple[str, Any]], source: str, fingerprint: str | None) -> TokenizedDataset:
+    ids_parts: list[np.ndarray] = []
+    label_parts: list[np.ndarray | None] = []
+    for where, record in records:
+        ids, labels = validate_record(record, where)
+        ids_parts.append(ids)
+        label_parts.append(labels)
+    if not ids_parts:
+        raise ValueError(f"{source}: no samples")
+    tokens = np.concatenate(ids_parts)
+    offsets = np.concatenate(([0], np.cumsum([len(p) for p in ids_parts])))
+    labels = None
+    if any(part is not None for part in label_parts):
+        labels = np.concatenate([ids if lab is None else lab for ids, lab in zip(ids_parts, label_parts, strict=True)])
+    return TokenizedDataset(tokens, offsets, labels, source=source, fingerprint=fingerprint)
+
+
+def validate_record(record: Any, where: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """Check one record and return its ``input_ids`` and ``labels`` (or ``None``) as int32 arrays.
+
+    Raises:
+        ValueError: naming ``where`` and the problem.
+    """
+    if not isinstance(record, Mapping):
+        raise ValueError(f"{where}: expected an object with 'input_ids', got {type(record).__name__}")
+    if "input_ids" not in record:
+        raise ValueError(f"{where}: missing 'input_ids' (keys: {sorted(record)})")
+    ids = _int_array(record["input_ids"], "input_ids", where)
+    if len(ids) == 0:
+        raise ValueError(f"{where}: 'input_ids' is empty")
+    if ids.min() < 0:
+        position = int(np.argmax(ids < 0))
+        raise ValueError(f"{where}: 'input_ids' has negative id {int(ids[position])} at position {position}")
+    labels = record.get("labels")
+    if labels is None:
+        return ids, None
+    labels = _int_array(labels, "labels", where)
+    if len(labels) != len(ids):
+        raise ValueError(f"{where}: 'labels' has {len(labels)} entries but 'input_ids' has {len(ids)}")
+    bad = (labels < 0) & (labels != IGNORE_INDEX)
+    if bad.any():
+        position = int(np.argmax(bad))
+        raise ValueError(
+            f"{where}: 'labels' has {int(labels[position])} at position {position}; labels are ids >= 0 or -100"
+        )
+    return ids, labels
+
+
+def _int_array(value: Any, key: str, where: str) -> np.ndarray:
+    if not isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
+        raise ValueError(f"{where}: '{key}' must be a list of ints, got {type(value).__name__}")
+    try:
+        array = np.asarray(value)
+    except (ValueError, OverflowError) as err:
+        raise ValueError(f"{where}: '{key}' must be a flat list of ints ({err})") from err
+    if array.size == 0:
+        return np.empty(0, dtype=np.int32)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        kinds = sorted({type(v).__name__ for v in np.ravel(array).tolist() if type(v) is not int})
+        found = ", ".join(kinds) if kinds else ("nested lists" if array.ndim != 1 else "ids beyond int64")
+        raise ValueError(f"{where}: '{key}' must be a flat list of ints, found {found}")
+    if array.max() > _INT32_MAX:
+        raise ValueError(f"{where}: '{key}' has id {int(array.max())} above {_INT32_MAX}")
+    return array.astype(np.int32)
+
+
+def _loss_tokens(labels: np.ndarray | None, offsets: np.ndarray) -> np.ndarray:
+    """Per sample, positions after the first whose label is not -100 (length - 1 without labels)."""
+    if labels is None:
+        return np.diff(offsets) - 1
+    counted = labels != IGNORE_INDEX
+    counted[offsets[:-1]] = False  # the first token of a document never has a target
+    cumulative = np.concatenate(([0], np.cumsum(counted, dtype=np.int64)))
+    return cumulative[offsets[1:]] - cumulative[offsets[:-1]]
+
+
+def _file_fingerprint(kind: str, path: Path) -> str:
+    """``kind``, absolute path, size and mtime of a file, or of every file under a directory."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    stats = [(str(p.relative_to(path)) if path.is_dir() else "", p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return f"{kind}:{path.resolve()}:{hashlib.sha256(repr(stats).encode()).hexdigest()}"
