@@ -1,0 +1,232 @@
+"""The over-long policy: what happens to samples longer than the token budget ``max_tokens``.
+
+``overlong="error"`` refuses them, ``"truncate"`` cuts them to ``max_tokens`` tokens and ``"drop"``
+removes them from the index space. Nothing is silent: :func:`apply_overlong_policy` returns an
+:class:`OverlongReport` with the counts (and logs a warning when anything was cut or dropped), which
+the DataModule logs again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lit_seqpack.data.lengths import sample_loss_tokens
+
+__all__ = ["OVERLONG_POLICIES", "DroppedDataset", "OverlongReport", "TruncatedDataset", "apply_overlong_policy"]
+
+log = logging.getLogger(__name__)
+
+OVERLONG_POLICIES: tuple[str, ...] = ("error", "truncate", "drop")
+_SHOWN = 5
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OverlongReport:
+    """What the over-long policy did.
+
+    Args:
+        policy: ``"error"``, ``"truncate"`` or ``"drop"``.
+        max_tokens: the token budget samples were compared with.
+        num_samples: samples before the policy.
+        num_overlong: samples longer than ``max_tokens``.
+        num_dropped: samples removed (``drop``).
+        num_truncated: samples cut to ``max_tokens`` (``truncate``).
+        tokens_dropped: tokens of the removed samples.
+        tokens_truncated: tokens cut off the truncated samples.
+        indices: the first few over-long sample indices (original numbering).
+        lengths: their lengths.
+    """
+
+    policy: str
+    max_tokens: int
+    num_samples: int
+    num_overlong: int = 0
+    num_dropped: int = 0
+    num_truncated: int = 0
+    tokens_dropped: int = 0
+    tokens_truncated: int = 0
+    indices: tuple[int, ...] = ()
+    lengths: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.policy not in OVERLONG_POLICIES:
+            raise ValueError(f"overlong={self.policy!r} must be one of {OVERLONG_POLICIES}")
+        if self.num_dropped + self.num_truncated > self.num_overlong:
+            raise ValueError("num_dropped + num_truncated cannot exceed num_overlong")
+
+    def summary(self) -> str:
+        """A one-line human-readable account, e.g. for a log."""
+        text = f"{self.num_overlong} of {self.num_samples} samples are longer than max_tokens={self.max_tokens}"
+        if self.num_overlong == 0:
+            return text
+        shown = ", ".join(f"#{i}: {n}" for i, n in zip(self.indices, self.lengths, strict=True))
+        text += f" (first: {shown})"
+        if self.policy == "drop":
+            text += f"; overlong='drop' removed {self.num_dropped} samples ({self.tokens_dropped} tokens)"
+        elif self.policy == "truncate":
+            text += f"; overlong='truncate' cut {self.num_truncated} samples ({self.tokens_truncated} tokens)"
+        return text
+
+
+def apply_overlong_policy(
+    dataset: Sequence[Mapping[str, Any]],
+    lengths: np.ndarray | Sequence[int],
+    max_tokens: int,
+    policy: str = "error",
+) -> tuple[Sequence[Mapping[str, Any]], np.ndarray, OverlongReport]:
+    """Apply ``policy`` to the samples of ``dataset`` longer than ``max_tokens``.
+
+    Args:
+        dataset: a map-style dataset.
+        lengths: the token count of every sample (e.g. from ``compute_lengths``).
+        max_tokens: the longest sample allowed.
+        policy: ``"error"`` raises, ``"truncate"`` cuts, ``"drop"`` removes (see ``OVERLONG_POLICIES``).
+
+    Returns:
+        ``(dataset, lengths, report)``: the dataset itself when no sample is over-long, else a
+        :class:`TruncatedDataset` or :class:`DroppedDataset` view, with the lengths of that view.
+
+    Raises:
+        ValueError: under ``"error"`` when a sample is over-long, naming ``overlong`` and ``max_tokens``;
+            for a bad ``policy`` or ``max_tokens``; when ``lengths`` does not match the dataset; when
+            ``"drop"`` would leave no sample.
+
+    Example:
+        >>> data = [{"input_ids": [1] * n} for n in (3, 9, 4)]
+        >>> view, lengths, report = apply_overlong_policy(data, [3, 9, 4], max_tokens=5, policy="drop")
+        >>> len(view), lengths.tolist(), report.num_dropped, report.tokens_dropped
+        (2, [3, 4], 1, 9)
+    """
+    if policy not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong={policy!r} must be one of {OVERLONG_POLICIES}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.shape != (len(dataset),):
+        raise ValueError(f"lengths has shape {lengths.shape} but the dataset has {len(dataset)} samples")
+    over = np.flatnonzero(lengths > max_tokens)
+    base = {
+        "policy": policy,
+        "max_tokens": int(max_tokens),
+        "num_samples": len(dataset),
+        "num_overlong": len(over),
+        "indices": tuple(int(i) for i in over[:_SHOWN]),
+        "lengths": tuple(int(lengths[i]) for i in over[:_SHOWN]),
+    }
+    if len(over) == 0:
+        return dataset, lengths.copy(), OverlongReport(**base)
+    if policy == "error":
+        report = OverlongReport(**base)
+        raise ValueError(f"{report.summary()}; raise max_tokens, or set overlong='truncate' or overlong='drop'")
+    if policy == "truncate":
+        excess = int((lengths[over] - max_tokens).sum())
+        report = OverlongReport(**base, num_truncated=len(over), tokens_truncated=excess)
+        view: Sequence[Mapping[str, Any]] = TruncatedDataset(dataset, lengths, int(max_tokens))
+    else:
+        if len(over) == len(dataset):
+            raise ValueError(f"overlong='drop' would drop all {len(dataset)} samples; raise max_tokens={max_tokens}")
+        report = OverlongReport(**base, num_dropped=len(over), tokens_dropped=int(lengths[over].sum()))
+        view = DroppedDataset(dataset, lengths, np.flatnonzero(lengths <= max_tokens))
+    log.warning("%s", report.summary())
+    return view, view.lengths.copy(), report
+
+
+class TruncatedDataset:
+    """A view of ``dataset`` whose samples are cut to ``max_tokens`` (``input_ids`` and ``labels``).
+
+    Args:
+        dataset: the map-style dataset.
+        lengths: the length of every sample of ``dataset``; a sample whose real length differs raises
+            (a stale lengths cache would otherwise let an over-long sample through).
+        max_tokens: the longest sample kept.
+    """
+
+    def __init__(self, dataset: Sequence[Mapping[str, Any]], lengths: np.ndarray, max_tokens: int) -> None:
+        self.dataset = dataset
+        self.max_tokens = max_tokens
+        self._source_lengths = np.asarray(lengths, dtype=np.int64)
+        self.lengths = np.minimum(self._source_lengths, max_tokens)
+        self._loss_tokens: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Mapping[str, Any]:
+        sample = _checked(self.dataset, int(index), int(self._source_lengths[index]))
+        if len(sample["input_ids"]) <= self.max_tokens:
+            return sample
+        cut = dict(sample)
+        for key in ("input_ids", "labels"):
+            if key in cut:
+                cut[key] = cut[key][: self.max_tokens]
+        return cut
+
+    @property
+    def loss_tokens(self) -> np.ndarray | None:
+        """Loss tokens per sample after truncation, when the wrapped dataset offers ``loss_tokens``."""
+        source = getattr(self.dataset, "loss_tokens", None)
+        if source is None:
+            return None
+        if self._loss_tokens is None:
+            counts = np.array(source, dtype=np.int64)
+            for i in np.flatnonzero(self._source_lengths > self.max_tokens):
+                counts[i] = sample_loss_tokens(self[int(i)])
+            self._loss_tokens = counts
+        return self._loss_tokens
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The wrapped dataset's fingerprint plus the policy, or ``None``."""
+        inner = getattr(self.dataset, "fingerprint", None)
+        return None if inner is None else f"{inner}|truncate:{self.max_tokens}"
+
+
+class DroppedDataset:
+    """A view of ``dataset`` restricted to ``kept`` indices; ``original_indices[i]`` is the source of ``i``.
+
+    Args:
+        dataset: the map-style dataset.
+        lengths: the length of every sample of ``dataset``.
+        kept: the indices of ``dataset`` that stay, in order.
+    """
+
+    def __init__(self, dataset: Sequence[Mapping[str, Any]], lengths: np.ndarray, kept: np.ndarray) -> None:
+        self.dataset = dataset
+        self.original_indices = np.asarray(kept, dtype=np.int64)
+        self.lengths = np.asarray(lengths, dtype=np.int64)[self.original_indices]
+
+    def __len__(self) -> int:
+        return len(self.original_indices)
+
+    def __getitem__(self, index: int) -> Mapping[str, Any]:
+        return _checked(self.dataset, int(self.original_indices[index]), int(self.lengths[index]))
+
+    @property
+    def loss_tokens(self) -> np.ndarray | None:
+        """The wrapped dataset's ``loss_tokens`` of the kept samples, or ``None``."""
+        source = getattr(self.dataset, "loss_tokens", None)
+        return None if source is None else np.asarray(source, dtype=np.int64)[self.original_indices]
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The wrapped dataset's fingerprint plus a digest of the kept indices, or ``None``."""
+        inner = getattr(self.dataset, "fingerprint", None)
+        if inner is None:
+            return None
+        return f"{inner}|drop:{hashlib.blake2b(self.original_indices.tobytes(), digest_size=16).hexdigest()}"
+
+
+def _checked(dataset: Sequence[Mapping[str, Any]], index: int, expected: int) -> Mapping[str, Any]:
+    sample = dataset[index]
+    if len(sample["input_ids"]) != expected:
+        raise ValueError(
+            f"sample {index} has {len(sample['input_ids'])} tokens but the lengths array says {expected}; "
+            "the lengths (or their cache) are stale for this dataset"
+        )
+    return sample
