@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 
 import numpy as np
@@ -99,47 +100,43 @@ class SyntheticTaskConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tasks", tuple(self.tasks))
-        _check(self.num_samples >= 1, "num_samples", self.num_samples, "must be >= 1")
-        _check(
-            self.vocab_size >= FIRST_PAYLOAD_ID + 2,
-            "vocab_size",
-            self.vocab_size,
-            f"must be >= {FIRST_PAYLOAD_ID + 2} (ids 0..{FIRST_PAYLOAD_ID - 1} are reserved, >= 2 payload ids)",
-        )
-        _check(
-            self.length_distribution in LENGTH_DISTRIBUTIONS,
-            "length_distribution",
-            self.length_distribution,
-            f"must be one of {LENGTH_DISTRIBUTIONS}",
-        )
-        _check(self.min_length >= _OVERHEAD + 2, "min_length", self.min_length, "must be >= 6 (one payload token)")
-        _check(
-            _min_payload(self.min_length) <= _max_payload(self.max_length),
-            "max_length",
-            self.max_length,
-            f"must allow an even length >= min_length={self.min_length} (samples have 2n + 4 tokens)",
-        )
-        if self.length_distribution != "uniform":
-            _check(
-                self.min_length <= self.median_length <= self.max_length,
+        lengths_ok = self.min_length <= self.median_length <= self.max_length
+        rules = [
+            (self.num_samples >= 1, "num_samples", "must be >= 1"),
+            (
+                self.vocab_size >= FIRST_PAYLOAD_ID + 2,
+                "vocab_size",
+                f"must be >= {FIRST_PAYLOAD_ID + 2} (ids 0.."
+                f"{FIRST_PAYLOAD_ID - 1} are reserved and at least 2 payload ids are needed)",
+            ),
+            (
+                self.length_distribution in LENGTH_DISTRIBUTIONS,
+                "length_distribution",
+                f"must be one of {LENGTH_DISTRIBUTIONS}",
+            ),
+            (self.min_length >= _OVERHEAD + 2, "min_length", "must be >= 6 (BOS, task, SEP, EOS and 2 x 1 payload)"),
+            (
+                _min_payload(self.min_length) <= _max_payload(self.max_length),
+                "max_length",
+                f"must allow an even length >= min_length={self.min_length} (samples have 2n + 4 tokens)",
+            ),
+            (
+                self.length_distribution == "uniform" or lengths_ok,
                 "median_length",
-                self.median_length,
                 f"must lie in [min_length={self.min_length}, max_length={self.max_length}]",
-            )
-        _check(self.sigma > 0, "sigma", self.sigma, "must be > 0")
-        _check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
-        _check(
-            len(self.tasks) > 0 and set(self.tasks) <= set(SYNTHETIC_TASKS) and len(set(self.tasks)) == len(self.tasks),
-            "tasks",
-            self.tasks,
-            f"must be distinct names from {SYNTHETIC_TASKS}",
-        )
-        _check(isinstance(self.seed, int) and 0 <= self.seed < 2**63, "seed", self.seed, "must be an int in [0, 2**63)")
-
-
-def _check(ok: bool, knob: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{knob}={value!r} {rule}")
+            ),
+            (self.sigma > 0, "sigma", "must be > 0"),
+            (self.alpha > 0, "alpha", "must be > 0"),
+            (
+                0 < len(set(self.tasks)) == len(self.tasks) and set(self.tasks) <= set(SYNTHETIC_TASKS),
+                "tasks",
+                f"must be distinct names from {SYNTHETIC_TASKS}",
+            ),
+            (isinstance(self.seed, int) and 0 <= self.seed < 2**63, "seed", "must be an int in [0, 2**63)"),
+        ]
+        for ok, knob, rule in rules:
+            if not ok:
+                raise ValueError(f"{knob}={getattr(self, knob)!r} {rule}")
 
 
 def _min_payload(min_length: int) -> int:
@@ -153,8 +150,9 @@ def _max_payload(max_length: int) -> int:
 class SyntheticInstructionDataset:
     """Map-style synthetic instruction-tuning data with heavy-tailed lengths, generated lazily per index.
 
-    Keyword arguments are the fields of :class:`SyntheticTaskConfig`. ``dataset[i]`` returns
-    ``{"input_ids": LongTensor[L], "labels": LongTensor[L]}`` with the prompt masked by -100.
+    The arguments are the fields of :class:`SyntheticTaskConfig` (validated there; kept as ``config``).
+    ``dataset[i]`` returns ``{"input_ids": LongTensor[L], "labels": LongTensor[L]}`` with the prompt
+    masked by -100.
 
     Example:
         >>> ds = SyntheticInstructionDataset(num_samples=1000, median_length=64, seed=3)
@@ -164,8 +162,32 @@ class SyntheticInstructionDataset:
         True
     """
 
-    def __init__(self, **config: object) -> None:
-        self.config = SyntheticTaskConfig(**config)
+    def __init__(
+        self,
+        *,
+        num_samples: int = 10_000,
+        vocab_size: int = 256,
+        length_distribution: str = "lognormal",
+        median_length: int = 128,
+        sigma: float = 1.0,
+        alpha: float = 1.5,
+        min_length: int = 8,
+        max_length: int = 2048,
+        tasks: Sequence[str] = ("copy", "reverse", "shift", "permute"),
+        seed: int = 0,
+    ) -> None:
+        self.config = SyntheticTaskConfig(
+            num_samples=num_samples,
+            vocab_size=vocab_size,
+            length_distribution=length_distribution,
+            median_length=median_length,
+            sigma=sigma,
+            alpha=alpha,
+            min_length=min_length,
+            max_length=max_length,
+            tasks=tuple(tasks),
+            seed=seed,
+        )
         self._lengths: np.ndarray | None = None
 
     def __len__(self) -> int:

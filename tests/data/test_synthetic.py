@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import pickle
 import subprocess
 import sys
@@ -221,3 +223,10 @@ def test_uniform_ignores_median_and_max_length_must_fit_an_even_length():
     SyntheticTaskConfig(length_distribution="uniform", median_length=10_000)
     with pytest.raises(ValueError, match="max_length"):
         SyntheticTaskConfig(min_length=9, max_length=9, median_length=9)
+
+
+def test_constructor_defaults_are_the_config_defaults():
+    assert SyntheticInstructionDataset().config == SyntheticTaskConfig()
+    params = inspect.signature(SyntheticInstructionDataset).parameters
+    assert list(params) == [f.name for f in dataclasses.fields(SyntheticTaskConfig)]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params.values())
