@@ -254,8 +254,13 @@ class Plan:
         return f"Plan(epoch={self.epoch}, num_steps={self.num_steps}, config={self.config!r})"
 
 
-def _as_counts(name: str, values: object, size: int | None = None) -> np.ndarray:
-    """``values`` as a 1-D ``int64`` array of non-negative integers (``ValueError`` names the first bad one)."""
+def as_counts(name: str, values: object, size: int | None = None) -> np.ndarray:
+    """``values`` as a 1-D ``int64`` array of non-negative integers (``ValueError`` names the first bad one).
+
+    Example:
+        >>> as_counts("lengths", [3, 0, 5]).tolist()
+        [3, 0, 5]
+    """
     array = np.asarray(values)
     if array.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
@@ -312,11 +317,11 @@ def build_plan(
         ([[2, 3], [1]], [[0], [4]], [10, 3])
     """
     _check_int("epoch", epoch, 0)
-    lengths = _as_counts("lengths", lengths)
+    lengths = as_counts("lengths", lengths)
     if loss_tokens is None:
         loss = np.maximum(lengths - 1, 0)
     else:
-        loss = _as_counts("loss_tokens", loss_tokens, lengths.size)
+        loss = as_counts("loss_tokens", loss_tokens, lengths.size)
         above = np.flatnonzero(loss > lengths)
         if above.size:
             i = int(above[0])

@@ -1,0 +1,266 @@
+"""Mechanics of the planned batch samplers (see :mod:`lit_seqpack.data.samplers` for the public classes).
+
+A sampler holds the lengths and a :class:`~lit_seqpack.planning.PlanConfig`, computes the plan of the
+current epoch once (cached), yields this rank's column of it lazily, and keeps its progress (epoch,
+microbatches consumed) in a rank-independent ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta
+from lit_seqpack.planning.plan import Plan, PlanConfig, as_counts, build_plan
+
+__all__ = ["PlannedBatchSampler", "RankSampler", "resolve_replicas"]
+
+log = logging.getLogger(__name__)
+_STATE_KEYS = ("epoch", "position", "finished", "plan_key", "world_size", "accumulate_grad_batches", "num_samples")
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def resolve_replicas(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    if num_replicas is None:
+        num_replicas = dist.get_world_size() if _distributed() else 1
+    if rank is None:
+        rank = dist.get_rank() if _distributed() else 0
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
+        raise ValueError(f"rank must be an int in [0, num_replicas={num_replicas}), got {rank!r}")
+    return num_replicas, rank
+
+
+class RankSampler(Sampler[int]):
+    """``batch_sampler.sampler``: this rank's sample indices of the epoch; ``set_epoch`` forwards to the owner."""
+
+    def __init__(self, owner: PlannedBatchSampler) -> None:
+        self._owner = owner
+
+    def set_epoch(self, epoch: int) -> None:
+        self._owner.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        for indices in self._owner.plan.rank_microbatches(self._owner.rank):
+            yield from indices
+
+    def __len__(self) -> int:
+        return sum(len(indices) for indices in self._owner.plan.rank_microbatches(self._owner.rank))
+
+
+class PlannedBatchSampler(Sampler[Microbatch]):
+    """Mechanics shared by the public batch samplers (``_mode`` names the plan mode of a subclass).
+
+    Args:
+        lengths: token count of every sample of the dataset.
+        num_replicas: number of data-parallel ranks (default: ``torch.distributed`` world size, or 1).
+        rank: this process's rank (default: ``torch.distributed`` rank, or 0).
+        loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``).
+        verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
+        **plan_knobs: the remaining :class:`~lit_seqpack.planning.PlanConfig` fields.
+    """
+
+    _mode = ""
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        loss_tokens: Sequence[int] | np.ndarray | None = None,
+        verify_plan: bool = True,
+        **plan_knobs: Any,
+    ) -> None:
+        world, rank = resolve_replicas(num_replicas, rank)
+        config = PlanConfig(mode=self._mode, world_size=world, **plan_knobs)
+        self._setup(lengths, config, rank, loss_tokens, verify_plan, num_replicas is None and not _distributed())
+
+    @classmethod
+    def from_config(
+        cls,
+        lengths: Sequence[int] | np.ndarray,
+        config: PlanConfig,
+        *,
+        rank: int | None = None,
+        loss_tokens: Sequence[int] | np.ndarray | None = None,
+        verify_plan: bool = True,
+    ) -> PlannedBatchSampler:
+        """Build a sampler from a ready :class:`~lit_seqpack.planning.PlanConfig` of the sampler's mode.
+
+        Args:
+            lengths: token count of every sample of the dataset.
+            config: the plan configuration (its ``world_size`` is the number of ranks).
+            rank: this process's rank (default: ``torch.distributed`` rank, or 0).
+            loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``).
+            verify_plan: compare the plan across ranks when ``torch.distributed`` is initialised.
+        """
+        if config.mode != cls._mode:
+            raise ValueError(f"{cls.__name__} plans mode={cls._mode!r}, got a config with mode={config.mode!r}")
+        _, rank = resolve_replicas(config.world_size, rank)
+        sampler = cls.__new__(cls)
+        sampler._setup(lengths, config, rank, loss_tokens, verify_plan, False)
+        return sampler
+
+    def _setup(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        config: PlanConfig,
+        rank: int,
+        loss_tokens: Sequence[int] | np.ndarray | None,
+        verify_plan: bool,
+        world_defaulted: bool,
+    ) -> None:
+        self.config, self.rank, self.verify_plan = config, rank, bool(verify_plan)
+        self._lengths = as_counts("lengths", lengths)
+        self._loss_tokens = None if loss_tokens is None else as_counts("loss_tokens", loss_tokens, self._lengths.size)
+        self._world_defaulted = world_defaulted
+        self._epoch, self._position, self._resume, self._resume_at_end = 0, 0, False, False
+        self._plan: Plan | None = None
+        self._verified_epoch: int | None = None
+        self._reported_len: tuple[int, int] | None = None
+        self._plan_key = self._key()
+        self.sampler = RankSampler(self)
+        self._plan_for(0)  # validates the lengths: over-long samples fail at construction, not mid-epoch
+
+    def _key(self) -> str:
+        digest = hashlib.sha256(repr(self.config).encode())
+        digest.update(self._lengths.tobytes())
+        digest.update(b"-" if self._loss_tokens is None else self._loss_tokens.tobytes())
+        return digest.hexdigest()
+
+    def _plan_for(self, epoch: int) -> Plan:
+        if self._plan is None or self._plan.epoch != epoch:
+            self._plan = build_plan(self._lengths, self.config, epoch=epoch, loss_tokens=self._loss_tokens)
+        return self._plan
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration will plan."""
+        return self._epoch
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the current epoch (computed once per epoch and cached)."""
+        return self._plan_for(self._epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch of the next iteration; a new epoch starts from its first microbatch."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        if int(epoch) != self._epoch:
+            self._epoch, self._position, self._resume, self._resume_at_end = int(epoch), 0, False, False
+
+    def __len__(self) -> int:
+        count = self.plan.microbatches_per_rank
+        self._reported_len = (self._epoch, count)
+        return count
+
+    def __iter__(self) -> Iterator[Microbatch]:
+        plan = self._plan_for(self._epoch)  # runs at the first next(): the epoch is read lazily
+        total = plan.microbatches_per_rank
+        start = (total if self._resume_at_end else min(self._position, total)) if self._resume else 0
+        self._resume = self._resume_at_end = False
+        self._check_plan(plan)
+        self._position = start
+        config = self.config
+        for position in range(start, total):
+            indices, step, step_loss_tokens = plan.microbatch(self.rank, position)
+            meta = MicrobatchMeta(
+                step=step,
+                step_loss_tokens=step_loss_tokens,
+                world_size=config.world_size,
+                accumulate_grad_batches=config.accumulate_grad_batches,
+                max_tokens=config.max_tokens,
+                is_empty=not indices,
+            )
+            self._position = position + 1
+            yield Microbatch(indices, meta=meta)
+
+    def _check_plan(self, plan: Plan) -> None:
+        reported = self._reported_len
+        if self.rank == 0 and reported and reported[0] != plan.epoch and reported[1] != plan.microbatches_per_rank:
+            log.warning(
+                "The number of microbatches changed from %d (epoch %d) to %d (epoch %d). Lightning reads "
+                "len(dataloader) once: reload the dataloaders every epoch, or use window=None with a sort-based "
+                "packer or dynamic batching, which keep the count constant.",
+                reported[1],
+                reported[0],
+                plan.microbatches_per_rank,
+                plan.epoch,
+            )
+        if not _distributed():
+            return
+        world = dist.get_world_size()
+        if self._world_defaulted and world != self.config.world_size:
+            raise RuntimeError(
+                f"the sampler was built for {self.config.world_size} ranks but torch.distributed has {world}: "
+                "build it after the process group is initialised (e.g. in train_dataloader) or pass num_replicas"
+            )
+        if not self.verify_plan or self._verified_epoch == plan.epoch:
+            return
+        fingerprints: list[Any] = [None] * world
+        dist.all_gather_object(fingerprints, (plan.fingerprint(), self.config.world_size))
+        if len(set(fingerprints)) > 1:
+            mine = (plan.fingerprint(), self.config.world_size)
+            others = [r for r, f in enumerate(fingerprints) if f != mine]
+            raise RuntimeError(
+                f"rank {dist.get_rank()} computed a different plan for epoch {plan.epoch} than ranks {others}: "
+                "every rank must pass the same lengths, loss tokens and settings (seed, max_tokens, window, ...)"
+            )
+        self._verified_epoch = plan.epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Progress through the epoch; identical on every rank (rank 0 writes the checkpoint)."""
+        total = self.plan.microbatches_per_rank
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "finished": self._position >= total and total > 0,
+            "plan_key": self._plan_key,
+            "world_size": self.config.world_size,
+            "accumulate_grad_batches": self.config.accumulate_grad_batches,
+            "num_samples": int(self._lengths.size),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume: the next iteration yields exactly the microbatches the saved run had not consumed.
+
+        A checkpoint of another configuration (world size, lengths, settings) can only be resumed at an
+        epoch boundary; mid-epoch it raises ``ValueError``.
+        """
+        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        if missing:
+            raise ValueError(f"sampler state_dict lacks {missing}")
+        epoch, position = state_dict["epoch"], state_dict["position"]
+        for name, value in (("epoch", epoch), ("position", position)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}")
+        same_plan = state_dict["plan_key"] == self._plan_key
+        if not same_plan and position and not state_dict["finished"]:
+            changed = {
+                k: (state_dict[k], v)
+                for k, v in (
+                    ("world_size", self.config.world_size),
+                    ("accumulate_grad_batches", self.config.accumulate_grad_batches),
+                    ("num_samples", int(self._lengths.size)),
+                )
+                if state_dict[k] != v
+            }
+            raise ValueError(
+                f"cannot resume mid-epoch (epoch {epoch}, microbatch {position}) under a different plan "
+                f"configuration ({changed or 'lengths, loss tokens or settings differ'}); resume from an "
+                "epoch-boundary checkpoint instead"
+            )
+        self._epoch, self._position, self._resume = int(epoch), int(position), True
+        self._resume_at_end = bool(state_dict["finished"]) and not same_plan

@@ -1,0 +1,252 @@
+from __future__ import annotations
+
+import logging
+import pickle
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lit_seqpack import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
+from lit_seqpack.data.microbatch import Microbatch, PlannedDataset
+from lit_seqpack.planning import PlanConfig, build_plan
+
+SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
+
+
+def make(mode: str, lengths, *, rank: int = 0, num_replicas: int = 1, **kwargs):
+    budget = {"batch_size": 3} if mode == "padded" else {"max_tokens": 64}
+    return SAMPLERS[mode](lengths, num_replicas=num_replicas, rank=rank, **{**budget, **kwargs})
+
+
+def lists(batches) -> list[list[int]]:
+    return [list(mb) for mb in batches]
+
+
+# ---------------------------------------------------------------- properties over ranks
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 64), min_size=0, max_size=60),
+    mode=st.sampled_from(list(SAMPLERS)),
+    world=st.integers(1, 8),
+    accumulate=st.integers(1, 4),
+    epoch=st.integers(0, 2),
+)
+def test_ranks_cover_every_sample_once_in_lock_step(lengths, mode, world, accumulate, epoch):
+    samplers = [
+        make(mode, lengths, rank=r, num_replicas=world, accumulate_grad_batches=accumulate) for r in range(world)
+    ]
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+    per_rank = [list(s) for s in samplers]
+    assert {len(s) for s in samplers} == {len(b) for b in per_rank}  # exact __len__, equal on every rank
+    assert len({len(b) for b in per_rank}) == 1
+    assert Counter(i for b in per_rank for mb in b for i in mb) == Counter(range(len(lengths)))
+    loss = np.maximum(np.asarray(lengths, dtype=np.int64) - 1, 0)
+    for position in range(len(per_rank[0])):
+        column = [b[position] for b in per_rank]
+        step = position // accumulate
+        true_total = sum(int(loss[mb].sum()) for b in per_rank for mb in b[step * accumulate : (step + 1) * accumulate])
+        for mb in column:
+            meta = mb.meta
+            assert isinstance(mb, Microbatch)
+            assert meta.step == step and meta.step_loss_tokens == true_total
+            assert (meta.world_size, meta.accumulate_grad_batches) == (world, accumulate)
+            assert meta.max_tokens == (None if mode == "padded" else 64)
+            assert meta.is_empty == (len(mb) == 0)
+            if mode == "packing" and len(mb):
+                assert sum(lengths[i] for i in mb) <= 64
+            if mode == "dynamic" and len(mb):
+                assert len(mb) * max(lengths[i] for i in mb) <= 64
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 64), min_size=1, max_size=60),
+    mode=st.sampled_from(list(SAMPLERS)),
+    world=st.integers(1, 4),
+    accumulate=st.integers(1, 3),
+    cut=st.floats(0.0, 1.0),
+    epoch=st.integers(0, 2),
+)
+def test_resume_at_a_random_cut_yields_exactly_the_rest(lengths, mode, world, accumulate, cut, epoch):
+    kwargs = {"num_replicas": world, "accumulate_grad_batches": accumulate}
+    writer = make(mode, lengths, rank=0, **kwargs)  # rank 0 writes the checkpoint
+    writer.set_epoch(epoch)
+    total = len(writer)
+    k = int(cut * total)
+    iterator = iter(writer)
+    for _ in range(k):
+        next(iterator)
+    state = writer.state_dict()
+    for rank in range(world):
+        reference = make(mode, lengths, rank=rank, **kwargs)
+        reference.set_epoch(epoch)
+        assert reference.state_dict()["plan_key"] == state["plan_key"]
+        full = lists(reference)
+        resumed = make(mode, lengths, rank=rank, **kwargs)
+        resumed.load_state_dict(pickle.loads(pickle.dumps(state)))
+        resumed.set_epoch(epoch)  # Lightning calls set_epoch with the restored epoch: no reset
+        assert lists(resumed) == full[k:]
+        assert lists(resumed) == full  # the next pass of the same epoch starts from the beginning
+
+
+# ---------------------------------------------------------------- epochs
+
+
+def test_order_differs_between_epochs_and_iteration_is_lazy():
+    lengths = np.random.default_rng(0).integers(1, 64, 200)
+    sampler = make("packing", lengths, num_replicas=2, rank=1)
+    epoch0 = lists(sampler)
+    iterator = iter(sampler)  # created before set_epoch, as Lightning does
+    sampler.set_epoch(1)
+    epoch1 = lists(iterator)
+    assert epoch0 != epoch1
+    assert epoch1 == lists(sampler)  # the lazy iterator planned epoch 1, like a fresh one
+    sampler.set_epoch(0)
+    assert lists(sampler) == epoch0
+
+
+def test_lightning_set_epoch_reaches_the_batch_sampler():
+    sampler = make("dynamic", np.random.default_rng(1).integers(1, 64, 100))
+    loader = DataLoader(list(range(100)), batch_sampler=sampler, collate_fn=list)
+    _set_sampler_epoch(loader, 3)  # the helper Lightning's loops call
+    assert sampler.epoch == 3
+    assert sampler.sampler.set_epoch is not None and sorted(sampler.sampler) == list(range(100))
+    assert len(sampler.sampler) == 100
+
+
+def test_without_shuffle_every_epoch_is_the_same():
+    sampler = make("padded", list(range(1, 30)), shuffle=False)
+    first = lists(sampler)
+    sampler.set_epoch(4)
+    assert lists(sampler) == first
+
+
+def test_count_change_between_epochs_warns(caplog):
+    lengths = np.random.default_rng(2).integers(1, 64, 400)
+    sampler = make("packing", lengths, algorithm="first_fit_shuffle", window=37, num_replicas=2)
+    counts = {len(sampler)}  # like Lightning: len() once, at setup
+    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data._planned_sampler"):
+        for epoch in range(6):
+            sampler.set_epoch(epoch)
+            counts.add(sum(1 for _ in sampler))  # list() would call len() again
+    assert len(counts) > 1
+    assert "number of microbatches changed" in caplog.text
+
+
+# ---------------------------------------------------------------- state and validation
+
+
+def test_state_dict_is_rank_independent():
+    lengths = np.random.default_rng(3).integers(1, 64, 120)
+    samplers = [make("packing", lengths, rank=r, num_replicas=3, accumulate_grad_batches=2) for r in range(3)]
+    for s in samplers:
+        s.set_epoch(2)
+        it = iter(s)
+        for _ in range(3):
+            next(it)
+    states = [s.state_dict() for s in samplers]
+    assert states[0] == states[1] == states[2]
+    assert states[0]["epoch"] == 2 and states[0]["position"] == 3 and not states[0]["finished"]
+
+
+def test_resume_rejects_a_different_plan_mid_epoch_but_allows_epoch_boundaries():
+    lengths = np.random.default_rng(4).integers(1, 64, 100)
+    sampler = make("packing", lengths, num_replicas=2)
+    it = iter(sampler)
+    next(it)
+    mid = sampler.state_dict()
+    with pytest.raises(ValueError, match="world_size"):
+        make("packing", lengths, num_replicas=4).load_state_dict(mid)
+    list(it)
+    finished = sampler.state_dict()
+    assert finished["finished"]
+    other = make("packing", lengths, num_replicas=4)
+    other.load_state_dict(finished)
+    assert list(other) == []  # that epoch is over
+    other.set_epoch(1)
+    assert len(list(other)) == len(other) > 0
+    with pytest.raises(ValueError, match="lacks"):
+        other.load_state_dict({"epoch": 0})
+    with pytest.raises(ValueError, match="position"):
+        other.load_state_dict({**finished, "position": -1})
+
+
+def test_from_config_checks_the_mode():
+    cfg = PlanConfig(mode="dynamic", max_tokens=64, world_size=2)
+    sampler = DynamicBatchSampler.from_config([5, 6, 7], cfg, rank=1)
+    assert sampler.rank == 1 and sampler.config is cfg
+    assert lists(sampler) == build_plan([5, 6, 7], cfg, epoch=0).rank_microbatches(1)
+    with pytest.raises(ValueError, match="mode"):
+        PackedBatchSampler.from_config([5, 6, 7], cfg)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_replicas": 2, "rank": 2}, "rank"),
+        ({"num_replicas": 0, "rank": 0}, "num_replicas"),
+        ({"max_tokens": 8}, r"sample 0 has length 10 > max_tokens=8"),
+        ({"window": 0}, "window"),
+        ({"loss_tokens": [1]}, "loss_tokens"),
+    ],
+)
+def test_constructor_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PackedBatchSampler([10, 5], **{"max_tokens": 64, **kwargs})
+
+
+def test_set_epoch_rejects_negative():
+    with pytest.raises(ValueError, match="epoch"):
+        make("dynamic", [3, 4]).set_epoch(-1)
+
+
+def test_defaults_without_torch_distributed():
+    sampler = PackedBatchSampler([3, 4, 5], max_tokens=8)
+    assert (sampler.config.world_size, sampler.rank) == (1, 0)
+
+
+# ---------------------------------------------------------------- DataLoader integration
+
+
+def _collate(samples: Microbatch) -> tuple[list[int], int, bool]:
+    return list(samples), samples.meta.step_loss_tokens, samples.meta.is_empty
+
+
+def _loader(sampler, num_workers: int) -> StatefulDataLoader:
+    return StatefulDataLoader(
+        PlannedDataset(list(range(500))),
+        batch_sampler=sampler,
+        collate_fn=_collate,
+        num_workers=num_workers,
+    )
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_dataloader_resumes_exactly_with_workers(num_workers):
+    lengths = np.random.default_rng(5).integers(1, 300, 500)
+    kwargs = {"max_tokens": 512, "num_replicas": 2, "rank": 1, "accumulate_grad_batches": 2}
+    expected = [list(mb) for mb in PackedBatchSampler(lengths, **kwargs)]
+    sampler = PackedBatchSampler(lengths, **kwargs)
+    loader = _loader(sampler, num_workers)
+    k = len(expected) // 3
+    seen = []
+    for batch in loader:
+        seen.append(batch[0])
+        if len(seen) == k:
+            state = loader.state_dict()
+            break
+    del loader
+    assert seen == expected[:k]
+    resumed_loader = _loader(PackedBatchSampler(lengths, **kwargs), num_workers)
+    resumed_loader.load_state_dict(state)
+    rest = [batch[0] for batch in resumed_loader]
+    assert rest == expected[k:]
