@@ -170,8 +170,8 @@ class PackedSequenceMixin:
         return getattr(self, "_trainer", None)
 
     def _seqpack_log(self, stage: str, value: torch.Tensor, batch_size: int) -> None:
-        if self._seqpack_trainer() is None:  # a bare forward outside a Trainer: nothing to log to
-            return
+        if getattr(self, "_fabric", None) is None and getattr(self, "_current_fx_name", None) is None:
+            return  # a step called by hand, outside the Trainer's loops: nothing to log to
         name = f"{_STAGE_PREFIX[stage]}/loss"
         if stage == "train":
             self.log(name, value, batch_size=batch_size, prog_bar=True)  # type: ignore[attr-defined]

@@ -1,0 +1,214 @@
+"""Ready-made LightningModules: the reference decoder and any transformers causal LM, trained packed.
+
+Both are ``PackedSequenceMixin`` + ``LightningModule`` with keyword-only typed ``__init__`` (so LightningCLI can
+build them from YAML), ``save_hyperparameters`` and AdamW with an optional linear warmup and cosine decay::
+
+    model = ReferenceLM(vocab_size=32000, n_layer=12, n_head=12, n_kv_head=4, n_embd=768, lr=3e-4)
+    model = HFCausalLM(model_name_or_path="/models/llama-1b")                        # a local checkpoint
+    model = HFCausalLM(config={"model_type": "llama", "vocab_size": 64, "hidden_size": 32, ...})  # random init
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+
+from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model
+from lit_seqpack.model.mixin import PackedSequenceMixin
+from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
+
+__all__ = ["HFCausalLM", "ReferenceLM", "warmup_cosine"]
+
+Schedule = Literal["constant", "cosine"]
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int | None, min_lr_ratio: float) -> float:
+    """Learning-rate multiplier: linear warmup over ``warmup_steps``, then cosine down to ``min_lr_ratio``.
+
+    ``total_steps=None`` keeps the multiplier at 1 after the warmup.
+
+    Example:
+        >>> [round(warmup_cosine(s, warmup_steps=2, total_steps=6, min_lr_ratio=0.0), 2) for s in range(7)]
+        [0.5, 1.0, 1.0, 0.85, 0.5, 0.15, 0.0]
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if total_steps is None or total_steps <= warmup_steps:
+        return 1.0
+    progress = min((step - warmup_steps) / (total_steps - warmup_steps), 1.0)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _check_optim(lr: float, weight_decay: float, warmup_steps: int, min_lr_ratio: float, schedule: str) -> None:
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {schedule!r}")
+
+
+class _OptimizerMixin:
+    """AdamW (no decay on biases and norms) with warmup and cosine decay, read from ``self.hparams``."""
+
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
+        hp = self.hparams  # type: ignore[attr-defined]
+        params = [p for p in self.parameters() if p.requires_grad]  # type: ignore[attr-defined]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.lr, betas=(0.9, 0.95))
+        total = None
+        if hp.lr_schedule == "cosine":
+            total = int(self.trainer.estimated_stepping_batches)  # type: ignore[attr-defined]
+            total = total if math.isfinite(total) and total > 0 else None
+        kwargs = {"warmup_steps": hp.warmup_steps, "total_steps": total, "min_lr_ratio": hp.min_lr_ratio}
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, **kwargs))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class ReferenceLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
+    """The reference Llama-style decoder, trained packed or dynamically batched with the exact loss.
+
+    The defaults are the ``demo`` size of :data:`~lit_seqpack.model.reference.REFERENCE_PRESETS`.
+
+    Args:
+        vocab_size: vocabulary size.
+        n_layer: decoder blocks.
+        n_head: query heads.
+        n_kv_head: key/value heads (grouped-query attention when fewer than ``n_head``).
+        n_embd: model width.
+        intermediate_size: hidden width of the SwiGLU MLP.
+        rope_theta: RoPE base.
+        max_seq_len: the longest row the model accepts.
+        norm_eps: RMSNorm epsilon.
+        tie_embeddings: share the input embedding with the output projection.
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW weight decay (not applied to biases and norm weights).
+        warmup_steps: linear warmup optimizer steps.
+        lr_schedule: ``"cosine"`` (decay to ``min_lr_ratio * lr`` over the run) or ``"constant"``.
+        min_lr_ratio: the final learning rate as a fraction of ``lr``.
+        attn_backend: :func:`~lit_seqpack.model.attention.varlen_attention` backend (``"auto"``, ``"flash_attn"``,
+            ``"torch_varlen"``, ``"sdpa"``).
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 512,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_kv_head: int = 2,
+        n_embd: int = 128,
+        intermediate_size: int = 352,
+        rope_theta: float = 10000.0,
+        max_seq_len: int = 4096,
+        norm_eps: float = 1e-5,
+        tie_embeddings: bool = True,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 0,
+        lr_schedule: Schedule = "cosine",
+        min_lr_ratio: float = 0.1,
+        attn_backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        _check_optim(lr, weight_decay, warmup_steps, min_lr_ratio, lr_schedule)
+        self.save_hyperparameters()
+        config = ReferenceConfig(
+            vocab_size=vocab_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_kv_head=n_kv_head,
+            n_embd=n_embd,
+            intermediate_size=intermediate_size,
+            rope_theta=rope_theta,
+            max_seq_len=max_seq_len,
+            norm_eps=norm_eps,
+            tie_embeddings=tie_embeddings,
+        )
+        self.model = ReferenceDecoder(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, T, vocab]``: a packed row with ``cu_seqlens``, or ``[B, L]`` with ``attention_mask``."""
+        return self.model(
+            input_ids,
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            attention_mask=attention_mask,
+            attn_backend=self.hparams.attn_backend,
+        )
+
+
+class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
+    """A transformers causal LM trained packed through lit_seqpack's varlen attention (no download here).
+
+    Args:
+        model_name_or_path: a checkpoint for ``AutoModelForCausalLM.from_pretrained`` (a local path offline).
+        config: instead, the keyword arguments of a config for a randomly initialised model, with its
+            ``model_type`` (default ``"llama"``), e.g. ``{"vocab_size": 64, "hidden_size": 32, ...}``.
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW weight decay (not applied to biases and norm weights).
+        warmup_steps: linear warmup optimizer steps.
+        lr_schedule: ``"cosine"`` or ``"constant"``.
+        min_lr_ratio: the final learning rate as a fraction of ``lr``.
+        attn_backend: :func:`~lit_seqpack.model.attention.varlen_attention` backend for packed rows.
+        gradient_checkpointing: recompute activations in backward (transformers' gradient checkpointing).
+    """
+
+    def __init__(
+        self,
+        *,
+        model_name_or_path: str | None = None,
+        config: dict[str, Any] | None = None,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 0,
+        lr_schedule: Schedule = "cosine",
+        min_lr_ratio: float = 0.1,
+        attn_backend: str = "auto",
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        if (model_name_or_path is None) == (config is None):
+            raise ValueError(
+                "give exactly one of model_name_or_path and config, got "
+                f"model_name_or_path={model_name_or_path!r}, config={config!r}"
+            )
+        _check_optim(lr, weight_decay, warmup_steps, min_lr_ratio, lr_schedule)
+        self.save_hyperparameters()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if model_name_or_path is not None:
+            model = AutoModelForCausalLM.from_pretrained(model_name_or_path)
+        else:
+            kwargs = dict(config or {})
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kwargs.pop("model_type", "llama"), **kwargs))
+        self.model = prepare_hf_model(model)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+
+    def seqpack_model_inputs(self, batch: Any) -> dict[str, Any]:
+        """transformers keywords: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``, ``use_cache=False``."""
+        return hf_model_inputs(batch, backend=self.hparams.attn_backend)
+
+    def forward(self, **inputs: Any) -> Any:
+        """The wrapped model's output (a ``CausalLMOutput``; the mixin reads its ``logits``)."""
+        return self.model(**inputs)

@@ -1,0 +1,120 @@
+"""Tests for lit_seqpack.model.lm: ReferenceLM and HFCausalLM, their optimizer and schedule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lit_seqpack.data.collate import PackedCollator, PaddedCollator
+from lit_seqpack.model.hf import ATTENTION_NAME, check_packing_equivalence
+from lit_seqpack.model.lm import HFCausalLM, ReferenceLM, warmup_cosine
+
+TINY = {"vocab_size": 64, "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "intermediate_size": 64}
+LLAMA = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def _samples(count: int = 6, seed: int = 0) -> list[dict[str, list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, 64, (int(n),), generator=gen).tolist()} for n in range(3, 3 + count)]
+
+
+def _trainer(**kwargs: Any) -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def test_warmup_then_cosine_to_the_floor() -> None:
+    values = [warmup_cosine(s, warmup_steps=4, total_steps=20, min_lr_ratio=0.1) for s in range(25)]
+    assert values[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(values[4:], values[5:], strict=False))
+    assert values[20] == pytest.approx(0.1) and values[24] == pytest.approx(0.1)
+    assert warmup_cosine(100, warmup_steps=0, total_steps=None, min_lr_ratio=0.0) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr": 0.0}, "lr"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
+        ({"lr_schedule": "linear"}, "lr_schedule"),
+    ],
+)
+def test_reference_lm_rejects_bad_optimizer_knobs(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ReferenceLM(**TINY, **kwargs)
+
+
+def test_reference_lm_saves_its_hyperparameters_and_builds_the_decoder() -> None:
+    model = ReferenceLM(**TINY, lr=1e-3, attn_backend="sdpa")
+    assert model.hparams.n_embd == 32 and model.hparams.lr == 1e-3 and model.hparams.attn_backend == "sdpa"
+    assert model.model.config.n_layer == 2
+    reloaded = ReferenceLM(**model.hparams)
+    assert sum(p.numel() for p in reloaded.parameters()) == sum(p.numel() for p in model.parameters())
+
+
+def test_optimizer_groups_and_schedule_follow_the_run_length() -> None:
+    model = ReferenceLM(**TINY, lr=1e-2, weight_decay=0.1, warmup_steps=2, min_lr_ratio=0.0)
+    batches = [PackedCollator()(_samples())] * 6
+    trainer = _trainer(max_steps=6)
+    trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
+    optimizer = trainer.optimizers[0]
+    decayed, plain = optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and all(p.ndim >= 2 for p in decayed["params"])
+    assert plain["weight_decay"] == 0.0 and all(p.ndim < 2 for p in plain["params"])
+    assert trainer.lr_scheduler_configs[0].interval == "step"
+    assert decayed["lr"] == pytest.approx(0.0, abs=1e-12)  # end of the cosine over estimated_stepping_batches=6
+
+
+@pytest.mark.parametrize("collate", [PackedCollator(pad_to_multiple_of=8), PaddedCollator()])
+def test_reference_lm_learns_a_repeated_batch(collate: Any) -> None:
+    torch.manual_seed(0)
+    model = ReferenceLM(**TINY, lr=1e-2, weight_decay=0.0, lr_schedule="constant", attn_backend="sdpa")
+    batch = collate(_samples())
+    with torch.no_grad():
+        before = model.validation_step(batch, 0).item()
+    _trainer(max_steps=30).fit(model, torch.utils.data.DataLoader([batch] * 30, batch_size=None))
+    with torch.no_grad():
+        after = model.validation_step(batch, 0).item()
+    assert after < 0.7 * before
+
+
+def test_hf_causal_lm_needs_exactly_one_source() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        HFCausalLM()
+    with pytest.raises(ValueError, match="exactly one"):
+        HFCausalLM(model_name_or_path="x", config=LLAMA)
+
+
+def test_hf_causal_lm_from_a_config_and_from_a_local_checkpoint(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    module = HFCausalLM(config=LLAMA, attn_backend="sdpa")
+    assert type(module.model).__name__ == "LlamaForCausalLM"
+    assert module.model.config._attn_implementation == ATTENTION_NAME
+    batch = PackedCollator()(_samples())
+    assert check_packing_equivalence(module, batch, atol=1e-5).passed
+    module.model.save_pretrained(tmp_path)
+    loaded = HFCausalLM(model_name_or_path=str(tmp_path))
+    assert loaded.model.config._attn_implementation == ATTENTION_NAME
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.seqpack_forward(batch), module.seqpack_forward(batch))
