@@ -31,6 +31,7 @@ million samples costs milliseconds and no token is generated until a sample is r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 from collections.abc import Sequence
@@ -59,6 +60,7 @@ SEP_ID = 3
 SYNTHETIC_TASKS: tuple[str, ...] = ("copy", "reverse", "shift", "permute", "sort")
 TASK_TOKEN_IDS: dict[str, int] = {task: 4 + i for i, task in enumerate(SYNTHETIC_TASKS)}
 FIRST_PAYLOAD_ID = 4 + len(SYNTHETIC_TASKS)
+_TASK_OF_TOKEN = {token: task for task, token in TASK_TOKEN_IDS.items()}
 LENGTH_DISTRIBUTIONS: tuple[str, ...] = ("lognormal", "power_law", "uniform")
 IGNORE_INDEX = -100
 _OVERHEAD = 4  # BOS, TASK, SEP, EOS
@@ -249,8 +251,7 @@ class SyntheticInstructionDataset:
         prompt = np.asarray(prompt, dtype=np.int64)
         if len(prompt) < 4 or prompt[0] != BOS_ID or prompt[-1] != SEP_ID:
             raise ValueError(f"prompt must be [BOS={BOS_ID}, TASK, x1..xn, SEP={SEP_ID}], got {prompt.tolist()}")
-        tasks = {v: k for k, v in TASK_TOKEN_IDS.items()}
-        task = tasks.get(int(prompt[1]))
+        task = _TASK_OF_TOKEN.get(int(prompt[1]))
         if task is None:
             raise ValueError(f"prompt[1]={int(prompt[1])} is not a task token {TASK_TOKEN_IDS}")
         return np.concatenate((_transform(task, prompt[2:-1], self.config.vocab_size), [EOS_ID]))
@@ -264,9 +265,22 @@ def hashed_uniform(seed: int, indices: np.ndarray, stream: int) -> np.ndarray:
         >>> bool(((u > 0) & (u < 1)).all()), bool((u == hashed_uniform(0, np.arange(3, dtype=np.uint64), 1)).all())
         (True, True)
     """
-    key = _splitmix64(np.array([seed], dtype=np.uint64) * _GOLDEN + np.uint64(stream))
+    key = _stream_key(seed, stream)
     bits = _splitmix64(np.asarray(indices, dtype=np.uint64) * _GOLDEN ^ key)
     return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) / float(2**53)
+
+
+@functools.lru_cache(maxsize=64)
+def _stream_key(seed: int, stream: int) -> np.ndarray:
+    return _splitmix64(np.array([seed], dtype=np.uint64) * _GOLDEN + np.uint64(stream))
+
+
+@functools.lru_cache(maxsize=8)
+def _payload_permutation(vocab_size: int) -> np.ndarray:
+    """The ``permute`` task's map of payload offsets, fixed by ``vocab_size`` alone."""
+    permutation = np.random.default_rng([_PERMUTATION_SEED, vocab_size]).permutation(vocab_size - FIRST_PAYLOAD_ID)
+    permutation.flags.writeable = False
+    return permutation
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -302,5 +316,4 @@ def _transform(task: str, payload: np.ndarray, vocab_size: int) -> np.ndarray:
     offsets = payload - FIRST_PAYLOAD_ID
     if task == "shift":
         return (offsets + 1) % num_payload + FIRST_PAYLOAD_ID
-    permutation = np.random.default_rng([_PERMUTATION_SEED, vocab_size]).permutation(num_payload)
-    return permutation[offsets] + FIRST_PAYLOAD_ID
+    return _payload_permutation(vocab_size)[offsets] + FIRST_PAYLOAD_ID
