@@ -84,15 +84,25 @@ def _load_torch_varlen() -> tuple[Callable[..., torch.Tensor] | None, str | None
 _LOADERS = {"flash_attn": _load_flash_attn, "torch_varlen": _load_torch_varlen}
 
 
-def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype | None) -> str | None:
-    """Why backend ``name`` cannot run on ``device``/``dtype`` (``None`` when it can)."""
+def _unavailable_reason(
+    name: str, device: torch.device, dtype: torch.dtype | None, explain: bool = False
+) -> str | None:
+    """Why backend ``name`` cannot run on ``device``/``dtype`` (``None`` when it can).
+
+    The kernel's import is only attempted for CUDA tensors, or with ``explain`` (an explicit request that already
+    failed), so that CPU code never imports flash-attn.
+    """
     if name == "sdpa" or name in _OVERRIDES:
         return None
+    reasons = []
     if device.type != "cuda":
-        return f"the {name} kernel runs on CUDA tensors only (got device {device.type!r}); use backend='sdpa'"
+        reasons.append(f"the {name} kernel runs on CUDA tensors only (got device {device.type!r})")
     if dtype is not None and dtype not in _HALF_DTYPES:
-        return f"the {name} kernel needs float16 or bfloat16 tensors (got {dtype}); use backend='sdpa'"
-    return _LOADERS[name]()[1]
+        reasons.append(f"the {name} kernel needs float16 or bfloat16 tensors (got {dtype})")
+    if not reasons or explain:
+        load_error = _LOADERS[name]()[1]
+        reasons += [load_error] if load_error else []
+    return "; ".join([*reasons, "backend='sdpa' runs anywhere"]) if reasons else None
 
 
 def available_backends(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> list[str]:
@@ -115,8 +125,8 @@ def _resolve(backend: str, device: torch.device, dtype: torch.dtype) -> str:
         return next(name for name in BACKENDS if _unavailable_reason(name, device, dtype) is None)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
-    reason = _unavailable_reason(backend, device, dtype)
-    if reason is not None:
+    if _unavailable_reason(backend, device, dtype) is not None:
+        reason = _unavailable_reason(backend, device, dtype, explain=True)
         raise BackendUnavailableError(f"attention backend {backend!r} is unavailable: {reason}")
     return backend
 

@@ -117,6 +117,9 @@ def test_kernels_need_half_precision_on_cuda():
 def test_missing_flash_attn_says_how_to_install():
     reason = attention._unavailable_reason("flash_attn", torch.device("cuda"), torch.bfloat16)
     assert "pip install 'lit-seqpack[flash-attn]'" in reason and "ABI" in reason
+    q, k, v = _qkv(LENGTHS)
+    with pytest.raises(BackendUnavailableError, match=r"CUDA tensors only.*pip install 'lit-seqpack\[flash-attn\]'"):
+        varlen_attention(q, k, v, _cu(LENGTHS), 5, backend="flash_attn")
 
 
 def test_broken_flash_attn_import_mentions_abi(monkeypatch):
