@@ -40,6 +40,8 @@ from dataclasses import astuple, dataclass
 import numpy as np
 import torch
 
+from lit_seqpack.data._hashing import hashed_uniform
+
 __all__ = [
     "BOS_ID",
     "EOS_ID",
@@ -67,7 +69,6 @@ _OVERHEAD = 4  # BOS, TASK, SEP, EOS
 _PERMUTATION_SEED = 0x5E9A
 _GENERATOR_VERSION = 1  # bump when the generated samples change, so that cached lengths are invalidated
 _STREAM_NORMAL_A, _STREAM_NORMAL_B, _STREAM_TASK = 1, 2, 3
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -257,37 +258,12 @@ class SyntheticInstructionDataset:
         return np.concatenate((_transform(task, prompt[2:-1], self.config.vocab_size), [EOS_ID]))
 
 
-def hashed_uniform(seed: int, indices: np.ndarray, stream: int) -> np.ndarray:
-    """Uniform floats in (0, 1), a pure function of ``(seed, index, stream)`` (splitmix64), vectorised.
-
-    Example:
-        >>> u = hashed_uniform(0, np.arange(3, dtype=np.uint64), 1)
-        >>> bool(((u > 0) & (u < 1)).all()), bool((u == hashed_uniform(0, np.arange(3, dtype=np.uint64), 1)).all())
-        (True, True)
-    """
-    key = _stream_key(seed, stream)
-    bits = _splitmix64(np.asarray(indices, dtype=np.uint64) * _GOLDEN ^ key)
-    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) / float(2**53)
-
-
-@functools.lru_cache(maxsize=64)
-def _stream_key(seed: int, stream: int) -> np.ndarray:
-    return _splitmix64(np.array([seed], dtype=np.uint64) * _GOLDEN + np.uint64(stream))
-
-
 @functools.lru_cache(maxsize=8)
 def _payload_permutation(vocab_size: int) -> np.ndarray:
     """The ``permute`` task's map of payload offsets, fixed by ``vocab_size`` alone."""
     permutation = np.random.default_rng([_PERMUTATION_SEED, vocab_size]).permutation(vocab_size - FIRST_PAYLOAD_ID)
     permutation.flags.writeable = False
     return permutation
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    x = x + _GOLDEN
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 def _target_lengths(cfg: SyntheticTaskConfig, idx: np.ndarray) -> np.ndarray:
