@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -158,7 +159,10 @@ class TruncatedDataset:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Mapping[str, Any]:
-        sample = _checked(self.dataset, int(index), int(self._source_lengths[index]))
+        i = operator.index(index)
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
+        sample = _checked(self.dataset, i, int(self._source_lengths[i]))
         if len(sample["input_ids"]) <= self.max_tokens:
             return sample
         cut = dict(sample)
@@ -205,7 +209,10 @@ class DroppedDataset:
         return len(self.original_indices)
 
     def __getitem__(self, index: int) -> Mapping[str, Any]:
-        return _checked(self.dataset, int(self.original_indices[index]), int(self.lengths[index]))
+        i = operator.index(index)
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
+        return _checked(self.dataset, int(self.original_indices[i]), int(self.lengths[i]))
 
     @property
     def loss_tokens(self) -> np.ndarray | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -79,7 +80,7 @@ class TokenizedDataset:
         return len(self.offsets) - 1
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        i = int(index)
+        i = operator.index(index)
         if not 0 <= i < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
         start, stop = self.offsets[i], self.offsets[i + 1]

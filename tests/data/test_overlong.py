@@ -153,3 +153,12 @@ def test_report_validates():
         OverlongReport(policy="cut", max_tokens=4, num_samples=1)
     with pytest.raises(ValueError, match="cannot exceed num_overlong"):
         OverlongReport(policy="drop", max_tokens=4, num_samples=3, num_overlong=1, num_dropped=2)
+
+
+def test_views_reject_out_of_range_indices():
+    data = _data()
+    for policy in ("truncate", "drop"):
+        view, _, _ = apply_overlong_policy(data, data.lengths, 6, policy)
+        for bad in (len(view), -1):
+            with pytest.raises(IndexError):
+                view[bad]
