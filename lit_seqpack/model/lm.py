@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 
-from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model
+from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model, register_attention
 from lit_seqpack.model.mixin import PackedSequenceMixin
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
 
@@ -204,6 +204,11 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         self.model = prepare_hf_model(model)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a process that unpickles this module (ddp_spawn, DataLoader workers) must know the attention function
+        register_attention()
+        super().__setstate__(state)
 
     def seqpack_model_inputs(self, batch: Any) -> dict[str, Any]:
         """transformers keywords: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``, ``use_cache=False``."""

@@ -118,3 +118,17 @@ def test_hf_causal_lm_from_a_config_and_from_a_local_checkpoint(tmp_path: Path) 
     assert loaded.model.config._attn_implementation == ATTENTION_NAME
     with torch.no_grad():
         torch.testing.assert_close(loaded.seqpack_forward(batch), module.seqpack_forward(batch))
+
+
+def test_an_unpickled_hf_module_registers_the_attention_function_again() -> None:
+    """A spawned process (ddp_spawn) unpickles the module before anything registered the function there."""
+    import pickle
+
+    from transformers import AttentionInterface
+
+    payload = pickle.dumps(HFCausalLM(config=LLAMA, attn_backend="sdpa"))
+    del AttentionInterface._global_mapping[ATTENTION_NAME]  # what a fresh process looks like
+    module = pickle.loads(payload)
+    assert ATTENTION_NAME in AttentionInterface()
+    batch = PackedCollator()(_samples())
+    assert check_packing_equivalence(module, batch, atol=1e-5).passed

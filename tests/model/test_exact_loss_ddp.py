@@ -1,0 +1,65 @@
+"""Exact loss under real DDP: 2 spawned CPU processes on gloo, accumulation 2, packed and dynamic microbatches.
+
+After one optimizer step the (DDP-averaged) gradient equals the gradient of one big padded batch of every sample
+of the step with a token-mean loss. Rank 1 ends on a zero-weight dummy filler, as a lock-step plan produces.
+The normalisation does not depend on the model, so the HF model's exactness is tested in one process
+(tests/model/test_exact_loss.py); each spawned case costs ~40 s of the suite's budget on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningDataModule, Trainer
+
+from tests.model.test_exact_loss import (
+    GradientCapture,
+    assert_gradients_match,
+    make_module,
+    make_samples,
+    reference_gradients,
+    step_batches,
+)
+
+GROUPS = [[[0, 1, 2], [3, 4, 5, 6]], [[7, 8, 9, 10, 11, 12, 13], []]]  # 2 ranks x 2 microbatches
+
+
+class PerRankBatches(LightningDataModule):
+    """Hands each rank its own list of prepared microbatches."""
+
+    def __init__(self, batches: list[list[dict[str, Any]]]) -> None:
+        super().__init__()
+        self.batches = batches
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.batches[self.trainer.global_rank], batch_size=None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("kind", "mode"), [("reference", "packed"), ("reference", "dynamic")])
+def test_ddp_step_equals_the_big_padded_batch(kind: str, mode: str, tmp_path: Path) -> None:
+    samples = make_samples(count=14, seed=3)
+    module = make_module(kind)
+    expected = reference_gradients(module, samples)
+    batches = step_batches(samples, GROUPS, mode)
+    path = tmp_path / "grads.pt"
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        precision="64-true",
+        max_steps=1,
+        accumulate_grad_batches=2,
+        use_distributed_sampler=False,
+        callbacks=[GradientCapture(str(path))],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=PerRankBatches(batches))
+    assert_gradients_match(torch.load(path), expected, rtol=1e-5)
