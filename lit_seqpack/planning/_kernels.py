@@ -7,7 +7,7 @@ Backend selection (this module owns it):
   code is cached on disk (next to this file, or under ``NUMBA_CACHE_DIR``), so later processes skip the
   compile. Helpers are ``register_jitable``: inlined into compiled callers, plain Python otherwise.
 - When ``numba`` cannot be imported, or the environment variable ``LIT_SEQPACK_DISABLE_NUMBA`` is
-  ``1``/``true``/``yes`` (read at every call, so tests can flip it), :func:`get_kernel` returns the
+  ``1``/``true``/``yes``/``on`` (read at every call, so tests can flip it), :func:`get_kernel` returns the
   uncompiled functions. Both paths run the same statements, so they give identical bins; the fallback
   is only much slower (about 1-2 s per 100k items instead of milliseconds).
 
@@ -27,7 +27,7 @@ import numpy as np
 try:
     import numba
     from numba.extending import register_jitable as _jitable
-except ImportError:  # pragma: no cover - exercised only where numba is missing
+except ImportError:  # tested by blocking the import in a subprocess
     numba = None
 
     def _jitable(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -47,7 +47,12 @@ def numba_enabled() -> bool:
 
 def _kernel(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Register ``fn`` as a kernel (compiled lazily when numba is present); returns ``fn`` unchanged."""
-    compiled = numba.njit(cache=True)(fn) if NUMBA_AVAILABLE else fn
+    compiled = fn
+    if NUMBA_AVAILABLE:
+        try:
+            compiled = numba.njit(cache=True)(fn)
+        except RuntimeError:  # no writable cache location: compile in every process instead
+            compiled = numba.njit(fn)
     _KERNELS[fn.__name__] = (compiled, fn)
     return fn
 
@@ -273,7 +278,9 @@ def _largest_fitting(desc: np.ndarray, unused: np.ndarray, room: int, lo: int, h
 
 
 @_jitable
-def _place(j: int, b: int, desc: np.ndarray, bins: np.ndarray, room: np.ndarray, nxt: np.ndarray, prv: np.ndarray):
+def _place(
+    j: int, b: int, desc: np.ndarray, bins: np.ndarray, room: np.ndarray, nxt: np.ndarray, prv: np.ndarray
+) -> None:
     bins[j] = b
     room[b] -= desc[j]
     nxt[j] = j + 1

@@ -60,6 +60,15 @@ def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def _checked_int(knob: str, value: object, minimum: int, *, optional: bool = False) -> int | None:
+    """``value`` as a Python int, or ``ValueError`` naming the knob when it is not an integer >= minimum."""
+    if optional and value is None:
+        return None
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{knob} must be {'None or ' if optional else ''}an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Packer:
     """A configured packing algorithm; build it with :func:`get_packer`.
@@ -83,16 +92,11 @@ class Packer:
         if name not in PACKING_ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(PACKING_ALGORITHMS)}; got {self.algorithm!r}")
         object.__setattr__(self, "algorithm", name)
-        if not _is_int(self.capacity) or self.capacity < 1:
-            raise ValueError(f"capacity must be an integer >= 1, got {self.capacity!r}")
-        if self.min_bin_count is not None and (not _is_int(self.min_bin_count) or self.min_bin_count < 0):
-            raise ValueError(f"min_bin_count must be None or an integer >= 0, got {self.min_bin_count!r}")
-        if self.bin_count_multiple is not None and (
-            not _is_int(self.bin_count_multiple) or self.bin_count_multiple < 1
-        ):
-            raise ValueError(f"bin_count_multiple must be None or an integer >= 1, got {self.bin_count_multiple!r}")
-        if not _is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        object.__setattr__(self, "capacity", _checked_int("capacity", self.capacity, 1))
+        object.__setattr__(self, "min_bin_count", _checked_int("min_bin_count", self.min_bin_count, 0, optional=True))
+        multiple = _checked_int("bin_count_multiple", self.bin_count_multiple, 1, optional=True)
+        object.__setattr__(self, "bin_count_multiple", multiple)
+        object.__setattr__(self, "seed", _checked_int("seed", self.seed, 0))
 
     def pack(self, lengths: Sequence[int] | np.ndarray) -> list[list[int]]:
         """Pack sequences into bins.
