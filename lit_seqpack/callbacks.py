@@ -1,0 +1,291 @@
+"""Lightning callback that shows, live and at the end of fit, how much compute went to real tokens."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from typing_extensions import override
+
+from lit_seqpack.metrics.counts import TokenKind, check_token_kind
+from lit_seqpack.metrics.tracker import PackingTracker, RunTotals
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+__all__ = ["PackingMonitor"]
+
+_PROG_BAR_KEYS = ("tokens_per_sec", "padding_ratio")
+
+
+class _Stopwatch:
+    """Seconds spent in a stage, with pauses; ``lap`` closes a window and opens the next at the same instant."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.started: float | None = None
+        self.banked = 0.0
+
+    @property
+    def running(self) -> bool:
+        return self.started is not None
+
+    def start(self) -> None:
+        if self.started is None:
+            self.started = self.clock()
+
+    def pause(self) -> None:
+        if self.started is not None:
+            self.banked += self.clock() - self.started
+            self.started = None
+
+    def lap(self) -> float:
+        now = self.clock()
+        elapsed = self.banked + (now - self.started if self.started is not None else 0.0)
+        self.banked = 0.0
+        if self.started is not None:
+            self.started = now
+        return elapsed
+
+    def reset(self) -> None:
+        self.started, self.banked = None, 0.0
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so that the host clock measures it (only on devices that queue work)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+@rank_zero_only
+def _log_summary(totals: RunTotals, losses: tuple[float | None, float | None], loss_key: str) -> None:
+    v = totals.values()
+    lines = [
+        "PackingMonitor summary (training, all ranks):",
+        f"  real tokens        {totals.real_tokens:,}",
+        f"  padding tokens     {totals.padding_tokens:,}",
+        f"  padding ratio      {v['padding_ratio']:.2%}",
+        f"  tokens/s           {v['tokens_per_sec']:,.1f} real, {v['computed_tokens_per_sec']:,.1f} computed "
+        f"over {totals.elapsed:.2f} s",
+        f"  packing efficiency {v['packing_efficiency']:.4f} (bin utilization {v['bin_utilization']:.4f}, "
+        f"bin balance {v['bin_balance']:.4f})",
+        f"  rank imbalance     {v['rank_imbalance']:.4f} mean, {v['rank_imbalance_max']:.4f} max",
+    ]
+    first, last = losses
+    if first is not None and last is not None:
+        lines.append(f"  {loss_key:<18} {first:.4f} -> {last:.4f}")
+    rank_zero_info("\n".join(lines))
+
+
+class PackingMonitor(Callback):
+    """Logs padding, throughput, packing and rank-balance metrics for training, validation and test.
+
+    Every microbatch updates a :class:`~lit_seqpack.metrics.PackingTracker` from the batch's Python scalars
+    (packed rows and padded ``[B, L]`` batches alike, so the padding ratios of the three modes compare
+    directly). At each logging step of the Trainer (``log_every_n_steps``, after an optimizer step) the
+    window since the previous log is reduced over ranks (tokens summed, elapsed time of the slowest rank)
+    and logged under ``train/``: ``padding_ratio``, ``tokens_per_sec``, ``computed_tokens_per_sec``,
+    ``packing_efficiency``, ``bin_utilization``, ``waste_ratio``, ``bin_balance``, ``rank_imbalance``,
+    ``rank_imbalance_max`` (rates and ratios over the window) and ``real_tokens``, ``padding_tokens``
+    (cumulative). Tokens/s and the padding ratio also go to the progress bar. Validation and test log the
+    same keys under ``val/`` and ``test/`` once per epoch. At the end of fit rank 0 logs a summary of the
+    whole run (and the first and last value of ``loss_key`` if the module logged it).
+
+    Why computed values and not Metric objects: Lightning logs a Metric object's per-step value from its
+    rank-local ``forward`` cache, which is neither a window nor all ranks. The values logged here are
+    already reduced over ranks by the metrics' own sync (``sum`` / ``max`` / ``cat``), so step values use
+    ``sync_dist=False``; epoch values use ``sync_dist=True, reduce_fx="max"``, the identity on values every
+    rank agrees on. (Logging each rank's own rate with the default ``sync_dist=True`` mean would average
+    rates over ranks, which is wrong for a throughput.)
+
+    Timing: the training clock starts at the first batch and pauses during validation; the device is
+    synchronised (CUDA/MPS only) at each log step, around validation and at the end of an evaluation epoch,
+    never in between, so the window's tokens/s includes data loading, optimizer and logging time.
+    Stateful: the run totals (as of the last log step) are saved in checkpoints and restored on resume.
+
+    Args:
+        prog_bar: put ``train/tokens_per_sec`` and ``train/padding_ratio`` in the progress bar.
+        summary: log the end-of-fit summary on rank 0.
+        imbalance_tokens: which tokens the rank imbalance balances (``"real"`` or ``"computed"``).
+        loss_key: the key under which the LightningModule logs its training loss.
+        clock: seconds of a monotonic clock (``time.perf_counter``); replace it to time deterministically.
+    """
+
+    def __init__(
+        self,
+        *,
+        prog_bar: bool = True,
+        summary: bool = True,
+        imbalance_tokens: TokenKind = "real",
+        loss_key: str = "train/loss",
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if not callable(clock):
+            raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
+        self.prog_bar = prog_bar
+        self.summary = summary
+        self.imbalance_tokens = check_token_kind(imbalance_tokens)
+        self.loss_key = loss_key
+        self.trackers = {stage: PackingTracker(imbalance_tokens=imbalance_tokens) for stage in ("train", "val", "test")}
+        self._watches = {stage: _Stopwatch(clock) for stage in self.trackers}
+        self._device = torch.device("cpu")
+        self._step_at_batch_start = 0
+        self._paused_for_val = False
+        self._loss_first: torch.Tensor | float | None = None
+        self.last_summary: dict[str, float] | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(loss_key=self.loss_key, imbalance_tokens=self.imbalance_tokens)
+
+    def _flush(self, stage: str) -> dict[str, float]:
+        _synchronize(self._device)
+        return self.trackers[stage].flush(elapsed=self._watches[stage].lap())
+
+    def _read_loss(self, trainer: Trainer) -> torch.Tensor | None:
+        metrics = trainer.callback_metrics
+        for key in (f"{self.loss_key}_step", self.loss_key):
+            if key in metrics:
+                return metrics[key].detach().clone()
+        return None
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._device = trainer.strategy.root_device
+        for tracker in self.trackers.values():
+            tracker.to(self._device)
+        if stage == "fit":
+            self.trackers["train"].reset()
+            self._watches["train"].reset()
+            self._loss_first = None
+            self._paused_for_val = False
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_at_batch_start = trainer.global_step
+        self._watches["train"].start()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stepped = trainer.global_step != self._step_at_batch_start
+        self.trackers["train"].update(batch, step_end=stepped)
+        # the same condition under which Lightning writes step metrics (LearningRateMonitor uses it too)
+        logging_step = stepped and (trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
+        if self._loss_first is None and (batch_idx == 0 or logging_step):  # first batch, else first log step
+            self._loss_first = self._read_loss(trainer)
+        if not logging_step:
+            return
+        values = self._flush("train")
+        for key, value in values.items():
+            pl_module.log(
+                f"train/{key}",
+                value,
+                on_step=True,
+                on_epoch=False,
+                prog_bar=self.prog_bar and key in _PROG_BAR_KEYS,
+                sync_dist=False,
+                batch_size=1,
+            )
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or not self._watches["train"].running:
+            return
+        _synchronize(self._device)  # the training work queued so far belongs to the training clock
+        self._watches["train"].pause()
+        self._paused_for_val = True
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._paused_for_val:
+            _synchronize(self._device)
+            self._watches["train"].start()
+            self._paused_for_val = False
+
+    def _eval_epoch_start(self, stage: str) -> None:
+        self.trackers[stage].reset()
+        self._watches[stage].reset()
+        _synchronize(self._device)
+        self._watches[stage].start()
+
+    def _eval_epoch_end(self, stage: str, pl_module: LightningModule) -> None:
+        values = self._flush(stage)
+        self._watches[stage].reset()
+        for key, value in values.items():
+            pl_module.log(f"{stage}/{key}", value, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
+
+    @override
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._eval_epoch_start("val")
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if not trainer.sanity_checking:
+            self.trackers["val"].update(batch, step_end=True)
+
+    @override
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._eval_epoch_end("val", pl_module)
+
+    @override
+    def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_epoch_start("test")
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self.trackers["test"].update(batch, step_end=True)
+
+    @override
+    def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_epoch_end("test", pl_module)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        tracker = self.trackers["train"]
+        tracker.end_step()
+        self._flush("train")  # every rank calls it: the last window joins the totals
+        self._watches["train"].reset()
+        self.last_summary = tracker.totals.values()
+        if self.summary:
+            last = self._read_loss(trainer)
+            first = None if self._loss_first is None else float(self._loss_first)
+            _log_summary(tracker.totals, (first, None if last is None else float(last)), self.loss_key)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "totals": self.trackers["train"].totals.state_dict(),
+            "loss_first": None if self._loss_first is None else float(self._loss_first),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.trackers["train"].totals = RunTotals.from_state_dict(state_dict["totals"])
+        self._loss_first = state_dict.get("loss_first")
