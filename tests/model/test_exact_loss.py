@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta
+from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta, PlannedDataset
+from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler
 from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
 from lit_seqpack.model.loss import LossOutput
 
@@ -205,4 +206,68 @@ def test_manual_loop_over_two_simulated_ranks_equals_the_big_padded_batch(mode: 
             (replica.training_step(batch, 0) / len(rank_batches)).backward()
         per_rank.append({name: p.grad for name, p in replica.named_parameters()})
     averaged = {name: sum(g[name] for g in per_rank) / len(per_rank) for name in expected}
+    assert_gradients_match(averaged, expected, rtol=1e-5)
+
+
+def _planned_loader(sampler: Any, samples: list[dict[str, list[int]]], collate: Any) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(PlannedDataset(samples), batch_sampler=sampler, collate_fn=collate)
+
+
+def test_real_sampler_collator_and_trainer_end_to_end() -> None:
+    """PackedBatchSampler -> PlannedDataset -> PackedCollator -> Trainer(accumulate_grad_batches=3) -> mixin."""
+    samples = make_samples(count=24, seed=7)
+    lengths = [len(s["input_ids"]) for s in samples]
+    sampler_kwargs = {"max_tokens": 32, "num_replicas": 1, "rank": 0, "accumulate_grad_batches": 3, "seed": 1}
+    tokens = [loss_tokens(s) for s in samples]
+    peek = PackedBatchSampler(lengths, loss_tokens=tokens, **sampler_kwargs)  # the same plan, read ahead
+    first_step = [mb for mb, _ in zip(peek, range(3), strict=False)]
+    assert all(mb.meta.step == 0 for mb in first_step)
+    step_samples = [samples[i] for mb in first_step for i in mb]
+    module = make_module("reference")
+    expected = reference_gradients(module, step_samples)
+    capture = GradientCapture()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="64-true",
+        max_steps=1,
+        accumulate_grad_batches=3,
+        use_distributed_sampler=False,
+        callbacks=[capture],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    sampler = PackedBatchSampler(lengths, loss_tokens=tokens, **sampler_kwargs)
+    trainer.fit(module, _planned_loader(sampler, samples, PackedCollator(pad_to_multiple_of=8)))
+    assert capture.grads is not None
+    assert_gradients_match(capture.grads, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["packed", "dynamic"])
+def test_real_samplers_on_two_simulated_ranks(mode: str) -> None:
+    """Each rank's sampler gives its step-0 microbatches; Lightning's /k and DDP's mean over W done by hand."""
+    samples = make_samples(count=30, seed=11)
+    lengths, tokens = [len(s["input_ids"]) for s in samples], [loss_tokens(s) for s in samples]
+    sampler_cls, collate = (
+        (PackedBatchSampler, PackedCollator()) if mode == "packed" else (DynamicBatchSampler, PaddedCollator())
+    )
+    module = make_module("reference").double()
+    per_rank, step_samples, step_totals = [], [], set()
+    for rank in range(2):
+        sampler = sampler_cls(
+            lengths, max_tokens=48, num_replicas=2, rank=rank, accumulate_grad_batches=2, loss_tokens=tokens, seed=2
+        )
+        step = [mb for mb, _ in zip(sampler, range(2), strict=False)]
+        step_samples += [samples[i] for mb in step for i in mb]
+        replica = copy.deepcopy(module)
+        for micro in step:
+            batch = collate(Microbatch([samples[i] for i in micro], meta=micro.meta))
+            step_totals.add(batch["step_loss_tokens"])
+            (replica.training_step(batch, 0) / 2).backward()
+        per_rank.append({name: p.grad for name, p in replica.named_parameters()})
+    assert step_totals == {sum(loss_tokens(s) for s in step_samples)}  # the plan's normaliser, known to every rank
+    expected = reference_gradients(module, step_samples)
+    averaged = {name: (per_rank[0][name] + per_rank[1][name]) / 2 for name in expected}
     assert_gradients_match(averaged, expected, rtol=1e-5)
