@@ -1,0 +1,302 @@
+"""``SeqPackDataModule``: packed, dynamic or padded batches for one or many ranks, resumable mid-epoch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lit_seqpack.data.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.lengths import (
+    cached_lengths_and_loss_tokens,
+    compute_lengths_and_loss_tokens,
+    sample_loss_tokens,
+)
+from lit_seqpack.data.microbatch import PlannedDataset
+from lit_seqpack.data.overlong import DroppedDataset, OverlongReport, TruncatedDataset, apply_overlong_policy
+from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
+from lit_seqpack.data.sources_factory import build_dataset
+from lit_seqpack.data.splits import IndexView, split_indices
+from lit_seqpack.planning.plan import PlanConfig
+
+if TYPE_CHECKING:
+    from lit_seqpack.data._planned_sampler import PlannedBatchSampler
+
+__all__ = ["SeqPackDataModule"]
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["packing", "dynamic", "padded"]
+_SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
+
+
+class SeqPackDataModule(LightningDataModule):
+    """Token sequences batched by the lit_seqpack planner, for a ``Trainer`` with one or many ranks.
+
+    The plan of every epoch is computed identically on every rank (no communication); each rank's
+    batch sampler yields its own microbatches, the same number on every rank and per optimizer step,
+    and carries the optimizer step's loss-token total so the model side normalises the loss exactly.
+    The Trainer must run with ``use_distributed_sampler=False`` (the ``lit-seqpack`` CLI sets it).
+
+    Args:
+        source: where samples come from: ``"synthetic"`` (the embedded task, no download), ``"jsonl"``,
+            ``"parquet"``, ``"hf_disk"`` (pre-tokenised) or ``"text"`` (raw text + local tokenizer).
+        path: the file or folder of an on-disk source.
+        synthetic: keyword arguments of :class:`~lit_seqpack.data.synthetic.SyntheticInstructionDataset`.
+        tokenizer: path of a local Hugging Face tokenizer (``source="text"``).
+        text_field: the JSONL field holding raw text (``source="text"``).
+        mode: ``"packing"``, ``"dynamic"`` or ``"padded"`` (the baseline); one field, so packing and
+            dynamic batching can never both be on.
+        max_tokens: token budget of a microbatch (packing and dynamic; ``None`` in padded mode).
+        algorithm: packing algorithm (``lit_seqpack.PACKING_ALGORITHMS``; packing only).
+        window: consecutive shuffled samples planned together (``None``: the whole epoch).
+        sequence_length_round: rows are padded to a multiple of this (the packed row, or the longest
+            row of a dynamic/padded block); ``max_tokens`` must be a multiple of it.
+        pad_to_multiple_of: every document is padded to a multiple of this inside a packed row
+            (context/tensor parallel kernels need it); the planner plans on the padded lengths.
+        microbatch_order: ``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`).
+        cost_quadratic: ``b`` of the per-document cost ``L + b*L^2`` that ranks are balanced on.
+        overlong: what happens to samples longer than ``max_tokens``: ``"error"``, ``"truncate"`` or
+            ``"drop"``; counted, logged and kept in :attr:`overlong_report`.
+        batch_size: samples per microbatch (padded mode only).
+        val_fraction: share of the samples held out for validation (0 disables validation).
+        num_workers: DataLoader worker processes.
+        pad_token_id: the id written on padding positions.
+        seed: seed of the shuffles and of the validation split (the same on every rank).
+        shuffle: reshuffle the training samples every epoch.
+        cache_dir: folder where the lengths of on-disk data are cached (``None``: no cache).
+        dataset: a ready map-style dataset for Python users; it replaces ``source``/``path``/``synthetic``.
+    """
+
+    def __init__(
+        self,
+        *,
+        source: str = "synthetic",
+        path: str | None = None,
+        synthetic: dict[str, Any] | None = None,
+        tokenizer: str | None = None,
+        text_field: str = "text",
+        mode: Mode = "packing",
+        max_tokens: int | None = 2048,
+        algorithm: str = "first_fit_decreasing",
+        window: int | None = None,
+        sequence_length_round: int = 1,
+        pad_to_multiple_of: int = 1,
+        microbatch_order: Literal["largest_first", "packer"] = "largest_first",
+        cost_quadratic: float = 0.0,
+        overlong: Literal["error", "truncate", "drop"] = "error",
+        batch_size: int | None = None,
+        val_fraction: float = 0.0,
+        num_workers: int = 0,
+        pad_token_id: int = 0,
+        seed: int = 0,
+        shuffle: bool = True,
+        cache_dir: str | None = None,
+        dataset: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["dataset"])
+        if mode not in _SAMPLERS:
+            raise ValueError(f"mode={mode!r} must be one of {tuple(_SAMPLERS)}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1)")
+        for name, value in (("num_workers", num_workers), ("pad_to_multiple_of", pad_to_multiple_of)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "num_workers" else 1):
+                raise ValueError(f"{name}={value!r} must be an int >= {0 if name == 'num_workers' else 1}")
+        # Validate the plan knobs now (world size and accumulation are read from the Trainer in setup).
+        self._plan_config(world_size=1, accumulate_grad_batches=1)
+        self._dataset = dataset
+        self._full_lengths: np.ndarray | None = None
+        self._full_loss_tokens: np.ndarray | None = None
+        self.overlong_report: OverlongReport | None = None
+        self._splits: dict[str, tuple[Any, np.ndarray, np.ndarray]] = {}
+        self._layout: tuple[int, int, int] = (1, 0, 1)
+        self._train_sampler: PlannedBatchSampler | None = None
+
+    # ------------------------------------------------------------------ data
+    @property
+    def dataset(self) -> Sequence[Mapping[str, Any]]:
+        """The whole dataset (before the over-long policy and the validation split)."""
+        if self._dataset is None:
+            hp = self.hparams
+            self._dataset = build_dataset(
+                hp.source, path=hp.path, synthetic=hp.synthetic, tokenizer=hp.tokenizer, text_field=hp.text_field
+            )
+        return self._dataset
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size the data needs (linked to the model's ``vocab_size`` by the CLI)."""
+        data = self.dataset
+        for owner in (data, getattr(data, "config", None)):
+            value = getattr(owner, "vocab_size", None)
+            if isinstance(value, int):
+                return value
+        tokens = getattr(data, "tokens", None)
+        if tokens is not None:
+            return int(np.max(tokens)) + 1
+        return max(int(max(data[i]["input_ids"])) for i in range(len(data))) + 1
+
+    def prepare_data(self) -> None:
+        """Compute (and cache, with ``cache_dir``) the lengths once, on one process per node."""
+        self._lengths()
+
+    def _lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._full_lengths is None:
+            data, cache_dir = self.dataset, self.hparams.cache_dir
+            if cache_dir is None:
+                lengths, loss_tokens = compute_lengths_and_loss_tokens(data)
+            else:
+                lengths, loss_tokens = cached_lengths_and_loss_tokens(data, cache_dir)
+            self._full_lengths, self._full_loss_tokens = lengths, loss_tokens
+        return self._full_lengths, self._full_loss_tokens
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read world size, rank and accumulation from the Trainer; apply the over-long policy; split."""
+        self._layout = self._read_layout()
+        if self._splits:
+            return
+        hp = self.hparams
+        if len(self.dataset) == 0:
+            raise ValueError("the dataset is empty: there is nothing to train on")
+        lengths, loss_tokens = self._lengths()
+        data = self.dataset
+        if hp.max_tokens is not None:
+            full_lengths = lengths
+            data, lengths, self.overlong_report = apply_overlong_policy(data, lengths, hp.max_tokens, hp.overlong)
+            loss_tokens = _view_loss_tokens(data, full_lengths, loss_tokens)
+            if self.overlong_report.num_overlong:
+                rank_zero_info(f"lit_seqpack: {self.overlong_report.summary()}")
+        train_idx, val_idx = split_indices(len(data), hp.val_fraction, seed=hp.seed)
+        self._splits["train"] = (IndexView(data, train_idx), lengths[train_idx], loss_tokens[train_idx])
+        if len(val_idx):
+            self._splits["val"] = (IndexView(data, val_idx), lengths[val_idx], loss_tokens[val_idx])
+
+    def _read_layout(self) -> tuple[int, int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                return dist.get_world_size(), dist.get_rank(), 1
+            return 1, 0, 1
+        if trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler:
+            raise ValueError(
+                "SeqPackDataModule plans every rank's batches itself: create the Trainer with "
+                "use_distributed_sampler=False (Lightning would otherwise wrap the batch sampler in a "
+                "DistributedSampler and ranks would get different batch counts and hang)"
+            )
+        return trainer.world_size, trainer.global_rank, trainer.accumulate_grad_batches
+
+    # ------------------------------------------------------------------ loaders
+    def _plan_config(self, *, world_size: int, accumulate_grad_batches: int, train: bool = True) -> PlanConfig:
+        hp = self.hparams
+        packing = hp.mode == "packing"
+        return PlanConfig(
+            mode=hp.mode,
+            max_tokens=hp.max_tokens if hp.mode != "padded" else None,
+            algorithm=hp.algorithm if packing else None,
+            window=hp.window,
+            sequence_length_round=hp.sequence_length_round,
+            batch_size=hp.batch_size,
+            world_size=world_size,
+            accumulate_grad_batches=accumulate_grad_batches,
+            seed=hp.seed,
+            shuffle=hp.shuffle and train,
+            microbatch_order=hp.microbatch_order,
+            cost_quadratic=hp.cost_quadratic,
+        )
+
+    def _collator(self) -> PackedCollator | PaddedCollator:
+        hp = self.hparams
+        if hp.mode == "packing":
+            return PackedCollator(
+                pad_token_id=hp.pad_token_id,
+                pad_to_multiple_of=hp.sequence_length_round,
+                pad_document_to_multiple_of=hp.pad_to_multiple_of if hp.pad_to_multiple_of > 1 else None,
+            )
+        return PaddedCollator(pad_token_id=hp.pad_token_id, pad_to_multiple_of=hp.sequence_length_round)
+
+    def _loader(self, split: str) -> StatefulDataLoader:
+        if not self._splits:
+            self.setup("fit")
+        if split not in self._splits:
+            raise ValueError(f"no {split!r} data: set val_fraction > 0 to hold out validation samples")
+        data, lengths, loss_tokens = self._splits[split]
+        world, rank, accumulate = self._layout
+        train = split == "train"
+        config = self._plan_config(world_size=world, accumulate_grad_batches=accumulate if train else 1, train=train)
+        planned = (
+            _planned_lengths(lengths, self.hparams.pad_to_multiple_of) if self.hparams.mode == "packing" else lengths
+        )
+        sampler = _SAMPLERS[self.hparams.mode].from_config(planned, config, rank=rank, loss_tokens=loss_tokens)
+        if train:
+            self._train_sampler = sampler
+        return StatefulDataLoader(
+            PlannedDataset(data),
+            batch_sampler=sampler,
+            collate_fn=self._collator(),
+            num_workers=self.hparams.num_workers,
+        )
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        """The training loader: a stateful DataLoader over this rank's planned microbatches."""
+        return self._loader("train")
+
+    def val_dataloader(self) -> StatefulDataLoader | list:
+        """The validation loader (same mode, no shuffle, no accumulation), or none without ``val_fraction``."""
+        if not self._splits:
+            self.setup("validate")
+        return self._loader("val") if "val" in self._splits else []
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume must agree with: the data and the distributed layout."""
+        world, _, accumulate = self._layout
+        train = self._splits.get("train")
+        return {
+            "num_samples": len(self.dataset),
+            "num_train_samples": 0 if train is None else len(train[0]),
+            "world_size": world,
+            "accumulate_grad_batches": accumulate,
+            "mode": self.hparams.mode,
+            "max_tokens": self.hparams.max_tokens,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refuse to resume on other data or another layout (the plan would no longer match)."""
+        current = self.state_dict()
+        changed = {k: (v, current.get(k)) for k, v in state_dict.items() if current.get(k) != v}
+        if changed:
+            detail = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changed.items())
+            raise ValueError(
+                f"cannot resume: the checkpoint was planned for other data or another layout ({detail}); "
+                "resume with the same dataset, world size, accumulate_grad_batches, mode and max_tokens"
+            )
+
+
+def _planned_lengths(lengths: np.ndarray, multiple: int) -> np.ndarray:
+    """Document lengths after per-document padding to ``multiple`` (what a packed row really holds)."""
+    if multiple == 1:
+        return lengths
+    return (lengths + multiple - 1) // multiple * multiple
+
+
+def _view_loss_tokens(view: Any, full_lengths: np.ndarray, full_loss_tokens: np.ndarray) -> np.ndarray:
+    """Loss tokens of the samples of an over-long policy's view (dropped samples gone, cut ones recounted)."""
+    offered = getattr(view, "loss_tokens", None)
+    if offered is not None:
+        return np.asarray(offered, dtype=np.int64)
+    if isinstance(view, DroppedDataset):
+        return full_loss_tokens[view.original_indices]
+    if isinstance(view, TruncatedDataset):
+        counts = full_loss_tokens.copy()
+        for i in np.flatnonzero(full_lengths > view.max_tokens):
+            counts[i] = sample_loss_tokens(view[int(i)])
+        return counts
+    return full_loss_tokens

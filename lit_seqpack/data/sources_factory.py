@@ -1,0 +1,55 @@
+"""Build a dataset from the DataModule's ``source`` knobs (what a YAML config can say)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["SOURCES", "build_dataset"]
+
+SOURCES: tuple[str, ...] = ("synthetic", "jsonl", "parquet", "hf_disk", "text")
+
+
+def build_dataset(
+    source: str,
+    *,
+    path: str | None = None,
+    synthetic: Mapping[str, Any] | None = None,
+    tokenizer: str | None = None,
+    text_field: str = "text",
+) -> Sequence[Mapping[str, Any]]:
+    """The map-style dataset that ``source`` names.
+
+    Args:
+        source: ``"synthetic"`` (the embedded task, no download), ``"jsonl"``, ``"parquet"`` or
+            ``"hf_disk"`` (pre-tokenised data at ``path``), or ``"text"`` (raw text at ``path``,
+            tokenised with the local Hugging Face tokenizer at ``tokenizer``).
+        path: the file or folder of an on-disk source.
+        synthetic: keyword arguments of :class:`~lit_seqpack.data.synthetic.SyntheticInstructionDataset`.
+        tokenizer: path of a local Hugging Face tokenizer (``source="text"`` only).
+        text_field: the JSONL field holding the text (``source="text"`` only).
+
+    Raises:
+        ValueError: an unknown ``source``, a missing ``path`` or ``tokenizer``, or knobs of another source.
+    """
+    if source not in SOURCES:
+        raise ValueError(f"source={source!r} must be one of {SOURCES}")
+    if source == "synthetic":
+        if path is not None:
+            raise ValueError(f"path={path!r} is only read by on-disk sources, not source='synthetic'")
+        from lit_seqpack.data.synthetic import SyntheticInstructionDataset
+
+        return SyntheticInstructionDataset(**dict(synthetic or {}))
+    if synthetic:
+        raise ValueError(f"synthetic={dict(synthetic)!r} is only read by source='synthetic', not {source!r}")
+    if path is None:
+        raise ValueError(f"source={source!r} needs path= (the file or folder to read)")
+    if source == "text":
+        if tokenizer is None:
+            raise ValueError("source='text' needs tokenizer= (the path of a local Hugging Face tokenizer)")
+        from lit_seqpack.data.text import TextDataset
+
+        return TextDataset(path, tokenizer, text_field=text_field)
+    from lit_seqpack.data.sources import load_tokenized
+
+    return load_tokenized(path, format=source)
