@@ -67,7 +67,7 @@ def _load_flash_attn() -> tuple[Callable[..., torch.Tensor] | None, str | None]:
         return None, f"flash-attn is not installed: {FLASH_ATTN_INSTALL_HINT}"
     try:
         from flash_attn import flash_attn_varlen_func
-    except ImportError as err:
+    except (ImportError, OSError) as err:  # OSError: a CUDA library the extension links to is missing
         return None, f"flash-attn is installed but does not import ({err}); {FLASH_ATTN_INSTALL_HINT}"
     return flash_attn_varlen_func, None
 
