@@ -101,7 +101,7 @@ class PackingMonitor(Callback):
     rank-local ``forward`` cache, which is neither a window nor all ranks. The values logged here are
     already reduced over ranks by the metrics' own sync (``sum`` / ``max`` / ``cat``), so step values use
     ``sync_dist=False``; epoch values use ``sync_dist=True, reduce_fx="max"``, the identity on values every
-    rank agrees on. (Logging each rank's own rate with the default ``sync_dist=True`` mean would average
+    rank agrees on. (Logging each rank's own rate with ``sync_dist=True``, a mean, would average
     rates over ranks, which is wrong for a throughput.)
 
     Timing: the training clock starts at the first batch and pauses during validation; the device is
