@@ -11,7 +11,11 @@ from lightning.pytorch import LightningModule
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from lit_seqpack.model.attention import use_backend  # noqa: E402
+from lit_seqpack.model.attention import (  # noqa: E402
+    override_backend,
+    reference_flash_attn_varlen_func,
+    use_backend,
+)
 from lit_seqpack.model.hf import (  # noqa: E402
     ATTENTION_NAME,
     PackingLeakError,
@@ -111,6 +115,17 @@ def test_packed_logits_equal_per_document_logits(pad: int) -> None:
             start += len(doc)
 
 
+def test_the_flash_attn_route_gets_the_right_arguments() -> None:
+    """HF's q/k/v views reach a flash_attn_varlen_func-shaped kernel correctly (a CPU stand-in for the kernel)."""
+    model = prepare_hf_model(tiny_llama())
+    batch = with_padding_tail(documents_batch(random_documents()), 3)
+    with torch.no_grad():
+        expected = model(**hf_model_inputs(batch, backend="sdpa")).logits
+        with override_backend("flash_attn", reference_flash_attn_varlen_func):
+            routed = model(**hf_model_inputs(batch, backend="flash_attn")).logits
+    torch.testing.assert_close(routed, expected, atol=1e-5, rtol=0)
+
+
 def test_padded_rows_equal_rows_alone_through_the_adapter() -> None:
     model = prepare_hf_model(tiny_llama())
     report = check_packing_equivalence(model, documents_batch(random_documents(), packed=False), atol=1e-5)
@@ -188,3 +203,19 @@ def test_documents_batch_rejects_empty_documents() -> None:
 def test_check_packing_equivalence_rejects_a_negative_tolerance() -> None:
     with pytest.raises(ValueError, match="atol"):
         check_packing_equivalence(tiny_llama(), documents_batch(random_documents()), atol=-1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_packed_logits_equal_per_document_logits_on_cuda_in_bf16(backend: str) -> None:
+    """The kernel backends (flash_attn / torch_varlen when present) receive HF's transposed q/k/v views."""
+    model = prepare_hf_model(tiny_llama()).to("cuda", torch.bfloat16)
+    docs = [d.cuda() for d in random_documents((40, 120, 7, 64))]
+    batch = documents_batch(docs)
+    with torch.no_grad():
+        packed = model(**hf_model_inputs(batch, backend=backend)).logits[0].float()
+        start = 0
+        for doc in docs:
+            alone = model(input_ids=doc[None]).logits[0].float()  # HF's own sdpa path
+            torch.testing.assert_close(packed[start : start + len(doc)], alone, atol=2e-2, rtol=2e-2)
+            start += len(doc)
