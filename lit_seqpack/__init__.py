@@ -30,6 +30,19 @@ _EXPORTS: dict[str, str] = {
     "PackedCollator": "lit_seqpack.data.collate",
     "PaddedCollator": "lit_seqpack.data.collate",
     "SeqPackDataModule": "lit_seqpack.data.datamodule",
+    "PackingLeakError": "lit_seqpack.model.hf",
+    "prepare_hf_model": "lit_seqpack.model.hf",
+    "LossOutput": "lit_seqpack.model.loss",
+    "HFCausalLM": "lit_seqpack.model.lm",
+    "ReferenceLM": "lit_seqpack.model.lm",
+    "ReferenceDecoder": "lit_seqpack.model.reference",
+    "ReferenceConfig": "lit_seqpack.model.reference",
+    "apply_overlong_policy": "lit_seqpack.data.overlong",
+    "OverlongReport": "lit_seqpack.data.overlong",
+    "TextDataset": "lit_seqpack.data.text",
+    "load_tokenized": "lit_seqpack.data.sources",
+    "TokenizedDataset": "lit_seqpack.data.sources",
+    "SyntheticInstructionDataset": "lit_seqpack.data.synthetic",
     # model
     "varlen_attention": "lit_seqpack.model.attention",
     "available_backends": "lit_seqpack.model.attention",
@@ -45,13 +58,17 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "DynamicBatchSampler",
+    "HFCausalLM",
+    "LossOutput",
     "MicrobatchMeta",
+    "OverlongReport",
     "PACKING_ALGORITHMS",
     "PackedBatchSampler",
     "PackedCollator",
     "PackedSequenceMixin",
     "Packer",
     "PackingEfficiency",
+    "PackingLeakError",
     "PackingMonitor",
     "PackingStats",
     "PaddedBatchSampler",
@@ -61,13 +78,22 @@ __all__ = [
     "PlanConfig",
     "PlanStats",
     "RankImbalance",
+    "ReferenceConfig",
+    "ReferenceDecoder",
+    "ReferenceLM",
     "SeqPackDataModule",
+    "SyntheticInstructionDataset",
+    "TextDataset",
+    "TokenizedDataset",
     "TokensPerSecond",
+    "apply_overlong_policy",
     "available_backends",
     "build_plan",
     "check_packing_equivalence",
     "get_packer",
+    "load_tokenized",
     "packing_stats",
+    "prepare_hf_model",
     "varlen_attention",
 ]
 
@@ -90,11 +116,18 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
     from lit_seqpack.data.collate import PackedCollator, PaddedCollator
     from lit_seqpack.data.datamodule import SeqPackDataModule
     from lit_seqpack.data.microbatch import MicrobatchMeta
+    from lit_seqpack.data.overlong import OverlongReport, apply_overlong_policy
     from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
+    from lit_seqpack.data.sources import TokenizedDataset, load_tokenized
+    from lit_seqpack.data.synthetic import SyntheticInstructionDataset
+    from lit_seqpack.data.text import TextDataset
     from lit_seqpack.metrics import PackingEfficiency, PaddingRatio, RankImbalance, TokensPerSecond
     from lit_seqpack.model.attention import available_backends, varlen_attention
-    from lit_seqpack.model.hf import check_packing_equivalence
+    from lit_seqpack.model.hf import PackingLeakError, check_packing_equivalence, prepare_hf_model
+    from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
+    from lit_seqpack.model.loss import LossOutput
     from lit_seqpack.model.mixin import PackedSequenceMixin
+    from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
     from lit_seqpack.planning import (
         PACKING_ALGORITHMS,
         Packer,
