@@ -328,10 +328,11 @@ def build_plan(
             raise ValueError(f"loss_tokens[{i}] = {int(loss[i])} exceeds the sample's length {int(lengths[i])}")
     _check_budget(lengths, config)
     n, window = lengths.size, config.window or max(lengths.size, 1)
-    order = np.random.default_rng([config.seed, epoch]).permutation(n) if config.shuffle else np.arange(n)
+    # SeedSequence pads entropy with zeros, so [s, e] and [s, e, 0] collide: each stream ends in its own tag
+    order = np.random.default_rng([config.seed, epoch, 1]).permutation(n) if config.shuffle else np.arange(n)
     members, sizes, slots, offset = [], [], [], 0
     for w, start in enumerate(range(0, n, window)):
-        seeds = np.random.SeedSequence([config.seed, epoch, w] if config.shuffle else [config.seed, w])
+        seeds = np.random.SeedSequence([config.seed, epoch, w, 2] if config.shuffle else [config.seed, w, 3])
         window_members, window_sizes = window_microbatches(
             lengths, order[start : start + window], config, int(seeds.generate_state(1)[0])
         )

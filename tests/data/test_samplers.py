@@ -250,3 +250,13 @@ def test_stateful_dataloader_resumes_exactly_with_workers(num_workers):
     resumed_loader.load_state_dict(state)
     rest = [batch[0] for batch in resumed_loader]
     assert rest == expected[k:]
+
+
+def test_sampler_pickles_with_its_plan():
+    sampler = make("packing", np.random.default_rng(6).integers(1, 64, 80), num_replicas=2, rank=1)
+    sampler.set_epoch(2)
+    clone = pickle.loads(pickle.dumps(sampler))
+    assert clone.epoch == 2 and clone.plan.fingerprint() == sampler.plan.fingerprint()
+    assert lists(clone) == lists(sampler)
+    clone.sampler.set_epoch(3)
+    assert clone.epoch == 3 and sampler.epoch == 2

@@ -191,6 +191,20 @@ def test_windows_train_in_order(n, window, mode, world_size, accumulate):
     assert set(step_windows) == set(range(-(-n // window)))
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 64), min_size=40, max_size=80),
+    mode=modes,
+    world_size=st.integers(1, 8),
+    accumulate=st.integers(1, 4),
+    window=st.one_of(st.none(), st.integers(20, 50)),
+)
+def test_every_epoch_reorders(lengths, mode, world_size, accumulate, window):
+    cfg = _config(mode, world_size=world_size, accumulate_grad_batches=accumulate, window=window)
+    orders = {tuple(i for mb in build_plan(lengths, cfg, epoch=e).rank_microbatches(0) for i in mb) for e in range(4)}
+    assert len(orders) > 1
+
+
 @pytest.mark.parametrize("mode", ["packing", "dynamic", "padded"])
 def test_order_changes_with_epoch_only_when_shuffling(mode):
     lengths = np.random.default_rng(0).integers(1, 64, 300)
