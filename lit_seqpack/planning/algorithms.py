@@ -126,7 +126,8 @@ class Packer:
         target = self.target_bin_count(n_bins)
         if target > n_bins:
             self._check_reachable(target, sizes.shape[0])
-            bins = _split_fullest(bins, sizes, target)
+            fills = np.bincount(bin_ids, weights=sizes[order], minlength=n_bins).astype(np.int64)
+            bins = _split_fullest(bins, sizes, fills, target)
         return bins
 
     def target_bin_count(self, n_bins: int) -> int:
@@ -257,16 +258,17 @@ _ASSIGNERS = {
 }
 
 
-def _split_fullest(bins: list[list[int]], sizes: np.ndarray, target: int) -> list[list[int]]:
+def _split_fullest(bins: list[list[int]], sizes: np.ndarray, fills: np.ndarray, target: int) -> list[list[int]]:
     """Split the fullest splittable bin in two until there are ``target`` bins (needs enough sequences).
 
-    A bin's halves: its items by decreasing size, the first two to different halves, then each to the
-    lighter half (ties: the first). The half with the largest item keeps the bin's place, the other is
-    appended. Both keep the bin's item order.
+    ``fills`` holds each bin's tokens; ``bins`` is split in place. A bin's halves: its items by decreasing
+    size, the first two to different halves, then each to the lighter half (ties: the first). The half
+    with the largest item keeps the bin's place, the other is appended. Both keep the bin's item order.
     """
-    bins = [list(b) for b in bins]
-    fill = [int(sizes[b].sum()) for b in bins]
-    heap = [(-f, i) for i, (f, b) in enumerate(zip(fill, bins, strict=True)) if len(b) >= 2]
+    # There are target - len(bins) splits, so only that many of the fullest bins can ever be picked.
+    splittable = np.flatnonzero(np.fromiter(map(len, bins), np.int64, len(bins)) >= 2)
+    fullest = splittable[np.lexsort((splittable, -fills[splittable]))][: target - len(bins)]
+    heap = [(-int(fills[i]), int(i)) for i in fullest]
     heapq.heapify(heap)
     while len(bins) < target:
         _, i = heapq.heappop(heap)
