@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["assign_slots", "order_within_bundles"]
+__all__ = ["assign_slots", "order_within_bundles", "step_imbalance"]
 
 _TIE_BUCKETS = 256
 
@@ -104,3 +104,18 @@ def order_within_bundles(slots: np.ndarray, costs: np.ndarray, microbatch_order:
     if first:
         grid[[0, first]] = grid[[first, 0]]
     return grid
+
+
+def step_imbalance(tokens: np.ndarray, slots: np.ndarray) -> tuple[float, float]:
+    """Mean and max over steps of max/mean of the tokens each rank runs in the step (1.0 with no step).
+
+    Example:
+        >>> mean, worst = step_imbalance(np.array([4, 2, 3, 3]), np.array([[[0], [1]], [[2], [3]]]))
+        >>> round(mean, 4), round(worst, 4)  # step 0: 4 vs 2 -> 4/3; step 1: 3 vs 3 -> 1
+        (1.1667, 1.3333)
+    """
+    rank_tokens = np.asarray(tokens)[slots].sum(axis=2).astype(np.float64)
+    means = rank_tokens.mean(axis=1)
+    busy = means > 0
+    ratios = rank_tokens.max(axis=1)[busy] / means[busy]
+    return (float(ratios.mean()), float(ratios.max())) if ratios.size else (1.0, 1.0)

@@ -1,4 +1,4 @@
-"""Microbatches of one planning window, and the per-microbatch figures the plan needs.
+"""Input checks, the microbatches of one planning window, and the per-microbatch figures the plan needs.
 
 A window's microbatches come back flat: ``members`` (dataset indices in microbatch order) and
 ``sizes`` (samples per microbatch; ``0`` is an empty lock-step filler), with ``len(sizes)`` a multiple
@@ -17,9 +17,44 @@ from lit_seqpack.planning.dynamic import dynamic_group_sizes, fixed_group_sizes,
 if TYPE_CHECKING:
     from lit_seqpack.planning.plan import PlanConfig
 
-__all__ = ["microbatch_figures", "window_microbatches"]
+__all__ = ["as_counts", "check_budget", "microbatch_figures", "window_microbatches"]
 
 DEFAULT_ALGORITHM = "first_fit_decreasing"
+
+
+def as_counts(name: str, values: object, size: int | None = None) -> np.ndarray:
+    """``values`` as a 1-D ``int64`` array of non-negative integers (``ValueError`` names the first bad one).
+
+    Example:
+        >>> as_counts("lengths", [3, 0, 5]).tolist()
+        [3, 0, 5]
+    """
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
+    if size is not None and array.size != size:
+        raise ValueError(f"{name} must have one entry per sample ({size}), got {array.size}")
+    if array.size and array.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be integers, got dtype {array.dtype}")
+    array = array.astype(np.int64)
+    negative = np.flatnonzero(array < 0)
+    if negative.size:
+        i = int(negative[0])
+        raise ValueError(f"{name}[{i}] = {int(array[i])} is negative")
+    return array
+
+
+def check_budget(lengths: np.ndarray, config: PlanConfig) -> None:
+    """Raise ``ValueError`` naming the first sample longer than ``max_tokens`` (packing and dynamic)."""
+    if config.mode == "padded" or lengths.size == 0:
+        return
+    over = np.flatnonzero(lengths > config.max_tokens)
+    if over.size:
+        i = int(over[0])
+        raise ValueError(
+            f"sample {i} has length {int(lengths[i])} > max_tokens={config.max_tokens} "
+            f"({over.size} over-long samples in mode {config.mode!r}); drop or truncate them in the data layer"
+        )
 
 
 def _pack(window_lengths: np.ndarray, config: PlanConfig, seed: int) -> tuple[list[list[int]], int]:

@@ -25,10 +25,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-from lit_seqpack.planning._balance import assign_slots, order_within_bundles
-from lit_seqpack.planning._windows import microbatch_figures, window_microbatches
+from lit_seqpack.planning._balance import assign_slots, order_within_bundles, step_imbalance
+from lit_seqpack.planning._windows import as_counts, check_budget, microbatch_figures, window_microbatches
 
-__all__ = ["MICROBATCH_ORDERS", "MODES", "Plan", "PlanConfig", "PlanStats", "PlannedMicrobatch", "build_plan"]
+__all__ = [
+    "MICROBATCH_ORDERS",
+    "MODES",
+    "Plan",
+    "PlanConfig",
+    "PlanStats",
+    "PlannedMicrobatch",
+    "as_counts",
+    "build_plan",
+]
 
 MODES: tuple[str, ...] = ("packing", "dynamic", "padded")
 MICROBATCH_ORDERS: tuple[str, ...] = ("packer", "largest_first")
@@ -254,40 +263,6 @@ class Plan:
         return f"Plan(epoch={self.epoch}, num_steps={self.num_steps}, config={self.config!r})"
 
 
-def as_counts(name: str, values: object, size: int | None = None) -> np.ndarray:
-    """``values`` as a 1-D ``int64`` array of non-negative integers (``ValueError`` names the first bad one).
-
-    Example:
-        >>> as_counts("lengths", [3, 0, 5]).tolist()
-        [3, 0, 5]
-    """
-    array = np.asarray(values)
-    if array.ndim != 1:
-        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
-    if size is not None and array.size != size:
-        raise ValueError(f"{name} must have one entry per sample ({size}), got {array.size}")
-    if array.size and array.dtype.kind not in "iu":
-        raise ValueError(f"{name} must be integers, got dtype {array.dtype}")
-    array = array.astype(np.int64)
-    negative = np.flatnonzero(array < 0)
-    if negative.size:
-        i = int(negative[0])
-        raise ValueError(f"{name}[{i}] = {int(array[i])} is negative")
-    return array
-
-
-def _check_budget(lengths: np.ndarray, config: PlanConfig) -> None:
-    if config.mode == "padded" or lengths.size == 0:
-        return
-    over = np.flatnonzero(lengths > config.max_tokens)
-    if over.size:
-        i = int(over[0])
-        raise ValueError(
-            f"sample {i} has length {int(lengths[i])} > max_tokens={config.max_tokens} "
-            f"({over.size} over-long samples in mode {config.mode!r}); drop or truncate them in the data layer"
-        )
-
-
 def build_plan(
     lengths: Sequence[int] | np.ndarray,
     config: PlanConfig,
@@ -326,7 +301,7 @@ def build_plan(
         if above.size:
             i = int(above[0])
             raise ValueError(f"loss_tokens[{i}] = {int(loss[i])} exceeds the sample's length {int(lengths[i])}")
-    _check_budget(lengths, config)
+    check_budget(lengths, config)
     n, window = lengths.size, config.window or max(lengths.size, 1)
     # SeedSequence pads entropy with zeros, so [s, e] and [s, e, 0] collide: each stream ends in its own tag
     order = np.random.default_rng([config.seed, epoch, 1]).permutation(n) if config.shuffle else np.arange(n)
@@ -356,18 +331,12 @@ def _assemble(
     slots: list[np.ndarray],
 ) -> Plan:
     """Join the windows into a :class:`Plan` and compute its :class:`PlanStats`."""
-    empty = np.zeros(0, dtype=np.int64)
-    all_members = np.concatenate(members) if members else empty
-    all_sizes = np.concatenate(sizes) if sizes else empty
-    grid = (
-        np.concatenate(slots)
-        if slots
-        else np.zeros((0, config.world_size, config.accumulate_grad_batches), dtype=np.int64)
-    )
+    empty_grid = np.zeros((0, config.world_size, config.accumulate_grad_batches), dtype=np.int64)
+    all_members = np.concatenate([np.zeros(0, dtype=np.int64), *members])
+    all_sizes = np.concatenate([np.zeros(0, dtype=np.int64), *sizes])
+    grid = np.concatenate([empty_grid, *slots])
     figures = microbatch_figures(lengths, loss, all_members, all_sizes, config)
-    rank_tokens = figures["tokens"][grid].sum(axis=2) if grid.size else np.zeros((0, config.world_size))
-    means = rank_tokens.mean(axis=1) if grid.size else np.zeros(0)
-    ratios = rank_tokens.max(axis=1)[means > 0] / means[means > 0] if grid.size else np.zeros(0)
+    imbalance_mean, imbalance_max = step_imbalance(figures["tokens"], grid)
     real, computed = int(lengths.sum()), int(figures["computed"].sum())
     budget = config.max_tokens or int(figures["computed"].max(initial=0))
     stats = PlanStats(
@@ -379,17 +348,15 @@ def _assemble(
         computed_tokens=computed,
         padding_ratio=1.0 - real / computed if computed else 0.0,
         utilization=real / (all_sizes.size * budget) if all_sizes.size and budget else 0.0,
-        imbalance_mean=float(ratios.mean()) if ratios.size else 1.0,
-        imbalance_max=float(ratios.max()) if ratios.size else 1.0,
+        imbalance_mean=imbalance_mean,
+        imbalance_max=imbalance_max,
     )
-    step_loss = figures["loss_tokens"][grid].sum(axis=(1, 2)) if grid.size else np.zeros(0, dtype=np.int64)
-    bounds = np.concatenate(([0], np.cumsum(all_sizes)))
     return Plan(
         config=config,
         epoch=epoch,
         members=all_members,
-        bounds=bounds,
+        bounds=np.concatenate(([0], np.cumsum(all_sizes))),
         slots=grid,
-        step_loss_tokens=step_loss,
+        step_loss_tokens=figures["loss_tokens"][grid].sum(axis=(1, 2)),
         stats=stats,
     )
