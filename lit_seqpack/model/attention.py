@@ -22,11 +22,17 @@ Backends (``backend=`` of :func:`varlen_attention`):
 CUDA or imports flash-attn at import time. Tests force a backend with :func:`use_backend` and swap a kernel
 for a CPU stand-in with the kernel's own signature with :func:`override_backend` (for instance
 :func:`reference_flash_attn_varlen_func`), so the argument routing is tested without a GPU.
+
+:func:`route_varlen_attention` is the extension point for attention that is not local to one process: inside
+the block every :func:`varlen_attention` call (from any model: the reference decoder, a transformers model
+through :mod:`lit_seqpack.model.hf`) goes to a handler instead; context parallelism
+(:mod:`lit_seqpack.model.cp_attention`) uses it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import math
@@ -45,6 +51,7 @@ __all__ = [
     "override_backend",
     "reference_flash_attn_varlen_func",
     "reference_varlen_attention",
+    "route_varlen_attention",
     "use_backend",
     "varlen_attention",
 ]
@@ -55,6 +62,9 @@ BACKENDS: tuple[str, ...] = ("flash_attn", "torch_varlen", "sdpa")
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _OVERRIDES: dict[str, Callable[..., torch.Tensor]] = {}
 _FORCED: list[str] = []
+_ROUTE: contextvars.ContextVar[Callable[..., torch.Tensor] | None] = contextvars.ContextVar(
+    "lit_seqpack_varlen_route", default=None
+)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -165,6 +175,22 @@ def override_backend(name: str, kernel: Callable[..., torch.Tensor]) -> Iterator
             _OVERRIDES[name] = previous
 
 
+@contextlib.contextmanager
+def route_varlen_attention(handler: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Send every :func:`varlen_attention` call inside the block to ``handler`` instead.
+
+    ``handler(q, k, v, cu_seqlens, max_seqlen, causal=..., softmax_scale=..., backend=...)`` returns the output;
+    it runs with the route cleared, so it may call :func:`varlen_attention` for its local work. The route is a
+    ``contextvars`` variable: it holds for the forward pass run inside the block (not for a recomputation in
+    backward, e.g. activation checkpointing, which runs after the block).
+    """
+    token = _ROUTE.set(handler)
+    try:
+        yield
+    finally:
+        _ROUTE.reset(token)
+
+
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -232,6 +258,13 @@ def varlen_attention(
             on the host or the backend reads them anyway, so a CUDA kernel call never pays for a sync).
         BackendUnavailableError: an explicit ``backend`` cannot run here; the message says how to fix it.
     """
+    handler = _ROUTE.get()
+    if handler is not None:  # see route_varlen_attention
+        token = _ROUTE.set(None)
+        try:
+            return handler(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale, backend=backend)
+        finally:
+            _ROUTE.reset(token)
     _check_inputs(q, k, v, cu_seqlens, max_seqlen)
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
