@@ -22,7 +22,7 @@ from lit_seqpack.planning.plan import Plan, PlanConfig, as_counts, build_plan
 __all__ = ["PlannedBatchSampler", "RankSampler", "resolve_replicas"]
 
 log = logging.getLogger(__name__)
-_STATE_KEYS = ("epoch", "position", "finished", "plan_key", "world_size", "accumulate_grad_batches", "num_samples")
+_STATE_KEYS = ("epoch", "position", "plan_key", "world_size", "accumulate_grad_batches", "num_samples")
 
 
 def _distributed() -> bool:
@@ -125,7 +125,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         self._lengths = as_counts("lengths", lengths)
         self._loss_tokens = None if loss_tokens is None else as_counts("loss_tokens", loss_tokens, self._lengths.size)
         self._world_defaulted = world_defaulted
-        self._epoch, self._position, self._resume, self._resume_at_end = 0, 0, False, False
+        self._epoch, self._position, self._resume = 0, 0, False
         self._plan: Plan | None = None
         self._verified_epoch: int | None = None
         self._reported_len: tuple[int, int] | None = None
@@ -159,7 +159,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         if int(epoch) != self._epoch:
-            self._epoch, self._position, self._resume, self._resume_at_end = int(epoch), 0, False, False
+            self._epoch, self._position, self._resume = int(epoch), 0, False
 
     def __len__(self) -> int:
         count = self.plan.microbatches_per_rank
@@ -169,8 +169,8 @@ class PlannedBatchSampler(Sampler[Microbatch]):
     def __iter__(self) -> Iterator[Microbatch]:
         plan = self._plan_for(self._epoch)  # runs at the first next(): the epoch is read lazily
         total = plan.microbatches_per_rank
-        start = (total if self._resume_at_end else min(self._position, total)) if self._resume else 0
-        self._resume = self._resume_at_end = False
+        start = min(self._position, total) if self._resume else 0
+        self._resume = False
         self._check_plan(plan)
         self._position = start
         config = self.config
@@ -221,12 +221,17 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         self._verified_epoch = plan.epoch
 
     def state_dict(self) -> dict[str, Any]:
-        """Progress through the epoch; identical on every rank (rank 0 writes the checkpoint)."""
+        """Progress through the epoch; identical on every rank (rank 0 writes the checkpoint).
+
+        Once the last microbatch of epoch ``e`` is out, the state is the start of epoch ``e + 1``: a
+        loader restored from an end-of-epoch checkpoint may create its iterator before Lightning calls
+        ``set_epoch``, and must then plan the next epoch, not replay this one.
+        """
         total = self.plan.microbatches_per_rank
+        finished = total > 0 and self._position >= total
         return {
-            "epoch": self._epoch,
-            "position": self._position,
-            "finished": self._position >= total and total > 0,
+            "epoch": self._epoch + 1 if finished else self._epoch,
+            "position": 0 if finished else self._position,
             "plan_key": self._plan_key,
             "world_size": self.config.world_size,
             "accumulate_grad_batches": self.config.accumulate_grad_batches,
@@ -246,8 +251,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         for name, value in (("epoch", epoch), ("position", position)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}")
-        same_plan = state_dict["plan_key"] == self._plan_key
-        if not same_plan and position and not state_dict["finished"]:
+        if position and state_dict["plan_key"] != self._plan_key:
             changed = {
                 k: (state_dict[k], v)
                 for k, v in (
@@ -263,4 +267,3 @@ class PlannedBatchSampler(Sampler[Microbatch]):
                 "epoch-boundary checkpoint instead"
             )
         self._epoch, self._position, self._resume = int(epoch), int(position), True
-        self._resume_at_end = bool(state_dict["finished"]) and not same_plan

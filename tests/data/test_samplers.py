@@ -4,11 +4,14 @@ import logging
 import pickle
 from collections import Counter
 
+import lightning as L
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -86,6 +89,8 @@ def test_resume_at_a_random_cut_yields_exactly_the_rest(lengths, mode, world, ac
     for _ in range(k):
         next(iterator)
     state = writer.state_dict()
+    if k == total:  # a finished epoch is saved as the start of the next one
+        assert (state["epoch"], state["position"]) == (epoch + 1, 0)
     for rank in range(world):
         reference = make(mode, lengths, rank=rank, **kwargs)
         reference.set_epoch(epoch)
@@ -93,9 +98,13 @@ def test_resume_at_a_random_cut_yields_exactly_the_rest(lengths, mode, world, ac
         full = lists(reference)
         resumed = make(mode, lengths, rank=rank, **kwargs)
         resumed.load_state_dict(pickle.loads(pickle.dumps(state)))
-        resumed.set_epoch(epoch)  # Lightning calls set_epoch with the restored epoch: no reset
-        assert lists(resumed) == full[k:]
-        assert lists(resumed) == full  # the next pass of the same epoch starts from the beginning
+        if k < total:
+            resumed.set_epoch(epoch)  # Lightning calls set_epoch with the restored epoch: no reset
+            assert lists(resumed) == full[k:]
+            assert lists(resumed) == full  # the next pass of the same epoch starts from the beginning
+        else:
+            reference.set_epoch(epoch + 1)
+            assert lists(resumed) == lists(reference)  # planned before any set_epoch: the next epoch
 
 
 # ---------------------------------------------------------------- epochs
@@ -155,7 +164,7 @@ def test_state_dict_is_rank_independent():
             next(it)
     states = [s.state_dict() for s in samplers]
     assert states[0] == states[1] == states[2]
-    assert states[0]["epoch"] == 2 and states[0]["position"] == 3 and not states[0]["finished"]
+    assert (states[0]["epoch"], states[0]["position"]) == (2, 3)
 
 
 def test_resume_rejects_a_different_plan_mid_epoch_but_allows_epoch_boundaries():
@@ -168,11 +177,10 @@ def test_resume_rejects_a_different_plan_mid_epoch_but_allows_epoch_boundaries()
         make("packing", lengths, num_replicas=4).load_state_dict(mid)
     list(it)
     finished = sampler.state_dict()
-    assert finished["finished"]
-    other = make("packing", lengths, num_replicas=4)
+    assert (finished["epoch"], finished["position"]) == (1, 0)
+    other = make("packing", lengths, num_replicas=4)  # elastic resume at an epoch boundary
     other.load_state_dict(finished)
-    assert list(other) == []  # that epoch is over
-    other.set_epoch(1)
+    assert other.epoch == 1
     assert len(list(other)) == len(other) > 0
     with pytest.raises(ValueError, match="lacks"):
         other.load_state_dict({"epoch": 0})
@@ -260,3 +268,75 @@ def test_sampler_pickles_with_its_plan():
     assert lists(clone) == lists(sampler)
     clone.sampler.set_epoch(3)
     assert clone.epoch == 3 and sampler.epoch == 2
+
+
+# ---------------------------------------------------------------- Lightning checkpoint resume
+
+
+def _indices(samples: Microbatch) -> list[int]:
+    return list(samples)
+
+
+class _Recorder(L.LightningModule):
+    def __init__(self, lengths: list[int]) -> None:
+        super().__init__()
+        self.lengths = lengths
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[tuple[int, list[int]]] = []
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        sampler = PackedBatchSampler(self.lengths, max_tokens=128, accumulate_grad_batches=2, seed=1)
+        # Lightning 2.6 creates the iterator (and workers prefetch) before its own set_epoch call, so a run
+        # resumed from an end-of-epoch checkpoint would replay epoch 0 (Lightning issue #21938): set it here
+        sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
+        dataset = PlannedDataset(list(range(len(self.lengths))))
+        return StatefulDataLoader(dataset, batch_sampler=sampler, collate_fn=_indices, num_workers=2)
+
+    def training_step(self, batch: list[int], batch_idx: int) -> torch.Tensor:
+        self.seen.append((self.current_epoch, batch))
+        return (self.weight - len(batch)).pow(2).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _trainer(root, **kwargs) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=3,
+        accumulate_grad_batches=2,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        **kwargs,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lightning_resumes_exactly_from_mid_epoch_and_end_of_epoch_checkpoints(tmp_path):
+    lengths = np.random.default_rng(8).integers(1, 100, 90).tolist()
+    batches_per_epoch = len(PackedBatchSampler(lengths, max_tokens=128, accumulate_grad_batches=2, seed=1))
+    steps_per_epoch = batches_per_epoch // 2
+    mid_step = steps_per_epoch + steps_per_epoch // 2  # inside the second epoch
+    callbacks = [
+        ModelCheckpoint(dirpath=tmp_path / "epochs", save_top_k=-1, filename="{epoch}"),
+        ModelCheckpoint(dirpath=tmp_path / "mid", every_n_train_steps=mid_step, save_top_k=-1, filename="{step}"),
+    ]
+    reference = _Recorder(lengths)
+    _trainer(tmp_path, callbacks=callbacks).fit(reference)
+    assert len(reference.seen) == 3 * batches_per_epoch
+    for epoch in range(3):  # every sample once per epoch, a new order each epoch
+        assert sorted(i for e, b in reference.seen if e == epoch for i in b) == list(range(len(lengths)))
+    assert [b for e, b in reference.seen if e == 0] != [b for e, b in reference.seen if e == 1]
+
+    mid = f"step={mid_step}.ckpt"
+    checkpoints = {"epoch=0.ckpt": batches_per_epoch, mid: 2 * mid_step}  # batches trained before the save
+    for ckpt in (tmp_path / "epochs" / "epoch=0.ckpt", tmp_path / "mid" / mid):
+        done = checkpoints[ckpt.name]
+        resumed = _Recorder(lengths)
+        _trainer(tmp_path, enable_checkpointing=False).fit(resumed, ckpt_path=ckpt)
+        assert resumed.seen == reference.seen[done:], ckpt.name
