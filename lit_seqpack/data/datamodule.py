@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout
 from lit_seqpack.data.lengths import (
     cached_lengths_and_loss_tokens,
     compute_lengths_and_loss_tokens,
@@ -59,6 +60,15 @@ class SeqPackDataModule(LightningDataModule):
             row of a dynamic/padded block); ``max_tokens`` must be a multiple of it.
         pad_to_multiple_of: every document is padded to a multiple of this inside a packed row
             (context/tensor parallel kernels need it); the planner plans on the padded lengths.
+        context_parallel_size: ranks that split every sequence (context parallelism, packing only). Every
+            document is then padded to ``lcm(pad_to_multiple_of, 2 x cp x tp)``, the planner plans on those
+            lengths and each rank receives its shard (:mod:`lit_seqpack.data.context_parallel`).
+        tensor_parallel_size: tensor-parallel ranks with sequence parallelism (packing only): packed rows are
+            padded to a multiple of it (of ``2 x cp x tp`` per document with context parallelism).
+            The ``cp x tp`` ranks of one data-parallel rank get the same microbatches; global ranks are laid out
+            tensor-parallel innermost, then context-parallel, then data-parallel
+            (:class:`~lit_seqpack.data.context_parallel.ParallelLayout`), and the plan is made for
+            ``trainer.world_size / (cp x tp)`` data-parallel ranks.
         microbatch_order: ``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`).
         cost_quadratic: ``b`` of the per-document cost ``L + b*L^2`` that ranks are balanced on.
         overlong: what happens to samples longer than ``max_tokens``: ``"error"``, ``"truncate"`` or
@@ -98,6 +108,8 @@ class SeqPackDataModule(LightningDataModule):
         shuffle: bool = True,
         cache_dir: str | None = None,
         dataset: Sequence[Mapping[str, Any]] | None = None,
+        context_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["dataset"])
@@ -108,6 +120,10 @@ class SeqPackDataModule(LightningDataModule):
         for name, value in (("num_workers", num_workers), ("pad_to_multiple_of", pad_to_multiple_of)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "num_workers" else 1):
                 raise ValueError(f"{name}={value!r} must be an int >= {0 if name == 'num_workers' else 1}")
+        self._parallel = ParallelLayout(
+            context_parallel_size=context_parallel_size, tensor_parallel_size=tensor_parallel_size
+        )
+        _check_parallel_knobs(self._parallel, mode, max_tokens, self.row_multiple)
         # Validate the plan knobs now (world size and accumulation are read from the Trainer in setup).
         self._plan_config(world_size=1, accumulate_grad_batches=1)
         self._dataset = dataset
@@ -115,8 +131,19 @@ class SeqPackDataModule(LightningDataModule):
         self._full_loss_tokens: np.ndarray | None = None
         self.overlong_report: OverlongReport | None = None
         self._splits: dict[str, tuple[Any, np.ndarray, np.ndarray]] = {}
-        self._layout: tuple[int, int, int] = (1, 0, 1)
+        self._layout: tuple[int, int, int] = (1, 0, 1)  # data-parallel world size and rank, accumulation
+        self._cp_rank = 0
         self._train_sampler: PlannedBatchSampler | None = None
+
+    @property
+    def document_multiple(self) -> int:
+        """Every document of a packed row is padded to a multiple of this (planner and collator alike)."""
+        return self._parallel.document_multiple(self.hparams.pad_to_multiple_of)
+
+    @property
+    def row_multiple(self) -> int:
+        """Rows are padded to a multiple of this (``sequence_length_round`` unless cp or tp > 1)."""
+        return self._parallel.row_multiple(self.hparams.sequence_length_round, self.hparams.pad_to_multiple_of)
 
     # ------------------------------------------------------------------ data
     @property
@@ -178,6 +205,12 @@ class SeqPackDataModule(LightningDataModule):
             self._splits["val"] = (IndexView(data, val_idx), lengths[val_idx], loss_tokens[val_idx])
 
     def _read_layout(self) -> tuple[int, int, int]:
+        """Data-parallel world size and rank, and accumulation; sets this process's context-parallel rank."""
+        world, rank, accumulate = self._read_world()
+        dp_rank, self._cp_rank, _ = self._parallel.coordinates(rank)
+        return self._parallel.data_parallel_size(world), dp_rank, accumulate
+
+    def _read_world(self) -> tuple[int, int, int]:
         trainer = self.trainer
         if trainer is None:
             import torch.distributed as dist
@@ -202,7 +235,7 @@ class SeqPackDataModule(LightningDataModule):
             max_tokens=hp.max_tokens if hp.mode != "padded" else None,
             algorithm=hp.algorithm if packing else None,
             window=hp.window,
-            sequence_length_round=hp.sequence_length_round,
+            sequence_length_round=self.row_multiple,
             batch_size=hp.batch_size,
             world_size=world_size,
             accumulate_grad_batches=accumulate_grad_batches,
@@ -212,15 +245,23 @@ class SeqPackDataModule(LightningDataModule):
             cost_quadratic=hp.cost_quadratic,
         )
 
-    def _collator(self) -> PackedCollator | PaddedCollator:
+    def _collator(self) -> PackedCollator | PaddedCollator | ContextParallelCollator:
         hp = self.hparams
-        if hp.mode == "packing":
-            return PackedCollator(
-                pad_token_id=hp.pad_token_id,
-                pad_to_multiple_of=hp.sequence_length_round,
-                pad_document_to_multiple_of=hp.pad_to_multiple_of if hp.pad_to_multiple_of > 1 else None,
-            )
-        return PaddedCollator(pad_token_id=hp.pad_token_id, pad_to_multiple_of=hp.sequence_length_round)
+        if hp.mode != "packing":
+            return PaddedCollator(pad_token_id=hp.pad_token_id, pad_to_multiple_of=hp.sequence_length_round)
+        collator = PackedCollator(
+            pad_token_id=hp.pad_token_id,
+            pad_to_multiple_of=self.row_multiple,
+            pad_document_to_multiple_of=self.document_multiple if self.document_multiple > 1 else None,
+        )
+        if self._parallel.model_parallel_size == 1:
+            return collator
+        return ContextParallelCollator(
+            collator=collator,
+            context_parallel_size=self._parallel.context_parallel_size,
+            context_parallel_rank=self._cp_rank,
+            tensor_parallel_size=self._parallel.tensor_parallel_size,
+        )
 
     def _loader(self, split: str) -> StatefulDataLoader:
         if not self._splits:
@@ -231,9 +272,7 @@ class SeqPackDataModule(LightningDataModule):
         world, rank, accumulate = self._layout
         train = split == "train"
         config = self._plan_config(world_size=world, accumulate_grad_batches=accumulate if train else 1, train=train)
-        planned = (
-            _planned_lengths(lengths, self.hparams.pad_to_multiple_of) if self.hparams.mode == "packing" else lengths
-        )
+        planned = _planned_lengths(lengths, self.document_multiple) if self.hparams.mode == "packing" else lengths
         sampler = _SAMPLERS[self.hparams.mode].from_config(planned, config, rank=rank, loss_tokens=loss_tokens)
         if train:
             self._train_sampler = sampler
@@ -263,6 +302,8 @@ class SeqPackDataModule(LightningDataModule):
             "num_samples": len(self.dataset),
             "num_train_samples": 0 if train is None else len(train[0]),
             "world_size": world,
+            "context_parallel_size": self._parallel.context_parallel_size,
+            "tensor_parallel_size": self._parallel.tensor_parallel_size,
             "accumulate_grad_batches": accumulate,
             "mode": self.hparams.mode,
             "max_tokens": self.hparams.max_tokens,
@@ -278,6 +319,22 @@ class SeqPackDataModule(LightningDataModule):
                 f"cannot resume: the checkpoint was planned for other data or another layout ({detail}); "
                 "resume with the same dataset, world size, accumulate_grad_batches, mode and max_tokens"
             )
+
+
+def _check_parallel_knobs(layout: ParallelLayout, mode: str, max_tokens: int | None, row_multiple: int) -> None:
+    """Context and tensor parallelism split packed rows: packing only, with a budget their multiples divide."""
+    if layout.model_parallel_size == 1:
+        return
+    if mode != "packing":
+        raise ValueError(
+            f"context_parallel_size={layout.context_parallel_size} and tensor_parallel_size="
+            f"{layout.tensor_parallel_size} need mode='packing', got mode={mode!r}"
+        )
+    if isinstance(max_tokens, int) and max_tokens % row_multiple:
+        raise ValueError(
+            f"max_tokens={max_tokens} must be a multiple of {row_multiple}, the row multiple that "
+            f"sequence_length_round, pad_to_multiple_of, context_parallel_size and tensor_parallel_size give"
+        )
 
 
 def _planned_lengths(lengths: np.ndarray, multiple: int) -> np.ndarray:

@@ -121,3 +121,81 @@ def test_trainer_with_distributed_sampler_is_refused():
     with pytest.raises(ValueError, match="use_distributed_sampler=False"):
         dm.setup("fit")
     assert np.all(dm._lengths()[0] > 0)
+
+
+# ---------------------------------------------------------------- context / tensor parallelism (issue 8)
+class _FakeTrainer:
+    """The attributes SeqPackDataModule reads from a Trainer, for one global rank of a multi-process run."""
+
+    class _Conn:
+        use_distributed_sampler = False
+
+    _accelerator_connector = _Conn()
+
+    def __init__(self, world_size: int, global_rank: int) -> None:
+        self.world_size, self.global_rank, self.accumulate_grad_batches = world_size, global_rank, 1
+
+
+def _rank_batches(world_size: int, global_rank: int, **knobs) -> tuple[SeqPackDataModule, list[dict]]:
+    dm = SeqPackDataModule(mode="packing", synthetic=SYNTH, **({"max_tokens": 240} | knobs))
+    dm.trainer = _FakeTrainer(world_size, global_rank)
+    dm.setup("fit")
+    return dm, list(dm.train_dataloader())
+
+
+def test_one_pad_multiple_feeds_the_planner_and_the_collator():
+    dm, batches = _rank_batches(2, 1, context_parallel_size=2, pad_to_multiple_of=3)
+    assert dm.document_multiple == 12 and dm.row_multiple == 12  # lcm(3, 2 x cp)
+    sampler = dm._train_sampler
+    assert sampler.config.world_size == 1 and sampler.config.sequence_length_round == 12
+    assert (sampler._lengths % 12 == 0).all()  # the plan's lengths are the padded ones
+    for batch in batches:
+        assert (torch.diff(batch["cu_seqlens"]) % 12 == 0).all()  # the collator pads with the same multiple
+        assert batch["context_parallel_rank"] == 1 and batch["input_ids"].shape[1] * 2 == int(batch["cu_seqlens"][-1])
+        assert batch["input_ids"].shape[1] * 2 <= 240
+
+
+def test_ranks_of_one_cp_group_share_microbatches_and_dp_ranks_split_the_data():
+    """world 4 = 2 data-parallel x 2 context-parallel ranks; cp is the inner dimension (ranks 0, 1 are a group)."""
+    from lit_seqpack.data.context_parallel import gather_packed_batches
+
+    runs = [_rank_batches(4, rank, context_parallel_size=2) for rank in range(4)]
+    indices = [[list(mb) for mb in dm._train_sampler] for dm, _ in runs]
+    assert indices[0] == indices[1] and indices[2] == indices[3] and indices[0] != indices[2]
+    everything = sorted(i for rank in (0, 2) for mb in indices[rank] for i in mb)
+    assert everything == list(range(len(runs[0][0]._splits["train"][0])))
+    for dp in (0, 1):  # the two shards of every microbatch are the two halves of one packed row
+        for first, second in zip(runs[2 * dp][1], runs[2 * dp + 1][1], strict=True):
+            whole = gather_packed_batches([first, second])
+            assert whole["num_real_tokens"] == sum(whole["cu_seqlens_unpadded"].diff().tolist())
+            assert whole["world_size"] == 2 and first["step_loss_tokens"] == second["step_loss_tokens"]
+
+
+def test_tensor_parallel_alone_pads_rows_not_documents():
+    dm, batches = _rank_batches(2, 0, tensor_parallel_size=2, sequence_length_round=3, max_tokens=246)
+    assert dm.document_multiple == 1 and dm.row_multiple == 6
+    for batch in batches:
+        assert batch["input_ids"].shape[1] % 6 == 0 and "cu_seqlens_unpadded" not in batch
+        assert batch["tensor_parallel_size"] == 2 and batch["context_parallel_size"] == 1
+    assert dm.state_dict()["tensor_parallel_size"] == 2 and dm.state_dict()["world_size"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"context_parallel_size": 0}, "context_parallel_size must be an int >= 1"),
+        ({"tensor_parallel_size": 1.5}, "tensor_parallel_size"),
+        ({"context_parallel_size": 2, "mode": "dynamic"}, "need mode='packing'"),
+        ({"context_parallel_size": 4, "max_tokens": 100}, "max_tokens=100 must be a multiple of 8"),
+    ],
+)
+def test_bad_parallel_knobs_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SeqPackDataModule(synthetic=SYNTH, **kwargs)
+
+
+def test_a_world_size_that_cp_does_not_divide_is_refused():
+    dm = SeqPackDataModule(synthetic=SYNTH, context_parallel_size=2)
+    dm.trainer = _FakeTrainer(3, 0)
+    with pytest.raises(ValueError, match="world_size=3 is not a multiple of context_parallel_size"):
+        dm.setup("fit")
