@@ -276,6 +276,11 @@ class SeqPackDataModule(LightningDataModule):
         sampler = _SAMPLERS[self.hparams.mode].from_config(planned, config, rank=rank, loss_tokens=loss_tokens)
         if train:
             self._train_sampler = sampler
+            if self.trainer is not None:
+                # Lightning builds the iterator (and workers start fetching) before it calls set_epoch, and
+                # skips the loader state when resuming from an end-of-epoch checkpoint (Lightning #21938):
+                # set the epoch here so the first epoch after a resume is planned for the right epoch.
+                sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
         return StatefulDataLoader(
             PlannedDataset(data),
             batch_sampler=sampler,

@@ -199,3 +199,21 @@ def test_a_world_size_that_cp_does_not_divide_is_refused():
     dm.trainer = _FakeTrainer(3, 0)
     with pytest.raises(ValueError, match="world_size=3 is not a multiple of context_parallel_size"):
         dm.setup("fit")
+
+
+def test_train_loader_plans_the_epoch_the_fit_loop_is_in():
+    """Lightning #21938: after an end-of-epoch resume the first epoch must not replay epoch 0's order."""
+    from types import SimpleNamespace
+
+    progress = SimpleNamespace(current=SimpleNamespace(processed=3))
+    trainer = SimpleNamespace(
+        world_size=1,
+        global_rank=0,
+        accumulate_grad_batches=1,
+        _accelerator_connector=SimpleNamespace(use_distributed_sampler=False),
+        fit_loop=SimpleNamespace(epoch_progress=progress),
+    )
+    dm = SeqPackDataModule(synthetic=SYNTH, max_tokens=128)
+    dm.trainer = trainer
+    dm.setup("fit")
+    assert dm.train_dataloader().batch_sampler.epoch == 3
