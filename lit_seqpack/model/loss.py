@@ -85,6 +85,7 @@ def token_cross_entropy(
     num_loss_tokens: int | None = None,
     step_loss_tokens: int | None = None,
     chunk_size: int | None = None,
+    shifted: bool = False,
 ) -> LossOutput:
     """Summed next-token cross-entropy over the labels that are not ``-100`` (HF shift convention).
 
@@ -97,6 +98,8 @@ def token_cross_entropy(
         chunk_size: compute the loss over this many positions at a time, each chunk upcast to float32 on its
             own, so a bf16 model never holds a float32 copy of all its logits; ``None`` does it in one go.
             Half-precision logits are upcast to float32; float32 and float64 logits are used as they are.
+        shifted: ``labels`` are already the targets of the logits (``labels[:, t]`` for ``logits[:, t]``), e.g. the
+            ``shift_labels`` of a context-parallel shard, whose next token may live on another rank.
     """
     if logits.ndim != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(
@@ -105,7 +108,7 @@ def token_cross_entropy(
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
     flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_labels = shift_labels(labels).reshape(-1)
+    flat_labels = (labels if shifted else shift_labels(labels)).reshape(-1)
     step = max(flat_labels.numel(), 1) if chunk_size is None else chunk_size
     parts = [
         F.cross_entropy(_upcast(chunk), target, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -176,6 +179,11 @@ def exact_loss(output: LossOutput, batch: Mapping[str, Any]) -> torch.Tensor:
     gradient of ``sum(all loss_sums of the step) / step_units`` with no collective. Without ``step_units`` the
     local mean ``loss_sum / num_units`` is returned (Lightning's usual semantics).
 
+    Context parallelism (a batch with ``context_parallel_size = cp``): each of the ``cp`` ranks sharing a
+    microbatch holds the loss of its own tokens only, so the microbatch's gradient is the *sum* of theirs, while
+    DDP averages over all ``world_size x cp`` ranks; the scale is therefore ``world_size x cp x
+    accumulate_grad_batches`` (``world_size`` counts data-parallel ranks, as planned).
+
     Args:
         output: the microbatch's loss.
         batch: the batch (its ``world_size`` and ``accumulate_grad_batches`` scalars, 1 when absent).
@@ -185,4 +193,5 @@ def exact_loss(output: LossOutput, batch: Mapping[str, Any]) -> torch.Tensor:
     if output.step_units == 0:  # no target in the whole step: a zero that still reaches every parameter
         return output.loss_sum * 0.0
     scale = int(batch.get("world_size", 1)) * int(batch.get("accumulate_grad_batches", 1))
+    scale *= int(batch.get("context_parallel_size", 1))
     return output.loss_sum * (scale / output.step_units)

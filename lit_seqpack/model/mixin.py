@@ -34,6 +34,13 @@ compared with each document run alone; a model whose attention crosses document 
 ``val/loss`` and ``test/loss`` are logged per epoch with ``batch_size=num_loss_tokens`` and ``sync_dist=True``,
 so the epoch value is the token-weighted mean over all batches and ranks. Zero-weight dummy batches (lock-step
 fillers) return ``0 * logits.sum()`` so every parameter still gets a (zero) gradient under DDP.
+
+**Context parallelism.** A batch sharded by :func:`~lit_seqpack.data.context_parallel.shard_packed_batch` (as
+``SeqPackDataModule(context_parallel_size=...)`` delivers) is run inside
+:func:`~lit_seqpack.model.cp_attention.context_parallel_scope`, so the model's ``varlen_attention`` calls become
+context parallel; the default loss reads the shard's ``shift_labels`` (targets computed on the whole row), and the
+exact loss sums the CP ranks' gradients (see :func:`~lit_seqpack.model.loss.exact_loss`). The trainer's world size
+must be ``world_size x context_parallel_size x tensor_parallel_size`` of the batch.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lit_seqpack.model.cp_attention import context_parallel_scope
 from lit_seqpack.model.loss import LossOutput, exact_loss, token_cross_entropy
 
 if TYPE_CHECKING:
@@ -107,11 +115,13 @@ class PackedSequenceMixin:
         Override to change the loss; return a :class:`~lit_seqpack.model.loss.LossOutput` whose ``step_units``
         is the unit count of the whole optimizer step over all ranks (exact) or ``None`` (local mean).
         """
+        shifted = batch.get("shift_labels") is not None  # a context-parallel shard: targets come pre-shifted
         return token_cross_entropy(
             logits,
-            batch["labels"],
+            batch["shift_labels"] if shifted else batch["labels"],
             num_loss_tokens=batch.get("num_loss_tokens"),
             step_loss_tokens=batch.get("step_loss_tokens"),
+            shifted=shifted,
         )
 
     def seqpack_verify_packing(self, batch: Mapping[str, Any]) -> None:
@@ -137,7 +147,8 @@ class PackedSequenceMixin:
             raise ValueError(f"stage must be one of {tuple(_STAGE_PREFIX)}, got {stage!r}")
         if is_packed_batch(batch):
             self.seqpack_verify_packing(batch)
-        logits = self.seqpack_forward(batch)
+        with context_parallel_scope(batch):  # a no-op unless the batch is a context-parallel shard
+            logits = self.seqpack_forward(batch)
         output = self.seqpack_loss(logits, batch)
         if batch.get("is_empty", False):
             if stage != "train":  # weight 0: no effect on the epoch mean, same logged keys on every rank
@@ -185,7 +196,8 @@ def _check_step_layout(batch: Mapping[str, Any], trainer: Trainer | None) -> Non
     """Fail when the batch was planned for another world size or accumulation than the trainer runs."""
     if trainer is None:
         return
-    planned = (int(batch.get("world_size", 1)), int(batch.get("accumulate_grad_batches", 1)))
+    model_parallel = int(batch.get("context_parallel_size", 1)) * int(batch.get("tensor_parallel_size", 1))
+    planned = (int(batch.get("world_size", 1)) * model_parallel, int(batch.get("accumulate_grad_batches", 1)))
     actual = (int(trainer.world_size), int(trainer.accumulate_grad_batches))
     if planned != actual:
         raise ValueError(
@@ -193,5 +205,6 @@ def _check_step_layout(batch: Mapping[str, Any], trainer: Trainer | None) -> Non
             f"trainer runs world_size={actual[0]}, accumulate_grad_batches={actual[1]}; the exact loss would scale "
             "the gradient by the wrong factor. Build the plan (PlanConfig / the lit_seqpack batch sampler) with the "
             "trainer's values. Batches without plan metadata (a plain DataLoader) declare 1 and 1; for those, "
-            "override seqpack_loss to return step_units=None (a local mean)."
+            "override seqpack_loss to return step_units=None (a local mean). With context or tensor parallelism the "
+            "planned world size counts data x context x tensor parallel ranks."
         )

@@ -1,0 +1,143 @@
+"""A training step with context parallelism (CP) has the gradient of the same step without it.
+
+Normalisation (see ``lit_seqpack.model.loss.exact_loss``): each CP rank's loss covers only its local tokens, so
+the gradient of a microbatch is the SUM of its CP ranks' gradients. DDP averages over every rank (``dp x cp``
+of them), and the exact loss multiplies by ``world_size (dp) x context_parallel_size x accumulate_grad_batches /
+step_loss_tokens``, which turns that average into the sum over CP ranks and the mean over the step's tokens.
+
+The ground truth is ``tests/model/test_exact_loss.reference_gradients``: every sample of the step right-padded
+into one batch, through the plain model (no packing, no CP), token-mean cross-entropy, float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch import Trainer
+
+from lit_seqpack.data.collate import PackedCollator
+from lit_seqpack.data.context_parallel import shard_packed_batch
+from lit_seqpack.data.datamodule import SeqPackDataModule
+from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta
+from tests.model.test_exact_loss import (
+    GradientCapture,
+    assert_gradients_match,
+    loss_tokens,
+    make_module,
+    make_samples,
+    reference_gradients,
+)
+
+CP = 2
+# 2 data-parallel ranks x 2 microbatches (accumulation); data-parallel rank 1 ends on a lock-step dummy
+GROUPS = [[[0, 1, 2], [3, 4, 5, 6]], [[7, 8, 9, 10, 11, 12, 13], []]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _packed_step(samples: list[dict[str, list[int]]]) -> list[list[dict[str, Any]]]:
+    """The collated (unsharded) microbatches of every data-parallel rank, documents padded to 2 x CP."""
+    total = sum(loss_tokens(samples[i]) for rank in GROUPS for micro in rank for i in micro)
+    collate = PackedCollator(pad_document_to_multiple_of=2 * CP, pad_to_multiple_of=8)
+    meta = {"step": 0, "step_loss_tokens": total, "world_size": len(GROUPS), "accumulate_grad_batches": 2}
+    return [
+        [
+            collate(Microbatch([samples[i] for i in micro], meta=MicrobatchMeta(**meta, is_empty=not micro)))
+            for micro in rank
+        ]  # fmt: skip
+        for rank in GROUPS
+    ]
+
+
+def _worker(cp_rank: int, port: int, out_path: str) -> None:
+    """One CP rank; the 2 data-parallel ranks are simulated one after the other, each on its own model copy."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=cp_rank, world_size=CP)
+    try:
+        module = make_module("reference")  # float32, identical on both processes (seeded)
+        batches = _packed_step(make_samples(count=14, seed=3))
+        summed = {name: torch.zeros_like(p) for name, p in module.named_parameters()}
+        for dp_batches in batches:
+            model = copy.deepcopy(module)
+            for batch in dp_batches:
+                loss = model.training_step(shard_packed_batch(batch, CP, cp_rank), 0)
+                (loss / len(dp_batches)).backward()  # Lightning divides by accumulate_grad_batches
+            for name, p in model.named_parameters():
+                summed[name] += p.grad
+        for grad in summed.values():  # DDP: the mean over all dp x cp ranks
+            dist.all_reduce(grad)
+            grad /= len(batches) * CP
+        if cp_rank == 0:
+            torch.save(summed, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_process_cp_step_equals_the_unsharded_step(tmp_path: Path) -> None:
+    samples = make_samples(count=14, seed=3)
+    expected = reference_gradients(make_module("reference"), samples)
+    path = tmp_path / "grads.pt"
+    mp.spawn(_worker, args=(_free_port(), str(path)), nprocs=CP, join=True)
+    assert_gradients_match(torch.load(path), expected, rtol=1e-5)  # float32 CP vs float64 ground truth
+
+
+def test_the_same_loop_without_cp_matches_too() -> None:
+    """The simulation above, in one process and unsharded: it is the right stand-in for DDP + accumulation."""
+    samples = make_samples(count=14, seed=3)
+    module = make_module("reference")
+    expected = reference_gradients(module, samples)
+    summed = {name: torch.zeros_like(p) for name, p in module.named_parameters()}
+    for dp_batches in _packed_step(samples):
+        model = copy.deepcopy(module)
+        for batch in dp_batches:
+            (model.training_step(batch, 0) / len(dp_batches)).backward()
+        for name, p in model.named_parameters():
+            summed[name] += p.grad / len(GROUPS)
+    assert_gradients_match(summed, expected, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lightning_ddp_with_the_datamodule_cp_knob_equals_the_unsharded_step(tmp_path: Path) -> None:
+    """End to end: SeqPackDataModule(context_parallel_size=2) + ReferenceLM under a 2-process ddp_spawn Trainer."""
+    samples = make_samples(count=20, seed=4)
+    knobs = {"mode": "packing", "max_tokens": 64, "context_parallel_size": CP, "seed": 1}
+
+    planner = SeqPackDataModule(dataset=samples, **knobs)  # the same plan, read in this process
+    planner.trainer = type("T", (), {"world_size": CP, "global_rank": 0, "accumulate_grad_batches": 2})()
+    planner.trainer._accelerator_connector = type("C", (), {"use_distributed_sampler": False})()
+    planner.setup("fit")
+    step = planner.train_dataloader().batch_sampler.plan.step_microbatches(0)[0]
+    view = planner._splits["train"][0]
+    module = make_module("reference")
+    expected = reference_gradients(module, [view[i] for micro in step for i in micro])
+
+    path = tmp_path / "grads.pt"
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=CP,
+        strategy="ddp_spawn",
+        precision="64-true",
+        max_steps=1,
+        accumulate_grad_batches=2,
+        use_distributed_sampler=False,
+        callbacks=[GradientCapture(str(path))],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=SeqPackDataModule(dataset=samples, **knobs))
+    assert_gradients_match(torch.load(path), expected, rtol=1e-5)
