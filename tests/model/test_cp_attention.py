@@ -92,12 +92,27 @@ def _model_errors(rank: int) -> dict[str, float]:
     return errors
 
 
+def _hf_errors(rank: int) -> dict[str, float]:
+    """A transformers Llama through lit_seqpack's attention function is context parallel as it is."""
+    from tests.model.test_exact_loss import make_module
+
+    module = make_module("hf")
+    gen = torch.Generator().manual_seed(5)
+    docs = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (9, 15, 3, 6)]
+    batch = PackedCollator(pad_document_to_multiple_of=4, pad_to_multiple_of=4)([{"input_ids": d} for d in docs])
+    full = module.seqpack_forward(batch)
+    shard = shard_packed_batch(batch, CP, rank)
+    with context_parallel_scope(shard) as group:
+        local = module.seqpack_forward(shard)
+    return {"hf_logits": _rel(all_gather_tokens(local[0], shard["cu_seqlens"], group)[None], full)}
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=CP)
     try:
         group = dist.new_group([0, 1])
         outcome = {f"causal={c}": _attention_errors(rank, group, c) for c in (True, False)}
-        outcome["model"] = _model_errors(rank)
+        outcome["model"] = _model_errors(rank) | _hf_errors(rank)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
     finally:
         dist.destroy_process_group()
