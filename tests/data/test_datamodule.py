@@ -133,7 +133,10 @@ class _FakeTrainer:
     _accelerator_connector = _Conn()
 
     def __init__(self, world_size: int, global_rank: int) -> None:
+        from types import SimpleNamespace
+
         self.world_size, self.global_rank, self.accumulate_grad_batches = world_size, global_rank, 1
+        self.fit_loop = SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=0)))
 
 
 def _rank_batches(world_size: int, global_rank: int, **knobs) -> tuple[SeqPackDataModule, list[dict]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -116,8 +117,13 @@ def test_lightning_ddp_with_the_datamodule_cp_knob_equals_the_unsharded_step(tmp
     knobs = {"mode": "packing", "max_tokens": 64, "context_parallel_size": CP, "seed": 1}
 
     planner = SeqPackDataModule(dataset=samples, **knobs)  # the same plan, read in this process
-    planner.trainer = type("T", (), {"world_size": CP, "global_rank": 0, "accumulate_grad_batches": 2})()
-    planner.trainer._accelerator_connector = type("C", (), {"use_distributed_sampler": False})()
+    planner.trainer = SimpleNamespace(
+        world_size=CP,
+        global_rank=0,
+        accumulate_grad_batches=2,
+        _accelerator_connector=SimpleNamespace(use_distributed_sampler=False),
+        fit_loop=SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=0))),
+    )
     planner.setup("fit")
     step = planner.train_dataloader().batch_sampler.plan.step_microbatches(0)[0]
     view = planner._splits["train"][0]
