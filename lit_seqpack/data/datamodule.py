@@ -33,6 +33,7 @@ __all__ = ["SeqPackDataModule"]
 log = logging.getLogger(__name__)
 
 Mode = Literal["packing", "dynamic", "padded"]
+_LOADER_STATE = "train_loader"
 _SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
 
 
@@ -134,6 +135,8 @@ class SeqPackDataModule(LightningDataModule):
         self._layout: tuple[int, int, int] = (1, 0, 1)  # data-parallel world size and rank, accumulation
         self._cp_rank = 0
         self._train_sampler: PlannedBatchSampler | None = None
+        self._train_loader: StatefulDataLoader | None = None
+        self._pending_loader_state: dict[str, Any] | None = None
 
     @property
     def document_multiple(self) -> int:
@@ -281,12 +284,18 @@ class SeqPackDataModule(LightningDataModule):
                 # skips the loader state when resuming from an end-of-epoch checkpoint (Lightning #21938):
                 # set the epoch here so the first epoch after a resume is planned for the right epoch.
                 sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
-        return StatefulDataLoader(
+        loader = StatefulDataLoader(
             PlannedDataset(data),
             batch_sampler=sampler,
             collate_fn=self._collator(),
             num_workers=self.hparams.num_workers,
         )
+        if train:
+            self._train_loader = loader
+            if self._pending_loader_state is not None:  # see load_state_dict
+                loader.load_state_dict(self._pending_loader_state)
+                self._pending_loader_state = None
+        return loader
 
     def train_dataloader(self) -> StatefulDataLoader:
         """The training loader: a stateful DataLoader over this rank's planned microbatches."""
@@ -300,7 +309,13 @@ class SeqPackDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """What a resume must agree with: the data and the distributed layout."""
+        """What a resume must agree with (the data and the distributed layout), and the training loader's state."""
+        state = self._layout_state()
+        if self._train_loader is not None:
+            state[_LOADER_STATE] = self._train_loader.state_dict()
+        return state
+
+    def _layout_state(self) -> dict[str, Any]:
         world, _, accumulate = self._layout
         train = self._splits.get("train")
         return {
@@ -315,8 +330,16 @@ class SeqPackDataModule(LightningDataModule):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Refuse to resume on other data or another layout (the plan would no longer match)."""
-        current = self.state_dict()
+        """Refuse to resume on other data or another layout (the plan would no longer match).
+
+        The training loader's state is applied to the next training loader built. Lightning restores it too, but
+        drops it when ``configure_optimizers`` read ``trainer.estimated_stepping_batches`` (a cosine schedule does):
+        that builds the loader before the checkpoint is read (Lightning #20550), and the resumed epoch would then
+        start over from its first microbatch, training some samples twice and others not at all.
+        """
+        state_dict = dict(state_dict)
+        loader_state = state_dict.pop(_LOADER_STATE, None)
+        current = self._layout_state()
         changed = {k: (v, current.get(k)) for k, v in state_dict.items() if current.get(k) != v}
         if changed:
             detail = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changed.items())
@@ -324,6 +347,7 @@ class SeqPackDataModule(LightningDataModule):
                 f"cannot resume: the checkpoint was planned for other data or another layout ({detail}); "
                 "resume with the same dataset, world size, accumulate_grad_batches, mode and max_tokens"
             )
+        self._pending_loader_state = loader_state
 
 
 def _check_parallel_knobs(layout: ParallelLayout, mode: str, max_tokens: int | None, row_multiple: int) -> None:
