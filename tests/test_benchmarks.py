@@ -1,0 +1,127 @@
+"""The training benchmarks run end to end at a tiny size and print what they promise (no timing is asserted)."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from _common import fair_batch_size, markdown_table, matched_accumulation  # noqa: E402
+
+MODES = [
+    "padded",
+    "dynamic",
+    "packing concatenative",
+    "packing first_fit_decreasing",
+    "packing first_fit_shuffle",
+    "packing modified_first_fit_decreasing",
+    "packing best_fit_decreasing",
+]
+
+
+def _run(script: str, *args: str) -> list[str]:
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()
+
+
+def _tables(lines: list[str]) -> list[list[list[str]]]:
+    """Every Markdown table in ``lines`` as rows of stripped cells (header first, the rule line dropped)."""
+    tables, current = [], []
+    for line in [*lines, ""]:
+        if line.startswith("|"):
+            current.append([cell.strip() for cell in line.strip("|").split("|")])
+        elif current:
+            tables.append([current[0], *current[2:]])
+            current = []
+    return tables
+
+
+def test_bench_train_smoke_prints_tables_and_the_headline():
+    lines = _run("bench_train.py", "--smoke")
+    assert re.fullmatch(r"packed/padded real-token throughput: \d+\.\d\dx", lines[-1]), lines[-1]
+    tables = _tables(lines)
+    assert len(tables) == 4  # throughput + loss, for each of the two profiles
+    for throughput, losses in (tables[0:2], tables[2:4]):
+        assert throughput[0][:3] == ["mode", "accum", "opt steps"]
+        assert [row[0] for row in throughput[1:]] == MODES
+        assert [row[0] for row in losses[1:]] == MODES
+        by_mode = {row[0]: dict(zip(throughput[0], row, strict=True)) for row in throughput[1:]}
+        assert by_mode["padded"]["x padded"] == "1.00x"
+        for name in MODES:
+            assert float(by_mode[name]["real tok/s"].replace(",", "")) > 0
+            assert re.fullmatch(r"\d+\.\d\dx", by_mode[name]["x padded (CPU)"])
+        assert all(by_mode[name]["padding"] == "0.0%" for name in MODES if name.startswith("packing"))
+        assert float(by_mode["padded"]["padding"].rstrip("%")) > 10  # the baseline pads, packing does not
+        for row in losses[1:]:
+            assert all(0 < float(value) < 10 for value in row[1:-1])  # held-out losses, finite and plausible
+    assert sum(line.startswith("target ") for line in lines) == 8
+
+
+def test_gpu_script_code_path_on_cpu():
+    lines = _run("gpu.py", "--device", "cpu", "--tiny")
+    assert "optional packages imported by lit_seqpack's model, data and planning modules: none" in lines
+    attention, training = _tables(lines)
+    assert {row[0] for row in attention[1:]} >= {"varlen sdpa", "dense mask", "padded"}
+    assert [row[0] for row in training[1:]] == ["padded", "dynamic", "packing sdpa"]
+
+
+def test_model_and_data_modules_import_no_config_packages():
+    modules = [
+        "lit_seqpack.model.attention",
+        "lit_seqpack.model.reference",
+        "lit_seqpack.model.loss",
+        "lit_seqpack.model.mixin",
+        "lit_seqpack.model.hf",
+        "lit_seqpack.model.lm",
+        "lit_seqpack.data.collate",
+        "lit_seqpack.data.samplers",
+        "lit_seqpack.data.microbatch",
+        "lit_seqpack.planning.plan",
+    ]
+    code = (
+        f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+        "print(sorted({n.split('.')[0] for n in sys.modules} & {'omegaconf', 'jsonargparse', 'torchdata'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_fair_batch_size_is_the_largest_within_the_budget():
+    lengths = np.random.default_rng(0).integers(8, 500, size=400)
+    batch_size, mean = fair_batch_size(lengths, 1024, seed=0)
+    assert mean <= 1024
+    assert fair_batch_size(lengths, math.ceil(mean), seed=0)[0] == batch_size
+    assert fair_batch_size(lengths, math.ceil(mean) - 1, seed=0)[0] == batch_size - 1
+    larger, larger_mean = fair_batch_size(lengths, 10**9, seed=0)
+    assert larger == len(lengths) and larger_mean > 1024
+
+
+def test_matched_accumulation_and_table_layout():
+    assert matched_accumulation({"padded": 700.0, "dynamic": 1900.0, "packing": 2000.0}, "packing") == {
+        "padded": 3,
+        "dynamic": 1,
+        "packing": 1,
+    }
+    table = markdown_table(["mode", "value"], [["a", "1"], ["long name", "22"]]).splitlines()
+    assert table == ["| mode      | value |", "|:----------|------:|", "| a         |     1 |", "| long name |    22 |"]
+
+
+@pytest.mark.parametrize("bad", [["--tokens", "0"], ["--max-tokens", "64"]])
+def test_bench_train_rejects_bad_sizes(bad):
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_train.py"), "--smoke", *bad], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert bad[0] in result.stderr
