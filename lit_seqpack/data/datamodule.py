@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -127,6 +128,8 @@ class SeqPackDataModule(LightningDataModule):
         _check_parallel_knobs(self._parallel, mode, max_tokens, self.row_multiple)
         # Validate the plan knobs now (world size and accumulation are read from the Trainer in setup).
         self._plan_config(world_size=1, accumulate_grad_batches=1)
+        if max_tokens is not None:
+            self._document_budget()
         self._dataset = dataset
         self._full_lengths: np.ndarray | None = None
         self._full_loss_tokens: np.ndarray | None = None
@@ -195,17 +198,49 @@ class SeqPackDataModule(LightningDataModule):
         if len(self.dataset) == 0:
             raise ValueError("the dataset is empty: there is nothing to train on")
         lengths, loss_tokens = self._lengths()
+        empty = np.flatnonzero(lengths == 0)
+        if empty.size:
+            raise ValueError(
+                f"sample {int(empty[0])} of the dataset has no token ({empty.size} such samples): input_ids must "
+                "hold at least one token; remove empty samples from the dataset"
+            )
         data = self.dataset
         if hp.max_tokens is not None:
             full_lengths = lengths
-            data, lengths, self.overlong_report = apply_overlong_policy(data, lengths, hp.max_tokens, hp.overlong)
+            budget = self._document_budget()
+            try:
+                data, lengths, self.overlong_report = apply_overlong_policy(data, lengths, budget, hp.overlong)
+            except ValueError as err:
+                if budget == hp.max_tokens:
+                    raise
+                raise ValueError(f"{err} ({self._budget_note(budget)})") from None
             loss_tokens = _view_loss_tokens(data, full_lengths, loss_tokens)
             if self.overlong_report.num_overlong:
-                rank_zero_info(f"lit_seqpack: {self.overlong_report.summary()}")
+                note = f" ({self._budget_note(budget)})" if budget < hp.max_tokens else ""
+                rank_zero_info(f"lit_seqpack: {self.overlong_report.summary()}{note}")
         train_idx, val_idx = split_indices(len(data), hp.val_fraction, seed=hp.seed)
         self._splits["train"] = (IndexView(data, train_idx), lengths[train_idx], loss_tokens[train_idx])
         if len(val_idx):
             self._splits["val"] = (IndexView(data, val_idx), lengths[val_idx], loss_tokens[val_idx])
+
+    def _document_budget(self) -> int:
+        """The longest document a microbatch holds: ``max_tokens``, rounded down to the per-document pad multiple."""
+        max_tokens, multiple = self.hparams.max_tokens, self.document_multiple
+        budget = max_tokens - max_tokens % multiple if self.hparams.mode == "packing" else max_tokens
+        if budget == 0:
+            raise ValueError(
+                f"max_tokens={max_tokens} cannot hold a single document: pad_to_multiple_of="
+                f"{self.hparams.pad_to_multiple_of} pads every document to a multiple of {multiple} tokens"
+                f"{' (with context parallelism)' if multiple != self.hparams.pad_to_multiple_of else ''}; "
+                "raise max_tokens or lower pad_to_multiple_of"
+            )
+        return budget
+
+    def _budget_note(self, budget: int) -> str:
+        return (
+            f"max_tokens={self.hparams.max_tokens} holds documents of at most {budget} tokens because "
+            f"pad_to_multiple_of={self.hparams.pad_to_multiple_of} pads each to a multiple of {self.document_multiple}"
+        )
 
     def _read_layout(self) -> tuple[int, int, int]:
         """Data-parallel world size and rank, and accumulation; sets this process's context-parallel rank."""
@@ -321,6 +356,7 @@ class SeqPackDataModule(LightningDataModule):
         return {
             "num_samples": len(self.dataset),
             "num_train_samples": 0 if train is None else len(train[0]),
+            "train_lengths": None if train is None else _digest(train[1], train[2]),
             "world_size": world,
             "context_parallel_size": self._parallel.context_parallel_size,
             "tensor_parallel_size": self._parallel.tensor_parallel_size,
@@ -364,6 +400,11 @@ def _check_parallel_knobs(layout: ParallelLayout, mode: str, max_tokens: int | N
             f"max_tokens={max_tokens} must be a multiple of {row_multiple}, the row multiple that "
             f"sequence_length_round, pad_to_multiple_of, context_parallel_size and tensor_parallel_size give"
         )
+
+
+def _digest(lengths: np.ndarray, loss_tokens: np.ndarray) -> str:
+    """A short digest of the training lengths and loss tokens: same digest, same plans."""
+    return hashlib.sha256(np.concatenate([lengths, loss_tokens]).astype(np.int64).tobytes()).hexdigest()[:16]
 
 
 def _planned_lengths(lengths: np.ndarray, multiple: int) -> np.ndarray:

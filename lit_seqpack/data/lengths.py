@@ -39,18 +39,23 @@ _CACHE_VERSION = 1
 
 
 def sample_loss_tokens(sample: Mapping[str, Any]) -> int:
-    """Loss tokens of one sample: ``labels[1:] != -100`` counted, or ``length - 1`` without labels.
+    """Loss tokens of one sample: ``labels[1:] != -100`` (or ``loss_mask[1:] == 1``) counted, else ``length - 1``.
 
     Example:
         >>> sample_loss_tokens({"input_ids": [5, 6, 7, 8], "labels": [5, -100, 7, 8]})
+        2
+        >>> sample_loss_tokens({"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]})
         2
         >>> sample_loss_tokens({"input_ids": [5, 6]})
         1
     """
     labels = sample.get("labels")
-    if labels is None:
-        return max(len(sample["input_ids"]) - 1, 0)
-    return int((np.asarray(labels)[1:] != IGNORE_INDEX).sum())
+    if labels is not None:
+        return int((np.asarray(labels)[1:] != IGNORE_INDEX).sum())
+    mask = sample.get("loss_mask")  # the collators' alternative to labels: 1 = train on the token
+    if mask is not None:
+        return int((np.asarray(mask)[1:] != 0).sum())
+    return max(len(sample["input_ids"]) - 1, 0)
 
 
 def compute_lengths(dataset: Sequence[Mapping[str, Any]]) -> np.ndarray:
@@ -147,6 +152,8 @@ def _fast_path(dataset: Sequence[Any], name: str) -> np.ndarray | None:
 
 
 def _scan(dataset: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    from lit_seqpack.data.sources import validate_record
+
     size = len(dataset)
     lengths = np.empty(size, dtype=np.int64)
     loss_tokens = np.empty(size, dtype=np.int64)
@@ -154,6 +161,7 @@ def _scan(dataset: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]
         sample = dataset[i]
         if not isinstance(sample, Mapping) or "input_ids" not in sample:
             raise TypeError(f"dataset[{i}] must be a mapping with 'input_ids', got {type(sample).__name__}")
+        validate_record(sample, f"dataset[{i}]")  # fail before training, naming the sample, not mid-epoch
         lengths[i] = len(sample["input_ids"])
         loss_tokens[i] = sample_loss_tokens(sample)
     return lengths, loss_tokens

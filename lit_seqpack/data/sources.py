@@ -210,6 +210,10 @@ def validate_record(record: Any, where: str) -> tuple[np.ndarray, np.ndarray | N
         position = int(np.argmax(ids < 0))
         raise ValueError(f"{where}: 'input_ids' has negative id {int(ids[position])} at position {position}")
     labels = record.get("labels")
+    if record.get("loss_mask") is not None:
+        if labels is not None:
+            raise ValueError(f"{where}: give either 'labels' or 'loss_mask', not both")
+        return ids, _mask_to_labels(ids, record["loss_mask"], where)
     if labels is None:
         return ids, None
     labels = _int_array(labels, "labels", where)
@@ -222,6 +226,17 @@ def validate_record(record: Any, where: str) -> tuple[np.ndarray, np.ndarray | N
             f"{where}: 'labels' has {int(labels[position])} at position {position}; labels are ids >= 0 or -100"
         )
     return ids, labels
+
+
+def _mask_to_labels(ids: np.ndarray, loss_mask: Any, where: str) -> np.ndarray:
+    """``loss_mask`` (1 = train on the token, 0 = do not) as labels: the id where 1, -100 where 0."""
+    raw = np.asarray(loss_mask) if isinstance(loss_mask, (list, tuple, np.ndarray, torch.Tensor)) else loss_mask
+    mask = _int_array(raw.astype(np.int64) if getattr(raw, "dtype", None) == np.bool_ else raw, "loss_mask", where)
+    if len(mask) != len(ids):
+        raise ValueError(f"{where}: 'loss_mask' has {len(mask)} entries but 'input_ids' has {len(ids)}")
+    if ((mask != 0) & (mask != 1)).any():
+        raise ValueError(f"{where}: 'loss_mask' must hold only 0 and 1, got {sorted(set(mask.tolist()))}")
+    return np.where(mask == 1, ids, IGNORE_INDEX).astype(np.int32)
 
 
 def _int_array(value: Any, key: str, where: str) -> np.ndarray:
