@@ -6,8 +6,7 @@ re-exported lazily so that importing one piece does not compile or import the ot
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lit_seqpack._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "PACKING_ALGORITHMS": "lit_seqpack.planning.algorithms",
@@ -34,14 +33,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lit_seqpack.planning' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
