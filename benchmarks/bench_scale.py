@@ -43,7 +43,9 @@ def plan_child(mode: str, sequences: int, max_tokens: int, world: int, accumulat
     from lit_seqpack.planning.plan import PlanConfig, build_plan
 
     rng = np.random.default_rng(0)
-    lengths = np.clip(np.round(rng.lognormal(np.log(MEDIAN), 1.0, sequences)), LOW, HIGH).astype(np.int64)
+    high = min(HIGH, max_tokens)  # a smaller budget (smoke runs) clips the lengths to it
+    median = min(MEDIAN, high // 2)
+    lengths = np.clip(np.round(rng.lognormal(np.log(median), 1.0, sequences)), min(LOW, high), high).astype(np.int64)
     knobs = {"batch_size": 16} if mode == "padded" else {"max_tokens": max_tokens}
     config = PlanConfig(mode=mode, world_size=world, accumulate_grad_batches=accumulate, **knobs)
     build_plan(lengths[:10_000], config, epoch=0)  # compile the kernels before measuring
@@ -71,8 +73,10 @@ def plan_table(args: argparse.Namespace) -> str:
             "import json, sys; sys.path.insert(0, 'benchmarks'); from bench_scale import plan_child; "
             f"print(json.dumps(plan_child({mode!r}, {args.sequences}, {args.tokens}, {args.world}, {args.accumulate})))"
         )
-        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-        r = json.loads(out.strip().splitlines()[-1])
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if child.returncode:
+            raise RuntimeError(f"planning {mode} failed:\n{child.stderr[-3000:]}")
+        r = json.loads(child.stdout.strip().splitlines()[-1])
         rows.append(
             [
                 mode,
@@ -84,8 +88,10 @@ def plan_table(args: argparse.Namespace) -> str:
                 f"{r['utilization']:.3f}",
             ]
         )
+    high = min(HIGH, args.tokens)
     title = (
-        f"Planning {args.sequences:,} lognormal lengths (median {MEDIAN}, clip [{LOW}, {HIGH}]), "
+        f"Planning {args.sequences:,} lognormal lengths (median {min(MEDIAN, high // 2)}, clip [{min(LOW, high)}, "
+        f"{high}]), "
         f"max_tokens={args.tokens} (padded: batch_size=16), {args.world} ranks x {args.accumulate} accumulation"
     )
     headers = ["mode", "seconds", "peak MiB", "peak B/seq", "plan B/seq", "microbatches", "utilization"]
@@ -117,7 +123,9 @@ def loader_rows(args: argparse.Namespace) -> list[list[str]]:
     model.seqpack_verify_packing = lambda batch: None  # the one-time isolation probe is not a step
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = _step_fn(model, optimizer)
-    synthetic = {"num_samples": 20_000, "vocab_size": 512, "median_length": MEDIAN, "max_length": 4096, "seed": 0}
+    longest = min(HIGH, args.tokens)
+    synthetic = {"num_samples": 20_000, "vocab_size": 512, "median_length": min(MEDIAN, longest // 2)}
+    synthetic |= {"max_length": longest, "seed": 0}
     rows = []
     for workers in args.workers:
         data = SeqPackDataModule(synthetic=synthetic, max_tokens=args.tokens, num_workers=workers)

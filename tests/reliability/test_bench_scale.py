@@ -1,0 +1,37 @@
+"""benchmarks/bench_scale.py runs end to end at a tiny size and prints both tables (no timing is asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tables(stdout: str) -> list[list[list[str]]]:
+    tables, current = [], []
+    for line in [*stdout.splitlines(), ""]:
+        if line.startswith("|"):
+            current.append([cell.strip() for cell in line.strip("|").split("|")])
+        elif current:
+            tables.append([current[0], *current[2:]])  # the header, then the rows (the rule dropped)
+            current = []
+    return tables
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_scale_prints_the_planning_and_loader_tables() -> None:
+    command = [sys.executable, "benchmarks/bench_scale.py", "--sequences", "20000", "--tokens", "256"]
+    command += ["--steps", "1", "--workers", "0", "1", "--threads", "1"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan, loader = _tables(result.stdout)
+    assert plan[0] == ["mode", "seconds", "peak MiB", "peak B/seq", "plan B/seq", "microbatches", "utilization"]
+    assert [row[0] for row in plan[1:]] == ["packing", "dynamic", "padded"]
+    assert all(float(row[3]) > 0 for row in plan[1:])  # planning 20k sequences takes some memory
+    assert [row[0] for row in loader[1:]] == ["demo, 0 worker(s)", "demo, 1 worker(s)"]
+    assert all(row[3].endswith("%") and int(row[4]) <= 256 for row in loader[1:])
