@@ -122,6 +122,11 @@ class SeqPackDataModule(LightningDataModule):
         for name, value in (("num_workers", num_workers), ("pad_to_multiple_of", pad_to_multiple_of)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "num_workers" else 1):
                 raise ValueError(f"{name}={value!r} must be an int >= {0 if name == 'num_workers' else 1}")
+        if pad_to_multiple_of > 1 and mode != "packing":
+            raise ValueError(
+                f"pad_to_multiple_of={pad_to_multiple_of} pads the documents of a packed row and needs mode='packing', "
+                f"got mode={mode!r} (sequence_length_round pads the rows of dynamic and padded batches)"
+            )
         self._parallel = ParallelLayout(
             context_parallel_size=context_parallel_size, tensor_parallel_size=tensor_parallel_size
         )

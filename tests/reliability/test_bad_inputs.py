@@ -230,6 +230,11 @@ def test_a_document_pad_multiple_larger_than_the_budget_fails_at_construction() 
         SeqPackDataModule(synthetic=SYNTH, max_tokens=64, pad_to_multiple_of=128)
 
 
+def test_a_document_pad_multiple_outside_packing_is_refused_not_ignored() -> None:
+    with pytest.raises(ValueError, match=r"pad_to_multiple_of=8 pads the documents of a packed row .* mode='dynamic'"):
+        SeqPackDataModule(mode="dynamic", max_tokens=64, pad_to_multiple_of=8)
+
+
 @pytest.mark.parametrize("overlong", ["error", "truncate", "drop"])
 def test_a_document_pad_multiple_applies_the_overlong_policy_to_padded_lengths(overlong: str) -> None:
     """60 tokens fit max_tokens=64 but pad to 96 with pad_to_multiple_of=48: the budget holds 48 per document."""
