@@ -86,17 +86,24 @@ def _mean_padded_tokens(lengths: np.ndarray, batch_size: int, seed: int, round_t
 
 
 def build_module(
-    kind: str, *, preset: str, vocab_size: int, max_seq_len: int, lr: float, attn_backend: str = "auto"
+    kind: str,
+    *,
+    preset: str,
+    vocab_size: int,
+    max_seq_len: int,
+    lr: float,
+    warmup_steps: int = 0,
+    attn_backend: str = "auto",
 ) -> torch.nn.Module:
     """A ``ReferenceLM`` (``kind="reference"``, sizes of ``preset``) or an ``HFCausalLM`` tiny Llama (``"hf"``).
 
-    Constant learning rate and no warmup: modes take different numbers of optimizer steps for the same tokens,
-    so any step-based schedule would differ between them.
+    Linear warmup over ``warmup_steps`` optimizer steps, then a constant learning rate (no decay: the run's
+    length in steps is not known to the module without a Trainer).
     """
     from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
     from lit_seqpack.model.reference import REFERENCE_PRESETS
 
-    optim = {"lr": lr, "lr_schedule": "constant", "warmup_steps": 0, "attn_backend": attn_backend}
+    optim = {"lr": lr, "lr_schedule": "constant", "warmup_steps": warmup_steps, "attn_backend": attn_backend}
     if kind == "reference":
         sizes = REFERENCE_PRESETS[preset] | {"vocab_size": vocab_size}
         return ReferenceLM(**sizes, max_seq_len=max_seq_len, **optim)

@@ -129,8 +129,8 @@ def attention_elements(batch: dict[str, Any]) -> int:
     return rows * length * length
 
 
-def datamodule_loader(dataset: Any, spec: dict[str, Any], *, seed: int, accumulate: int = 1) -> Any:
-    """The training loader of a ``SeqPackDataModule`` over ``dataset``, planned for one rank and ``accumulate``.
+def datamodule_loader(dataset: Any, spec: dict[str, Any], *, accumulate: int = 1) -> Any:
+    """The training loader of a ``SeqPackDataModule(dataset=dataset, **spec)``, planned for one rank and ``accumulate``.
 
     The DataModule reads world size, rank and accumulation from its Trainer: it gets a real, never fitted
     ``Trainer(accumulate_grad_batches=accumulate)`` on one CPU device.
@@ -139,7 +139,7 @@ def datamodule_loader(dataset: Any, spec: dict[str, Any], *, seed: int, accumula
 
     from lit_seqpack.data.datamodule import SeqPackDataModule
 
-    datamodule = SeqPackDataModule(dataset=dataset, seed=seed, **spec)
+    datamodule = SeqPackDataModule(dataset=dataset, **spec)
     quiet = logging.getLogger("lightning.pytorch")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # "GPU available: False ..." lines
@@ -162,8 +162,7 @@ def datamodule_loader(dataset: Any, spec: dict[str, Any], *, seed: int, accumula
 
 def held_out_batches(dataset: Any, max_tokens: int) -> list[dict[str, Any]]:
     """The evaluation samples as packed rows (no shuffle): the same inputs for every mode's model."""
-    spec = {"mode": "packing", "max_tokens": max_tokens, "shuffle": False}
-    return list(datamodule_loader(dataset, spec, seed=0))
+    return list(datamodule_loader(dataset, {"mode": "packing", "max_tokens": max_tokens, "shuffle": False}))
 
 
 def held_out_loss(module: torch.nn.Module, batches: Sequence[dict[str, Any]]) -> float:

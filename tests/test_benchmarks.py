@@ -19,6 +19,7 @@ from _common import fair_batch_size, markdown_table, matched_accumulation  # noq
 
 MODES = [
     "padded",
+    "padded, other order",
     "dynamic",
     "packing concatenative",
     "packing first_fit_decreasing",
