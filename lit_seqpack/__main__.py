@@ -1,0 +1,174 @@
+"""The ``lit-seqpack`` command (also ``python -m lit_seqpack``).
+
+::
+
+    lit-seqpack fit --config configs/demo.yaml               # train (LightningCLI: fit, validate, test)
+    lit-seqpack fit --config configs/demo.yaml --ckpt_path outputs/demo/checkpoints/last.ckpt   # resume
+    lit-seqpack inspect --config configs/demo.yaml --plot plan.png   # compare every mode, no training
+
+``inspect`` reads the ``data`` section of the same YAML (``--data.*`` overrides it) and the layout of its
+``trainer`` section (``--world_size`` and ``--accumulate_grad_batches`` override it), plans one epoch of the
+training split with every packing algorithm, dynamic batching and the padded baseline, and prints a table.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["build_inspect_parser", "inspect_command", "main"]
+
+_FIT_ONLY_SECTIONS = ("model", "optimizer", "lr_scheduler")
+
+
+def build_inspect_parser() -> Any:
+    """The ``lit-seqpack inspect`` argument parser (jsonargparse, omegaconf mode)."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+
+    parser = ArgumentParser(
+        prog="lit-seqpack inspect",
+        parser_mode="omegaconf",
+        description="Plan one epoch with every packing algorithm, dynamic batching and the padded baseline, "
+        "and print microbatches, padding ratio, efficiency, rank imbalance and planning time.",
+    )
+    parser.add_argument("-c", "--config", action=ActionConfigFile, help="a lit-seqpack fit config (YAML)")
+    parser.add_class_arguments(SeqPackDataModule, "data", skip={"dataset"})
+    parser.add_argument(
+        "--world_size",
+        type=int | None,
+        default=None,
+        help="data-parallel ranks (default: trainer.devices x trainer.num_nodes of the config, else 1)",
+    )
+    parser.add_argument(
+        "--accumulate_grad_batches",
+        type=int | None,
+        default=None,
+        help="microbatches per rank per optimizer step (default: the config's trainer value, else 1)",
+    )
+    parser.add_argument(
+        "--padded_batch_size",
+        type=int | None,
+        default=None,
+        help="samples per microbatch of the padded row (default: data.batch_size in padded mode, else as many "
+        "samples as carry max_tokens real tokens on average)",
+    )
+    parser.add_argument("--epoch", type=int, default=0, help="the epoch to plan (it seeds the shuffle)")
+    parser.add_argument("--plot", type=str | None, default=None, help="write a PNG of lengths and bin fill here")
+    parser.add_argument("--trainer", type=dict | None, default=None, help="a fit config's trainer section")
+    for section in _FIT_ONLY_SECTIONS:
+        parser.add_argument(f"--{section}", type=Any, default=None, help="read from a fit config and ignored")
+    parser.add_argument("--seed_everything", type=Any, default=None, help="read from a fit config and ignored")
+    parser.add_argument("--ckpt_path", type=Any, default=None, help="read from a fit config and ignored")
+    return parser
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1")
+    return value
+
+
+def _world_size(trainer: Mapping[str, Any]) -> tuple[int, str | None]:
+    """Ranks implied by a trainer section, and a note when it cannot be known without the hardware."""
+    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+    if isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    elif isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        return 1, f"trainer.devices={devices!r} depends on the hardware: planned for 1 rank (pass --world_size)"
+    return devices * _positive("trainer.num_nodes", nodes), None
+
+
+def _train_split(data: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    """Lengths and loss tokens of the training split, as ``SeqPackDataModule.setup`` prepares them."""
+    data.prepare_data()
+    data.setup("fit")
+    _, lengths, loss_tokens = data._splits["train"]
+    held_out = len(data._splits["val"][0]) if "val" in data._splits else 0
+    return lengths, loss_tokens, held_out
+
+
+def _header(data: Any, lengths: np.ndarray, held_out: int, world: int, accumulate: int) -> str:
+    hp = data.hparams
+    lines = [
+        f"data: {hp.source} ({lengths.size:,} training samples, {held_out:,} held out), {int(lengths.sum()):,} tokens; "
+        f"length min/median/mean/max = {int(lengths.min())}/{np.median(lengths):g}/{lengths.mean():.1f}/"
+        f"{int(lengths.max())}",
+        f"plan: max_tokens={hp.max_tokens}, window={hp.window}, sequence_length_round={data.row_multiple}, "
+        f"pad_to_multiple_of={data.document_multiple}, data-parallel ranks={world}, "
+        f"accumulate_grad_batches={accumulate}",
+    ]
+    if data.overlong_report is not None and data.overlong_report.num_overlong:
+        lines.append(f"over-long: {data.overlong_report.summary()}")
+    return "\n".join(lines)
+
+
+def inspect_command(argv: Sequence[str]) -> str:
+    """Run ``lit-seqpack inspect`` with ``argv`` (after the word ``inspect``); return the report text.
+
+    Raises:
+        ValueError: a bad knob (named), or a dataset without samples.
+        ImportError: ``--plot`` without matplotlib.
+    """
+    from lit_seqpack.inspection import compare_plans, format_table, plot_inspection
+
+    parser = build_inspect_parser()
+    cfg = parser.parse_args(list(argv))
+    trainer = cfg.trainer or {}
+    world, note = _world_size(trainer) if cfg.world_size is None else (_positive("world_size", cfg.world_size), None)
+    accumulate = _positive(
+        "accumulate_grad_batches",
+        trainer.get("accumulate_grad_batches", 1)
+        if cfg.accumulate_grad_batches is None
+        else cfg.accumulate_grad_batches,
+    )
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
+    data = instantiate(cfg).data
+    hp = data.hparams
+    model_parallel = hp.context_parallel_size * hp.tensor_parallel_size
+    if world % model_parallel:
+        raise ValueError(
+            f"world_size={world} must be a multiple of context_parallel_size x tensor_parallel_size={model_parallel}"
+        )
+    world //= model_parallel  # the plan is made for the data-parallel ranks
+    lengths, loss_tokens, held_out = _train_split(data)
+    rows = compare_plans(
+        lengths,
+        data._plan_config(world_size=world, accumulate_grad_batches=accumulate),
+        loss_tokens=loss_tokens,
+        max_tokens=hp.max_tokens,
+        padded_batch_size=cfg.padded_batch_size,
+        pad_to_multiple_of=data.document_multiple,
+        epoch=cfg.epoch,
+    )
+    parts = [_header(data, lengths, held_out, world, accumulate)] + ([note] if note else [])
+    parts += ["", format_table(rows), "* the configured mode"]
+    if cfg.plot:
+        title = f"{hp.source}: max_tokens={hp.max_tokens}, world_size={world}, accumulate={accumulate}"
+        parts.append(f"plot: {plot_inspection(rows, lengths, cfg.plot, title=title)}")
+    return "\n".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``lit-seqpack``: ``inspect`` here, ``fit`` / ``validate`` / ``test`` through ``SeqPackCLI``.
+
+    Args:
+        argv: the arguments after the program name (default ``sys.argv[1:]``).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["inspect"]:
+        print(inspect_command(args[1:]))
+        return
+    from lit_seqpack.cli import SeqPackCLI
+
+    SeqPackCLI(args=None if argv is None else args)
+
+
+if __name__ == "__main__":
+    main()

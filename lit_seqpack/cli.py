@@ -1,0 +1,219 @@
+"""``SeqPackCLI``: the ``lit-seqpack`` LightningCLI, with the defaults and links that packed training needs.
+
+What it adds to a plain ``LightningCLI``:
+
+- every subcommand parser runs in omegaconf mode (``${...}`` interpolation in YAML and on the command line);
+- ``trainer.use_distributed_sampler`` defaults to ``False``: the planner assigns every rank its own
+  microbatches, and Lightning's ``DistributedSampler`` would re-split them and make ranks hang;
+- ``data.vocab_size`` is linked to ``model.init_args.vocab_size`` when the model takes a ``vocab_size``
+  (:class:`~lit_seqpack.model.lm.ReferenceLM`), so the vocabulary is written once, in the data section;
+- models whose vocabulary lives elsewhere (:class:`~lit_seqpack.model.lm.HFCausalLM`'s ``config`` dict or
+  checkpoint) are checked after instantiation: a vocabulary smaller than the data's fails with a clear message;
+- only ``fit``, ``validate`` and ``test`` (the mixin trains and evaluates; it has no ``predict_step``);
+- ``torch_num_threads`` sets torch's CPU thread pool from the config (a 2-core machine shared with other
+  processes trains an order of magnitude faster with 1 thread than with torch's default of one per core);
+- the saved ``config.yaml`` may overwrite the previous run's, so rerunning the demo just works.
+
+The ``inspect`` subcommand (plan statistics without training) is dispatched by :mod:`lit_seqpack.__main__`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from lit_seqpack.data.datamodule import SeqPackDataModule
+
+__all__ = ["DEFAULT_MODEL", "SUBCOMMANDS", "TRAINER_DEFAULTS", "SeqPackCLI", "check_vocab", "model_vocab_size"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "lit_seqpack.model.lm.ReferenceLM"
+"""The model trained when the config names none."""
+
+SUBCOMMANDS: dict[str, set[str]] = {
+    "fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
+    "validate": {"model", "dataloaders", "datamodule"},
+    "test": {"model", "dataloaders", "datamodule"},
+}
+"""The Trainer methods exposed as subcommands, with the arguments the CLI fills itself."""
+
+_DESCRIPTION = (
+    "Train, validate and test language models on packed or dynamically batched sequences "
+    "(lit-seqpack SUBCOMMAND --help for the options of each). "
+    "Also: 'lit-seqpack inspect --config CONFIG.yaml [--plot FILE.png]' compares every batching mode "
+    "and packing algorithm on the config's data without training."
+)
+
+TRAINER_DEFAULTS: dict[str, Any] = {"use_distributed_sampler": False}
+"""Trainer defaults the samplers need (a config may still override them, and then the DataModule refuses)."""
+
+
+def model_vocab_size(model: LightningModule) -> int | None:
+    """The number of token ids ``model`` can embed, or ``None`` when it does not say.
+
+    Looked up, in order: the ``config.vocab_size`` of the wrapped network ``model.model`` (the reference decoder
+    and transformers models both have one), then the hyperparameter ``vocab_size``, then the ``vocab_size`` of a
+    ``config`` hyperparameter (:class:`~lit_seqpack.model.lm.HFCausalLM` built from a config dict).
+    """
+    inner_config = getattr(getattr(model, "model", None), "config", None)
+    value = getattr(inner_config, "vocab_size", None)
+    hparams = getattr(model, "hparams", None) or {}
+    if value is None:
+        value = hparams.get("vocab_size")
+    if value is None and isinstance(hparams.get("config"), Mapping):
+        value = hparams["config"].get("vocab_size")
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_vocab(model: LightningModule, data_vocab_size: int) -> None:
+    """Fail before training when ``model`` cannot embed every token id of the data.
+
+    Args:
+        model: the LightningModule.
+        data_vocab_size: the vocabulary the data needs (``SeqPackDataModule.vocab_size``).
+
+    Raises:
+        ValueError: the model's vocabulary is smaller than the data's (the message names both values).
+    """
+    vocab = model_vocab_size(model)
+    if vocab is None:
+        log.info(
+            "lit_seqpack: %s does not expose its vocab_size; the data needs %d ids",
+            type(model).__name__,
+            data_vocab_size,
+        )
+        return
+    if vocab < data_vocab_size:
+        raise ValueError(
+            f"the model's vocab_size={vocab} is smaller than the data's vocab_size={data_vocab_size}: token ids "
+            f"up to {data_vocab_size - 1} would index past the embedding. Raise the model's vocab_size (for "
+            "HFCausalLM: model.init_args.config.vocab_size) or lower data.synthetic.vocab_size"
+        )
+
+
+class SeqPackCLI(LightningCLI):
+    """The ``lit-seqpack`` command line: ``fit``, ``validate`` and ``test`` of a packed LightningModule.
+
+    The model is any LightningModule given by ``class_path`` (``ReferenceLM`` by default, ``HFCausalLM``, or
+    your own with :class:`~lit_seqpack.model.mixin.PackedSequenceMixin`); the data is a
+    :class:`~lit_seqpack.data.datamodule.SeqPackDataModule` (or a subclass passed as ``datamodule_class``).
+
+    Args:
+        model_class: the base class of the models accepted under ``model:`` (subclasses by ``class_path``).
+        datamodule_class: the DataModule class whose arguments form the ``data:`` section.
+        args: arguments to parse instead of ``sys.argv`` (a list, or a dict of the whole config).
+        run: run the subcommand (``False``: only instantiate the model, data and trainer, without subcommand).
+        **kwargs: other :class:`~lightning.pytorch.cli.LightningCLI` arguments; ``parser_kwargs``,
+            ``trainer_defaults`` and ``save_config_kwargs`` are merged over this CLI's defaults.
+
+    Example::
+
+        lit-seqpack fit --config configs/demo.yaml --trainer.max_steps 50
+    """
+
+    def __init__(
+        self,
+        model_class: type[LightningModule] = LightningModule,
+        datamodule_class: type[SeqPackDataModule] = SeqPackDataModule,
+        *,
+        args: Any = None,
+        run: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        parser_kwargs = {
+            "parser_mode": "omegaconf",
+            "prog": "lit-seqpack",
+            "description": _DESCRIPTION,
+            **{name: {"parser_mode": "omegaconf"} for name in SUBCOMMANDS},
+            **kwargs.pop("parser_kwargs", {}),
+        }
+        trainer_defaults = {**TRAINER_DEFAULTS, **kwargs.pop("trainer_defaults", {})}
+        save_config_kwargs = {"overwrite": True, **kwargs.pop("save_config_kwargs", {})}
+        kwargs.setdefault("subclass_mode_model", True)
+        super().__init__(
+            model_class,
+            datamodule_class,
+            parser_kwargs=parser_kwargs,
+            trainer_defaults=trainer_defaults,
+            save_config_kwargs=save_config_kwargs,
+            args=args,
+            run=run,
+            **kwargs,
+        )
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit``, ``validate`` and ``test``, with the Trainer arguments the CLI fills itself."""
+        return {name: set(skip) for name, skip in SUBCOMMANDS.items()}
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Add ``torch_num_threads``; link the data's vocabulary to the model's (once the DataModule exists)."""
+        parser.add_argument(
+            "--torch_num_threads",
+            type=int | None,
+            default=None,
+            help="CPU threads of torch's intra-op pool (torch.set_num_threads) in every process; null leaves "
+            "torch's default. 1 is the fastest on a small machine shared with other work.",
+        )
+        parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
+        parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        """Apply ``torch_num_threads``; remember the model's configured ``vocab_size`` (the link replaces it)."""
+        threads = self._get(self.config, "torch_num_threads")
+        if threads is not None:
+            if isinstance(threads, bool) or threads < 1:
+                raise ValueError(f"torch_num_threads={threads!r} must be an int >= 1 (or null for torch's default)")
+            torch.set_num_threads(threads)
+        init_args = self._get(self.config, "model").get("init_args")
+        self._configured_vocab = None if init_args is None else init_args.get("vocab_size")
+
+    def after_instantiate_classes(self) -> None:
+        """Check the vocabulary: set once (in the data), and large enough for every token id of the data."""
+        if self.datamodule is None or self.model is None:
+            return
+        data_vocab = self.datamodule.vocab_size
+        accepted = _accepts(type(self.model), _VOCAB_KEY)
+        if not accepted:
+            # LightningCLI records a linked value in hparams even when the model has no such parameter; a
+            # checkpoint would then pass it back to __init__ on resume or load_from_checkpoint
+            _drop_hparam(self.model, _VOCAB_KEY)
+        default = _default_of(type(self.model), _VOCAB_KEY)
+        configured = self._configured_vocab
+        if accepted and configured is not None and configured not in (default, data_vocab):
+            raise ValueError(
+                f"model.init_args.vocab_size={configured} is set twice: the CLI links it to data.vocab_size="
+                f"{data_vocab}. Remove it from the model section (the data decides the vocabulary)"
+            )
+        check_vocab(self.model, data_vocab)
+
+
+_VOCAB_KEY = "vocab_size"
+
+
+def _parameters(cls: type) -> Mapping[str, inspect.Parameter]:
+    return inspect.signature(cls.__init__).parameters
+
+
+def _accepts(cls: type, name: str) -> bool:
+    params = _parameters(cls)
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _default_of(cls: type, name: str) -> Any:
+    param = _parameters(cls).get(name)
+    return None if param is None or param.default is inspect.Parameter.empty else param.default
+
+
+def _drop_hparam(model: LightningModule, name: str) -> None:
+    model.hparams.pop(name, None)
+    initial = getattr(model, "_hparams_initial", None)
+    if initial is not None:
+        initial.pop(name, None)

@@ -1,0 +1,275 @@
+"""The ``lit-seqpack`` CLI: the demo config trains and resumes mid-epoch exactly, the vocabulary link, subcommands."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch import Callback
+
+from lit_seqpack.__main__ import main
+from lit_seqpack.cli import SeqPackCLI, check_vocab, model_vocab_size
+from lit_seqpack.data.datamodule import SeqPackDataModule
+from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo.yaml"
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*Checkpoint directory .* exists and is not empty.*"),
+    pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`.*"),
+    pytest.mark.filterwarnings("ignore:.*isinstance.treespec, LeafSpec.*"),
+    pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*"),
+    pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended to run from within Python.*"),
+]
+
+TINY_DATA = {"num_samples": 240, "median_length": 32, "max_length": 128}
+
+
+def tiny_demo(tmp_path: Path, **trainer: Any) -> Path:
+    """The shipped demo config with a small dataset and budget, written to ``tmp_path``."""
+    config = yaml.safe_load(DEMO.read_text())
+    config["data"]["max_tokens"] = 256
+    config["data"]["synthetic"].update(TINY_DATA)
+    config["data"]["val_fraction"] = 0.05
+    config["trainer"].update(trainer)
+    for callback in config["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("ModelCheckpoint"):
+            callback["init_args"]["every_n_train_steps"] = 4
+    path = tmp_path / "demo_tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class _Indexed:
+    """A dataset view whose samples carry their index (the collator ignores extra keys)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self.dataset[index], "sample_index": int(index)}
+
+
+class _CollateWithIndices:
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: Any) -> dict[str, Any]:
+        batch = self.collate(samples)
+        batch["sample_indices"] = [sample["sample_index"] for sample in samples]
+        return batch
+
+
+class RecordingDataModule(SeqPackDataModule):
+    """The DataModule with the training-split indices of every sample added to each training batch."""
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        loader.dataset.dataset = _Indexed(loader.dataset.dataset)
+        loader.collate_fn = _CollateWithIndices(loader.collate_fn)
+        return loader
+
+
+class TrainedIndices(Callback):
+    """Records the sample indices of every microbatch that reaches ``training_step`` (not the prefetched ones)."""
+
+    def __init__(self) -> None:
+        self.microbatches: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.microbatches.append(list(batch["sample_indices"]))
+
+
+def _fit(config: Path, *overrides: str) -> tuple[SeqPackCLI, TrainedIndices]:
+    recorder = TrainedIndices()
+    cli = SeqPackCLI(
+        datamodule_class=RecordingDataModule,
+        trainer_defaults={"callbacks": [recorder]},
+        args=["fit", "--config", str(config), *overrides],
+    )
+    return cli, recorder
+
+
+def test_demo_config_trains_logs_checkpoints_and_resumes_mid_epoch_exactly(tmp_path, monkeypatch, capsys, caplog):
+    monkeypatch.chdir(tmp_path)
+    config = tiny_demo(tmp_path, max_steps=8, log_every_n_steps=2)
+    caplog.set_level(logging.INFO)
+    first, before = _fit(config)
+    train_size = len(first.datamodule._splits["train"][0])
+    sampler = first.datamodule.train_dataloader().batch_sampler
+    sampler.set_epoch(0)
+    epoch = sampler.plan.rank_microbatches(0)
+    assert len(before.microbatches) == 8 < len(epoch)  # stopped mid-epoch
+    assert before.microbatches == epoch[:8]
+    bar = capsys.readouterr().out  # Lightning's TQDM bar writes to stdout
+    assert "train/tokens_per_sec=" in bar and "train/padding_ratio=" in bar
+    assert "PackingMonitor summary" in caplog.text and "train/loss" in caplog.text
+    last = tmp_path / "outputs" / "demo" / "checkpoints" / "last.ckpt"
+    assert last.is_file() and (tmp_path / "outputs" / "demo" / "version_0" / "metrics.csv").is_file()
+
+    # resume from the file: the rest of the epoch, each remaining sample exactly once, in the planned order
+    resumed, after = _fit(config, "--ckpt_path", str(last), "--trainer.max_steps", "-1")
+    assert resumed.trainer.global_step == len(epoch)
+    assert after.microbatches == epoch[8:]
+    seen = [i for mb in before.microbatches + after.microbatches for i in mb]
+    assert sorted(seen) == list(range(train_size))
+
+
+def test_resume_by_name_last_through_main(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = tiny_demo(tmp_path, max_steps=4)
+    main(["fit", "--config", str(config)])
+    main(["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "6"])
+    state = torch.load(tmp_path / "outputs/demo/checkpoints/last.ckpt", weights_only=False, map_location="cpu")
+    assert state["global_step"] == 6
+
+
+def test_validate_subcommand_logs_the_loss(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = SeqPackCLI(args=["validate", "--config", str(tiny_demo(tmp_path))])
+    metrics = cli.trainer.callback_metrics
+    assert torch.isfinite(metrics["val/loss"]) and "val/padding_ratio" in metrics
+
+
+def _tiny_cli(*args: str, model: str = "lit_seqpack.model.lm.ReferenceLM") -> SeqPackCLI:
+    return SeqPackCLI(
+        args=[
+            "--model",
+            model,
+            "--data.synthetic.num_samples",
+            "64",
+            "--data.synthetic.vocab_size",
+            "40",
+            "--trainer.logger",
+            "false",
+            *args,
+        ],
+        run=False,
+    )
+
+
+def test_vocab_is_linked_from_the_data_and_cannot_be_set_twice():
+    cli = _tiny_cli("--model.init_args.n_layer", "1")
+    assert cli.model.hparams.vocab_size == cli.datamodule.vocab_size == model_vocab_size(cli.model) == 40
+    assert cli.trainer._accelerator_connector.use_distributed_sampler is False
+    with pytest.raises(ValueError, match=r"model.init_args.vocab_size=12 is set twice.*data.vocab_size=40"):
+        _tiny_cli("--model.init_args.vocab_size", "12")
+
+
+HF_CONFIG = (
+    '{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, '
+    '"num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": VOCAB}'
+)
+
+
+def test_hf_model_vocab_is_checked_not_linked():
+    hf = "lit_seqpack.model.lm.HFCausalLM"
+    with pytest.raises(ValueError, match=r"vocab_size=32 is smaller than the data's vocab_size=40"):
+        _tiny_cli("--model.init_args.config", HF_CONFIG.replace("VOCAB", "32"), model=hf)
+    cli = _tiny_cli("--model.init_args.config", HF_CONFIG.replace("VOCAB", "48"), model=hf)
+    assert isinstance(cli.model, HFCausalLM) and model_vocab_size(cli.model) == 48
+    # the link's value must not leak into the hyperparameters: a checkpoint passes them back to __init__
+    assert "vocab_size" not in cli.model.hparams and "vocab_size" not in cli.model.hparams_initial
+
+
+def test_hf_checkpoint_written_by_the_cli_resumes_and_loads(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((ROOT / "configs" / "hf_llama.yaml").read_text())
+    config["model"]["init_args"]["config"].update(hidden_size=16, intermediate_size=32, num_hidden_layers=1)
+    config["data"].update(max_tokens=256)
+    config["data"]["synthetic"].update(TINY_DATA)
+    config["trainer"].update(max_steps=2, logger=False)
+    path = tmp_path / "hf.yaml"
+    path.write_text(yaml.safe_dump(config))
+    first = SeqPackCLI(args=["fit", "--config", str(path), "--trainer.callbacks+=ModelCheckpoint"])
+    ckpt = Path(first.trainer.checkpoint_callback.best_model_path)
+    resumed = SeqPackCLI(args=["fit", "--config", str(path), "--ckpt_path", str(ckpt), "--trainer.max_steps", "3"])
+    assert resumed.trainer.global_step == 3
+    loaded = HFCausalLM.load_from_checkpoint(ckpt)
+    assert model_vocab_size(loaded) == 64
+
+
+def test_check_vocab_without_a_known_vocabulary_passes():
+    class Opaque(torch.nn.Module):
+        hparams: dict = {}
+
+    check_vocab(Opaque(), 10**6)  # nothing to compare: no error
+    assert model_vocab_size(ReferenceLM(vocab_size=32, n_layer=1, n_embd=16, n_head=2, n_kv_head=1)) == 32
+
+
+def test_help_lists_the_subcommands_and_inspect(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "lit-seqpack" in text and "inspect" in text
+    assert all(name in text for name in ("fit", "validate", "test")) and "predict" not in text
+
+
+def _run(args: list[str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "lit_seqpack", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.slow
+def test_demo_command_as_a_new_user_runs_it(tmp_path):
+    result = _run(
+        [
+            "fit",
+            "--config",
+            str(DEMO),
+            "--trainer.max_steps",
+            "6",
+            "--trainer.log_every_n_steps",
+            "2",
+            "--data.max_tokens",
+            "256",
+            *[f"--data.synthetic.{key}={value}" for key, value in TINY_DATA.items()],
+        ],
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "train/tokens_per_sec=" in output and "train/padding_ratio=" in output
+    assert "PackingMonitor summary" in output
+    assert (tmp_path / "outputs" / "demo" / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.slow
+def test_ddp_config_runs_two_cpu_processes_without_hanging(tmp_path):
+    result = _run(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "ddp.yaml"),
+            "--trainer.max_steps",
+            "3",
+            "--trainer.log_every_n_steps",
+            "1",
+            "--data.synthetic.num_samples",
+            "400",
+        ],
+        cwd=tmp_path,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in output
+    assert "PackingMonitor summary" in output and "`Trainer.fit` stopped: `max_steps=3` reached" in output
+    metrics = (tmp_path / "outputs" / "ddp" / "version_0" / "metrics.csv").read_text()
+    assert "train/rank_imbalance" in metrics
