@@ -21,7 +21,16 @@ import numpy as np
 
 __all__ = ["build_inspect_parser", "inspect_command", "main"]
 
-_FIT_ONLY_SECTIONS = ("model", "optimizer", "lr_scheduler")
+# top-level keys of a `lit-seqpack fit` config that inspect accepts and ignores
+_FIT_ONLY_KEYS = (
+    "model",
+    "optimizer",
+    "lr_scheduler",
+    "seed_everything",
+    "ckpt_path",
+    "weights_only",
+    "torch_num_threads",
+)
 
 
 def build_inspect_parser() -> Any:
@@ -60,10 +69,8 @@ def build_inspect_parser() -> Any:
     parser.add_argument("--epoch", type=int, default=0, help="the epoch to plan (it seeds the shuffle)")
     parser.add_argument("--plot", type=str | None, default=None, help="write a PNG of lengths and bin fill here")
     parser.add_argument("--trainer", type=dict | None, default=None, help="a fit config's trainer section")
-    for section in _FIT_ONLY_SECTIONS:
-        parser.add_argument(f"--{section}", type=Any, default=None, help="read from a fit config and ignored")
-    parser.add_argument("--seed_everything", type=Any, default=None, help="read from a fit config and ignored")
-    parser.add_argument("--ckpt_path", type=Any, default=None, help="read from a fit config and ignored")
+    for key in _FIT_ONLY_KEYS:
+        parser.add_argument(f"--{key}", type=Any, default=None, help="read from a fit config and ignored")
     return parser
 
 
@@ -131,6 +138,11 @@ def inspect_command(argv: Sequence[str]) -> str:
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
     data = instantiate(cfg).data
     hp = data.hparams
+    if hp.max_tokens is None:
+        raise ValueError(
+            f"data.max_tokens is None (mode={hp.mode!r}): pass --data.max_tokens N, the token budget at which the "
+            "packing and dynamic rows are compared with the padded baseline"
+        )
     model_parallel = hp.context_parallel_size * hp.tensor_parallel_size
     if world % model_parallel:
         raise ValueError(

@@ -4,10 +4,12 @@ This is the engine of ``lit-seqpack inspect``: :func:`compare_plans` plans one e
 algorithm, dynamic batching and the padded baseline (same budget, same layout), :func:`format_table` renders
 the figures and :func:`plot_inspection` draws the length histogram and the fill of every microbatch::
 
-    mode     algorithm                      microbatches  empty  steps  padding  efficiency  imbalance  plan ms
-    packing  first_fit_decreasing        *           212      0    106    0.02%      0.9841  1.00/1.01     3.1
-    dynamic  -                                       260      0    130    8.41%      0.7730  1.02/1.19     1.2
-    padded   - (batch_size=12)                       834      0    417   49.67%      0.2410  1.10/1.62     0.8
+    mode     algorithm                   microbatches  empty  steps  padding  efficiency  imbalance  plan ms
+    packing  concatenative                      2,292      0  2,292    0.31%      0.9474  1.00/1.00      4.5
+    packing  first_fit_decreasing    *          2,173      0  2,173    0.04%      0.9993  1.00/1.00      4.3
+    ...
+    dynamic  -                                  2,381      0  2,381    3.90%      0.9120  1.00/1.00      2.9
+    padded   - (batch_size=13)                  2,262      0  2,262   59.48%      0.1477  1.00/1.00      1.3
 
 Pure Python + numpy like :mod:`lit_seqpack.planning` (matplotlib is imported only by :func:`plot_inspection`).
 """
@@ -192,6 +194,14 @@ def format_table(rows: Sequence[PlanComparison]) -> str:
     return "\n".join(lines)
 
 
+def _length_bins(lengths: np.ndarray, target: int = 60) -> np.ndarray:
+    """Histogram edges on whole multiples of the lengths' common divisor (no empty stripes between bins)."""
+    step = max(int(np.gcd.reduce(lengths)) if lengths.size else 1, 1)
+    low, high = (int(lengths.min()), int(lengths.max())) if lengths.size else (0, 1)
+    width = step * max(1, -(-(high - low + 1) // (target * step)))
+    return np.arange(low - step / 2, high + width, width)
+
+
 def plot_inspection(
     rows: Sequence[PlanComparison], lengths: Sequence[int] | np.ndarray, path: str | Path, *, title: str = ""
 ) -> Path:
@@ -218,7 +228,7 @@ def plot_inspection(
     lengths = as_counts("lengths", lengths)
     figure = Figure(figsize=(12, 4.8), layout="constrained")
     hist, fill = figure.subplots(1, 2)
-    hist.hist(lengths, bins=min(80, max(10, lengths.size // 20)), color="tab:blue", alpha=0.8)
+    hist.hist(lengths, bins=_length_bins(lengths), color="tab:blue", alpha=0.8)
     budget = next((row.config.max_tokens for row in rows if row.config.max_tokens), None)
     if budget:
         hist.axvline(budget, color="tab:red", linestyle="--", label=f"max_tokens = {budget}")
@@ -228,18 +238,19 @@ def plot_inspection(
     for row in rows:
         values = np.sort(row.fills)[::-1]
         x = np.linspace(0.0, 1.0, values.size) if values.size > 1 else np.zeros(values.size)
-        label = f"{row.config.mode} {row.label if row.config.mode == 'packing' else ''}".strip()
+        label = f"packing {row.label}" if row.config.mode == "packing" else row.config.mode
+        if row.config.mode == "padded":
+            label += f" B={row.config.batch_size}, budget: its largest microbatch"
+        width = 2.5 if row.configured else 1.2
         style = "-" if row.config.mode == "packing" else "--"
-        fill.plot(
-            x, values, style, linewidth=2.5 if row.configured else 1.2, label=f"{label} ({row.stats.utilization:.3f})"
-        )
+        fill.plot(x, values, style, linewidth=width, label=f"{label} ({row.stats.utilization:.3f})")
     fill.set(
         xlabel="microbatches, fullest first (fraction of the epoch)",
         ylabel="real tokens / budget",
         ylim=(0, 1.05),
         title="bin fill (efficiency in brackets; bold: configured)",
     )
-    fill.legend(fontsize="small", loc="lower left")
+    fill.legend(fontsize="small", loc="center left", bbox_to_anchor=(0.0, 0.55))
     if title:
         figure.suptitle(title)
     path = Path(path)

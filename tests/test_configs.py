@@ -1,0 +1,124 @@
+"""Every shipped YAML under configs/ parses and instantiates through the CLI, with a comment above every key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+
+from lit_seqpack.callbacks import PackingMonitor
+from lit_seqpack.cli import SeqPackCLI, model_vocab_size
+from lit_seqpack.data.datamodule import SeqPackDataModule
+from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended to run from within Python.*")
+
+# name -> (model class, mode, algorithm or batch size, devices)
+EXPECTED = {
+    "demo": (ReferenceLM, "packing", "first_fit_decreasing", 1),
+    "packing": (ReferenceLM, "packing", "first_fit_decreasing", 1),
+    "dynamic": (ReferenceLM, "dynamic", None, 1),
+    "padded": (ReferenceLM, "padded", 12, 1),
+    "hf_llama": (HFCausalLM, "packing", "first_fit_decreasing", 1),
+    "ddp": (ReferenceLM, "packing", "first_fit_decreasing", 2),
+}
+
+
+def test_every_shipped_config_is_covered():
+    assert sorted(path.stem for path in CONFIGS) == sorted(EXPECTED)
+
+
+def _cli(path: Path, *overrides: str) -> SeqPackCLI:
+    return SeqPackCLI(args=["--config", str(path), *overrides], run=False)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_instantiates_the_documented_classes(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # loggers and checkpoints would write relative to the working directory
+    model_class, mode, knob, devices = EXPECTED[path.stem]
+    cli = _cli(path)
+    data, model, trainer = cli.datamodule, cli.model, cli.trainer
+    assert type(data) is SeqPackDataModule and type(model) is model_class
+    assert data.hparams.mode == mode
+    if mode == "packing":
+        assert data.hparams.algorithm == knob
+    if mode == "padded":
+        assert data.hparams.batch_size == knob and data.hparams.max_tokens is None
+    assert model_vocab_size(model) == data.vocab_size  # linked (ReferenceLM) or interpolated (HF config)
+    assert trainer._accelerator_connector.use_distributed_sampler is False
+    assert trainer.num_devices == devices
+    assert sum(isinstance(c, PackingMonitor) for c in trainer.callbacks) == 1
+    assert isinstance(trainer.logger, CSVLogger) and Path(trainer.logger.root_dir).name == path.stem
+    if mode != "padded":
+        assert model.hparams.get("max_seq_len", data.hparams.max_tokens) >= data.hparams.max_tokens
+    # the DataModule plans without a Trainer: one epoch covers every training sample exactly once
+    sampler = data.train_dataloader().batch_sampler
+    seen = sorted(i for mb in sampler for i in mb)
+    assert seen == list(range(len(data._splits["train"][0])))
+
+
+def test_demo_config_checkpoints_mid_epoch_and_keeps_last(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer = _cli(ROOT / "configs" / "demo.yaml").trainer
+    (checkpoint,) = [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)]
+    assert checkpoint.save_last and checkpoint._every_n_train_steps > 0
+    assert Path(checkpoint.dirpath) == tmp_path / "outputs" / "demo" / "checkpoints"
+    assert trainer.max_steps > 0 and trainer.max_epochs == 1
+
+
+def test_ddp_config_is_two_cpu_processes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer = _cli(ROOT / "configs" / "ddp.yaml").trainer
+    assert isinstance(trainer.strategy, DDPStrategy)
+    assert trainer.strategy.root_device.type == "cpu" and trainer.num_devices == 2
+    assert trainer.accumulate_grad_batches == 2
+
+
+_KEY = re.compile(r"^\s*(- )?[A-Za-z_][\w.]*:")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_a_comment_above_every_key(path):
+    lines = path.read_text().splitlines()
+    previous = ""
+    for number, line in enumerate(lines, 1):
+        if _KEY.match(line):
+            assert previous.lstrip().startswith("#"), f"{path.name}:{number} {line.strip()!r} has no comment above"
+        if line.strip():
+            previous = line
+
+
+def _write(tmp_path: Path, change: dict) -> Path:
+    config = yaml.safe_load((ROOT / "configs" / "packing.yaml").read_text())
+    config["data"].update(change)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_unknown_mode_in_yaml_fails_naming_the_knob(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        _cli(_write(tmp_path, {"mode": "both"}))
+    error = capsys.readouterr().err
+    assert "data.mode" in error and "both" in error and "packing" in error
+
+
+def test_unknown_algorithm_in_yaml_fails_naming_the_knob(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"algorithm.*'tetris'"):
+        _cli(_write(tmp_path, {"algorithm": "tetris"}))
+
+
+def test_knob_of_the_wrong_mode_fails_naming_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"batch_size=8 only applies to mode='padded'"):
+        _cli(_write(tmp_path, {"batch_size": 8}))
