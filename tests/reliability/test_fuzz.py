@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from lit_seqpack import (
@@ -82,8 +82,21 @@ def _check_budget(mode: str, knobs: dict, sizes: list[int]) -> None:
         assert len(sizes) <= knobs["batch_size"]
 
 
+EDGE_CASE = {  # more ranks than samples, lengths equal to the budget, a zero-length sample, a window of 1
+    "mode": "packing",
+    "lengths": [70, 0, 70],
+    "knobs": {
+        "num_replicas": 8, "accumulate_grad_batches": 3, "seed": 0, "shuffle": True, "window": 1,
+        "sequence_length_round": 2, "microbatch_order": "largest_first", "cost_quadratic": 0.02, "max_tokens": 70,
+        "algorithm": "modified_first_fit_decreasing",
+    },
+    "epoch": 1,
+}  # fmt: skip
+
+
 @FUZZ_SETTINGS
 @given(case=plans())
+@example(case=EDGE_CASE)
 def test_every_index_once_in_lock_step_within_budget_with_exact_step_loss_tokens(case: dict) -> None:
     samplers = _samplers(case)
     per_rank = [list(sampler) for sampler in samplers]
@@ -308,6 +321,10 @@ def _original_indices(view: object) -> list[int]:
     world=st.integers(1, 3),
     accumulate=st.integers(1, 2),
     val_fraction=st.sampled_from([0.0, 0.2]),
+)
+# found by this property: after the drop, one sample is left and val_fraction=0.2 would take it (a clear error)
+@example(
+    lengths=[1, 17], mode="packing", overlong="drop", max_tokens=16, pad=1, world=1, accumulate=1, val_fraction=0.2
 )
 def test_the_datamodule_trains_every_kept_sample_once_within_budget_and_counts_the_rest(
     lengths: list[int], mode: str, overlong: str, max_tokens: int, pad: int, world: int, accumulate: int, val_fraction
