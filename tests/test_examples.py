@@ -1,0 +1,76 @@
+"""The scripts under examples/ run end to end with tiny settings, as a user would run them (subprocesses)."""
+
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def _run(script: str, *args: str, timeout: int = 300) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def test_every_example_is_tested():
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["compare_modes.py", "hf_model.py", "own_model.py"]
+
+
+@pytest.mark.parametrize("script", ["own_model.py", "hf_model.py", "compare_modes.py"])
+def test_help(script, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(EXAMPLES / script), run_name="__main__")  # in-process: torch is already imported
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "--max-steps" in out
+
+
+@pytest.mark.parametrize("mode", ["packing", "dynamic"])
+def test_own_model_trains_in_both_modes(mode):
+    out = _run("own_model.py", "--mode", mode, "--max-steps", "6", "--num-samples", "200", "--max-tokens", "256")
+    line = re.search(rf"^{mode}: 6 steps in .* padding ratio ([\d.]+)%, ([\d,]+) real tokens/s", out, re.M)
+    assert line is not None, out[-2000:]
+    assert "PackingMonitor summary" in out
+    assert (float(line[1]) < 1.0) if mode == "packing" else (float(line[1]) > 0.0)
+
+
+def test_hf_model_is_isolated_and_trains():
+    out = _run("hf_model.py", "--max-steps", "4", "--num-samples", "200", "--max-tokens", "256")
+    error = re.search(r"isolation: (\d+) documents packed .* alone up to ([\d.e+-]+)", out)
+    assert error is not None and int(error[1]) > 1 and float(error[2]) <= 1e-4
+    assert re.search(r"^HF Llama packed: 4 steps in", out, re.M)
+
+
+def test_compare_modes_trains_each_mode_on_the_same_real_tokens():
+    out = _run(
+        "compare_modes.py",
+        "--real-tokens",
+        "3000",
+        "--",
+        "--data.synthetic.num_samples=300",
+        "--data.max_tokens=256",
+        "--data.synthetic.max_length=128",
+    )
+    rows = {m[1]: m for m in re.finditer(r"^(packing|dynamic|padded)\s+(\d+)\s+([\d,]+)\s+([\d.]+)%", out, re.M)}
+    assert set(rows) == {"packing", "dynamic", "padded"}, out[-2000:]
+    for row in rows.values():
+        assert 3000 <= int(row[3].replace(",", "")) < 3000 + 1024  # stops within a microbatch of the budget
+    assert float(rows["padded"][4]) > float(rows["dynamic"][4]) > float(rows["packing"][4])
