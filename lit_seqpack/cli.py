@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_seqpack.data.datamodule import SeqPackDataModule
@@ -164,6 +164,16 @@ class SeqPackCLI(LightningCLI):
         )
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+
+    def before_test(self) -> None:
+        """Fail with an explanation when the DataModule has no test split (Lightning's message names no fix)."""
+        data = self.datamodule
+        if data is not None and type(data).test_dataloader is LightningDataModule.test_dataloader:
+            raise ValueError(
+                f"{type(data).__name__} defines no test_dataloader, so `lit-seqpack test` has no data: evaluate the "
+                "held-out split with `lit-seqpack validate` (data.val_fraction > 0), or pass a DataModule subclass "
+                "with a test_dataloader"
+            )
 
     def before_instantiate_classes(self) -> None:
         """Apply ``torch_num_threads``; remember the model's configured ``vocab_size`` (the link replaces it)."""

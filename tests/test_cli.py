@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, LightningDataModule
 
 from lit_seqpack.__main__ import main
 from lit_seqpack.cli import SeqPackCLI, check_vocab, model_vocab_size
@@ -273,3 +273,18 @@ def test_ddp_config_runs_two_cpu_processes_without_hanging(tmp_path):
     assert "PackingMonitor summary" in output and "`Trainer.fit` stopped: `max_steps=3` reached" in output
     metrics = (tmp_path / "outputs" / "ddp" / "version_0" / "metrics.csv").read_text()
     assert "train/rank_imbalance" in metrics
+
+
+class WithTestSplit(SeqPackDataModule):
+    def test_dataloader(self):
+        return self.val_dataloader()
+
+
+def test_test_subcommand_runs_a_test_split_or_explains_why_not(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["test", "--config", str(tiny_demo(tmp_path))]
+    cli = SeqPackCLI(datamodule_class=WithTestSplit, args=args)
+    assert torch.isfinite(cli.trainer.callback_metrics["test/loss"])
+    if SeqPackDataModule.test_dataloader is LightningDataModule.test_dataloader:
+        with pytest.raises(ValueError, match="defines no test_dataloader.*lit-seqpack validate"):
+            SeqPackCLI(args=args)
