@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -138,26 +139,32 @@ def compare_plans(
         padded_batch_size = config.batch_size or default_padded_batch_size(lengths, max_tokens)
     base = dataclasses.replace(config, mode="packing", max_tokens=max_tokens, algorithm=None, batch_size=None)
     packed_lengths = (lengths + pad_to_multiple_of - 1) // pad_to_multiple_of * pad_to_multiple_of
-    rows = []
-    for variant in _variants(base, padded_batch_size):
-        planned = packed_lengths if variant.mode == "packing" else lengths
-        build_plan(planned[:_WARMUP_SAMPLES], variant, epoch=epoch)
-        start = time.perf_counter()
-        plan = build_plan(planned, variant, epoch=epoch, loss_tokens=loss_tokens)
-        seconds = time.perf_counter() - start
-        configured = variant.mode == config.mode and (
-            variant.mode != "packing" or variant.algorithm == (config.algorithm or "first_fit_decreasing")
-        )
-        rows.append(
-            PlanComparison(
-                config=variant,
-                stats=plan.stats,
-                seconds=seconds,
-                fills=_fills(plan, planned),
-                configured=configured,
-            )
-        )
-    return rows
+    return [
+        _compare_one(variant, packed_lengths if variant.mode == "packing" else lengths, loss_tokens, config, epoch)
+        for variant in _variants(base, padded_batch_size)
+    ]
+
+
+def _compare_one(
+    variant: PlanConfig,
+    lengths: np.ndarray,
+    loss_tokens: Sequence[int] | np.ndarray | None,
+    configured: PlanConfig,
+    epoch: int,
+) -> PlanComparison:
+    """Plan ``variant`` (timed after a warm-up on a few samples) and collect its row."""
+    build_plan(lengths[:_WARMUP_SAMPLES], variant, epoch=epoch)
+    start = time.perf_counter()
+    plan = build_plan(lengths, variant, epoch=epoch, loss_tokens=loss_tokens)
+    seconds = time.perf_counter() - start
+    same_algorithm = variant.algorithm == (configured.algorithm or "first_fit_decreasing")
+    return PlanComparison(
+        config=variant,
+        stats=plan.stats,
+        seconds=seconds,
+        fills=_fills(plan, lengths),
+        configured=variant.mode == configured.mode and (variant.mode != "packing" or same_algorithm),
+    )
 
 
 _COLUMNS = ("mode", "algorithm", "", "microbatches", "empty", "steps", "padding", "efficiency", "imbalance", "plan ms")
@@ -202,6 +209,37 @@ def _length_bins(lengths: np.ndarray, target: int = 60) -> np.ndarray:
     return np.arange(low - step / 2, high + width, width)
 
 
+def _draw_lengths(axes: Any, lengths: np.ndarray, budget: int | None) -> None:
+    """The length histogram, with the median and the token budget."""
+    axes.hist(lengths, bins=_length_bins(lengths), color="tab:blue", alpha=0.8)
+    if budget:
+        axes.axvline(budget, color="tab:red", linestyle="--", label=f"max_tokens = {budget}")
+    median = float(np.median(lengths))
+    axes.axvline(median, color="black", linestyle=":", label=f"median = {median:g}")
+    axes.set(xlabel="sample length (tokens)", ylabel="samples", title=f"lengths of {lengths.size:,} samples")
+    axes.legend()
+
+
+def _draw_fills(axes: Any, rows: Sequence[PlanComparison]) -> None:
+    """Every row's microbatch fills, fullest first, on a common 0..1 axis (the configured row in bold)."""
+    for row in rows:
+        values = np.sort(row.fills)[::-1]
+        x = np.linspace(0.0, 1.0, values.size) if values.size > 1 else np.zeros(values.size)
+        label = f"packing {row.label}" if row.config.mode == "packing" else row.config.mode
+        if row.config.mode == "padded":
+            label += f" B={row.config.batch_size}, budget: its largest microbatch"
+        width = 2.5 if row.configured else 1.2
+        style = "-" if row.config.mode == "packing" else "--"
+        axes.plot(x, values, style, linewidth=width, label=f"{label} ({row.stats.utilization:.3f})")
+    axes.set(
+        xlabel="microbatches, fullest first (fraction of the epoch)",
+        ylabel="real tokens / budget",
+        ylim=(0, 1.05),
+        title="bin fill (efficiency in brackets; bold: configured)",
+    )
+    axes.legend(fontsize="small", loc="center left", bbox_to_anchor=(0.0, 0.55))
+
+
 def plot_inspection(
     rows: Sequence[PlanComparison], lengths: Sequence[int] | np.ndarray, path: str | Path, *, title: str = ""
 ) -> Path:
@@ -228,29 +266,8 @@ def plot_inspection(
     lengths = as_counts("lengths", lengths)
     figure = Figure(figsize=(12, 4.8), layout="constrained")
     hist, fill = figure.subplots(1, 2)
-    hist.hist(lengths, bins=_length_bins(lengths), color="tab:blue", alpha=0.8)
-    budget = next((row.config.max_tokens for row in rows if row.config.max_tokens), None)
-    if budget:
-        hist.axvline(budget, color="tab:red", linestyle="--", label=f"max_tokens = {budget}")
-    hist.axvline(float(np.median(lengths)), color="black", linestyle=":", label=f"median = {np.median(lengths):g}")
-    hist.set(xlabel="sample length (tokens)", ylabel="samples", title=f"lengths of {lengths.size:,} samples")
-    hist.legend()
-    for row in rows:
-        values = np.sort(row.fills)[::-1]
-        x = np.linspace(0.0, 1.0, values.size) if values.size > 1 else np.zeros(values.size)
-        label = f"packing {row.label}" if row.config.mode == "packing" else row.config.mode
-        if row.config.mode == "padded":
-            label += f" B={row.config.batch_size}, budget: its largest microbatch"
-        width = 2.5 if row.configured else 1.2
-        style = "-" if row.config.mode == "packing" else "--"
-        fill.plot(x, values, style, linewidth=width, label=f"{label} ({row.stats.utilization:.3f})")
-    fill.set(
-        xlabel="microbatches, fullest first (fraction of the epoch)",
-        ylabel="real tokens / budget",
-        ylim=(0, 1.05),
-        title="bin fill (efficiency in brackets; bold: configured)",
-    )
-    fill.legend(fontsize="small", loc="center left", bbox_to_anchor=(0.0, 0.55))
+    _draw_lengths(hist, lengths, next((row.config.max_tokens for row in rows if row.config.max_tokens), None))
+    _draw_fills(fill, rows)
     if title:
         figure.suptitle(title)
     path = Path(path)
