@@ -81,7 +81,7 @@ def run_mode(args: argparse.Namespace, mode: str, batch_size: int) -> dict[str, 
         *args.overrides,
         *_mode_overrides(mode, batch_size),
     ]
-    cli = SeqPackCLI(args=["--config", args.config, *overrides], run=False)
+    cli = SeqPackCLI(args=["--config", args.config, *overrides], run=False, save_config_callback=None)
     monitor = PackingMonitor(summary=False)
     cli.trainer.callbacks.append(monitor)
     if args.real_tokens is not None:
@@ -93,7 +93,8 @@ def run_mode(args: argparse.Namespace, mode: str, batch_size: int) -> dict[str, 
 def _padded_batch_size(args: argparse.Namespace) -> int:
     if args.batch_size is not None:
         return args.batch_size
-    cli = SeqPackCLI(args=["--config", args.config, "--trainer.logger=false", *args.overrides], run=False)
+    overrides = ["--trainer.logger=false", *args.overrides]
+    cli = SeqPackCLI(args=["--config", args.config, *overrides], run=False, save_config_callback=None)
     lengths, _ = compute_lengths_and_loss_tokens(cli.datamodule.dataset)
     return default_padded_batch_size(lengths, cli.datamodule.hparams.max_tokens or int(lengths.max()))
 

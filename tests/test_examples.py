@@ -15,11 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-def _run(script: str, *args: str, timeout: int = 300) -> str:
+def _run(script: str, *args: str, cwd: Path, timeout: int = 300) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
@@ -44,22 +44,23 @@ def test_help(script, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("mode", ["packing", "dynamic"])
-def test_own_model_trains_in_both_modes(mode):
-    out = _run("own_model.py", "--mode", mode, "--max-steps", "6", "--num-samples", "200", "--max-tokens", "256")
+def test_own_model_trains_in_both_modes(mode, tmp_path):
+    args = ["--mode", mode, "--max-steps", "6", "--num-samples", "200", "--max-tokens", "256"]
+    out = _run("own_model.py", *args, cwd=tmp_path)
     line = re.search(rf"^{mode}: 6 steps in .* padding ratio ([\d.]+)%, ([\d,]+) real tokens/s", out, re.M)
     assert line is not None, out[-2000:]
     assert "PackingMonitor summary" in out
     assert (float(line[1]) < 1.0) if mode == "packing" else (float(line[1]) > 0.0)
 
 
-def test_hf_model_is_isolated_and_trains():
-    out = _run("hf_model.py", "--max-steps", "4", "--num-samples", "200", "--max-tokens", "256")
+def test_hf_model_is_isolated_and_trains(tmp_path):
+    out = _run("hf_model.py", "--max-steps", "4", "--num-samples", "200", "--max-tokens", "256", cwd=tmp_path)
     error = re.search(r"isolation: (\d+) documents packed .* alone up to ([\d.e+-]+)", out)
     assert error is not None and int(error[1]) > 1 and float(error[2]) <= 1e-4
     assert re.search(r"^HF Llama packed: 4 steps in", out, re.M)
 
 
-def test_compare_modes_trains_each_mode_on_the_same_real_tokens():
+def test_compare_modes_trains_each_mode_on_the_same_real_tokens(tmp_path):
     out = _run(
         "compare_modes.py",
         "--real-tokens",
@@ -68,7 +69,9 @@ def test_compare_modes_trains_each_mode_on_the_same_real_tokens():
         "--data.synthetic.num_samples=300",
         "--data.max_tokens=256",
         "--data.synthetic.max_length=128",
+        cwd=tmp_path,
     )
+    assert list(tmp_path.iterdir()) == []  # a comparison writes no config, log or checkpoint
     rows = {m[1]: m for m in re.finditer(r"^(packing|dynamic|padded)\s+(\d+)\s+([\d,]+)\s+([\d.]+)%", out, re.M)}
     assert set(rows) == {"packing", "dynamic", "padded"}, out[-2000:]
     for row in rows.values():
