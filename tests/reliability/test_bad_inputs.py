@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.cli import LightningCLI
 
 from lit_seqpack import (
     DynamicBatchSampler,
@@ -30,6 +29,7 @@ from lit_seqpack import (
     TokenizedDataset,
     varlen_attention,
 )
+from lit_seqpack.cli import SeqPackCLI
 from lit_seqpack.data.microbatch import PlannedDataset
 from lit_seqpack.model.attention import BackendUnavailableError
 from lit_seqpack.model.hf import PackingLeakError
@@ -119,11 +119,6 @@ def test_overlong_drop_is_counted_and_only_the_dropped_sample_is_missing(mode: s
     assert sum(b["num_real_tokens"] for b in batches) == 12
     with pytest.raises(ValueError, match=r"overlong='drop' would drop all 2 samples; raise max_tokens=4"):
         SeqPackDataModule(dataset=_records(30, 40), mode=mode, max_tokens=4, overlong="drop").setup("fit")
-
-
-def test_an_unknown_overlong_policy_fails_naming_it() -> None:
-    with pytest.raises(ValueError, match=r"overlong='skip' must be one of \('error', 'truncate', 'drop'\)"):
-        SeqPackDataModule(dataset=_records(5, 7), max_tokens=16, overlong="skip").setup("fit")
 
 
 # ------------------------------------------------------------------------------------------ token values
@@ -269,28 +264,26 @@ def test_more_ranks_than_samples_get_counted_zero_weight_fillers() -> None:
 
 
 # --------------------------------------------------------------------------------------- configuration
-def _cli(tmp_path: Path, data: dict[str, Any]) -> LightningCLI:
-    config = {"model": {"class_path": "lit_seqpack.ReferenceLM", "init_args": {"vocab_size": 64}}, "data": data}
+def _cli(tmp_path: Path, data: dict[str, Any]) -> SeqPackCLI:
+    """The lit-seqpack CLI on a YAML config (JSON is YAML) with this data section, without running a subcommand."""
     path = tmp_path / "config.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
-    return LightningCLI(
-        LightningModule,
-        SeqPackDataModule,
-        subclass_mode_model=True,
-        run=False,
-        args=["--config", str(path)],
-        trainer_defaults={"use_distributed_sampler": False, "logger": False},
-    )
+    path.write_text(json.dumps({"model": {"class_path": "lit_seqpack.ReferenceLM"}, "data": data}))
+    return SeqPackCLI(args=["--config", str(path), "--trainer.logger", "false"], run=False)
 
 
-def test_an_unknown_mode_in_yaml_is_refused_by_the_cli_parser(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("knob", "value", "choices"),
+    [("mode", "both", "'packing', 'dynamic', 'padded'"), ("overlong", "skip", "'error', 'truncate', 'drop'")],
+)
+def test_an_unknown_mode_or_policy_in_yaml_is_refused_by_the_cli_parser(
+    tmp_path: Path, capsys: pytest.CaptureFixture, knob: str, value: str, choices: str
+) -> None:
     with pytest.raises(SystemExit):
-        _cli(tmp_path, {"mode": "both", "synthetic": SYNTH})
-    assert re.search(
-        r'"data.mode".*\n.*Literal\[.packing., .dynamic., .padded.\]\. Got value: both', capsys.readouterr().err
-    )
-    with pytest.raises(ValueError, match=r"mode='both' must be one of \('packing', 'dynamic', 'padded'\)"):
-        SeqPackDataModule(mode="both")
+        _cli(tmp_path, {knob: value, "synthetic": SYNTH})
+    err = capsys.readouterr().err
+    assert f'Parser key "data.{knob}"' in err and f"Literal[{choices}]. Got value: {value}" in err
+    with pytest.raises(ValueError, match=rf"{knob}='{value}' must be one of \({choices}\)"):
+        SeqPackDataModule(dataset=_records(5), **{knob: value}).setup("fit")
 
 
 def test_an_unknown_algorithm_in_yaml_fails_naming_it(tmp_path: Path) -> None:
