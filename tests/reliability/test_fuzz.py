@@ -347,12 +347,13 @@ def test_the_datamodule_trains_every_kept_sample_once_within_budget_and_counts_t
         )  # fmt: skip
         dm.trainer = _Layout(world, rank, accumulate)
         dm.setup("fit")
-        view = dm._splits["train"][0]
         loader = dm.train_dataloader()
+        view = loader.dataset.dataset  # the training split, as the loader's PlannedDataset reads it
         for mb, batch in zip(loader.batch_sampler, dm.train_dataloader(), strict=True):
             assert batch["input_ids"].numel() <= max_tokens
             trained += [view[i]["index"] for i in mb]
-    held_out = _original_indices(dm._splits["val"][0]) if "val" in dm._splits else []
+    validation = dm.val_dataloader()
+    held_out = _original_indices(validation.dataset.dataset) if val_fraction else []
     report = dm.overlong_report
     expected = (len(over), 0) if overlong == "drop" else (0, len(over))
     assert report.num_overlong == len(over) and (report.num_dropped, report.num_truncated) == expected
