@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "PackedCollator": "lit_seqpack.data.collate",
     "PaddedCollator": "lit_seqpack.data.collate",
     "SeqPackDataModule": "lit_seqpack.data.datamodule",
+    "SeqPackCLI": "lit_seqpack.cli",
     "PackingLeakError": "lit_seqpack.model.hf",
     "prepare_hf_model": "lit_seqpack.model.hf",
     "LossOutput": "lit_seqpack.model.loss",
@@ -82,6 +83,7 @@ __all__ = [
     "ReferenceConfig",
     "ReferenceDecoder",
     "ReferenceLM",
+    "SeqPackCLI",
     "SeqPackDataModule",
     "SyntheticInstructionDataset",
     "TextDataset",
@@ -104,6 +106,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
     from lit_seqpack.callbacks import PackingMonitor
+    from lit_seqpack.cli import SeqPackCLI
     from lit_seqpack.data.collate import PackedCollator, PaddedCollator
     from lit_seqpack.data.datamodule import SeqPackDataModule
     from lit_seqpack.data.microbatch import MicrobatchMeta

@@ -96,8 +96,9 @@ def _train_split(data: Any) -> tuple[np.ndarray, np.ndarray, int]:
     """Lengths and loss tokens of the training split, as ``SeqPackDataModule.setup`` prepares them."""
     data.prepare_data()
     data.setup("fit")
-    _, lengths, loss_tokens = data._splits["train"]
-    held_out = len(data._splits["val"][0]) if "val" in data._splits else 0
+    splits = data.splits
+    _, lengths, loss_tokens = splits["train"]
+    held_out = sum(len(split.dataset) for name, split in splits.items() if name != "train")
     return lengths, loss_tokens, held_out
 
 
@@ -152,7 +153,7 @@ def inspect_command(argv: Sequence[str]) -> str:
     lengths, loss_tokens, held_out = _train_split(data)
     rows = compare_plans(
         lengths,
-        data._plan_config(world_size=world, accumulate_grad_batches=accumulate),
+        data.plan_config(world_size=world, accumulate_grad_batches=accumulate),
         loss_tokens=loss_tokens,
         max_tokens=hp.max_tokens,
         padded_batch_size=cfg.padded_batch_size,

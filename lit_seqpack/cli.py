@@ -171,8 +171,8 @@ class SeqPackCLI(LightningCLI):
         if data is not None and type(data).test_dataloader is LightningDataModule.test_dataloader:
             raise ValueError(
                 f"{type(data).__name__} defines no test_dataloader, so `lit-seqpack test` has no data: evaluate the "
-                "held-out split with `lit-seqpack validate` (data.val_fraction > 0), or pass a DataModule subclass "
-                "with a test_dataloader"
+                "held-out split with `lit-seqpack validate` (data.val_fraction > 0), or use SeqPackDataModule with "
+                "data.test_fraction > 0"
             )
 
     def before_instantiate_classes(self) -> None:

@@ -275,16 +275,22 @@ def test_ddp_config_runs_two_cpu_processes_without_hanging(tmp_path):
     assert "train/rank_imbalance" in metrics
 
 
-class WithTestSplit(SeqPackDataModule):
-    def test_dataloader(self):
-        return self.val_dataloader()
-
-
-def test_test_subcommand_runs_a_test_split_or_explains_why_not(tmp_path, monkeypatch):
+def test_test_subcommand_runs_the_test_split_or_explains_why_not(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["test", "--config", str(tiny_demo(tmp_path))]
-    cli = SeqPackCLI(datamodule_class=WithTestSplit, args=args)
+    cli = SeqPackCLI(args=[*args, "--data.test_fraction", "0.1"])
     assert torch.isfinite(cli.trainer.callback_metrics["test/loss"])
-    if SeqPackDataModule.test_dataloader is LightningDataModule.test_dataloader:
-        with pytest.raises(ValueError, match="defines no test_dataloader.*lit-seqpack validate"):
-            SeqPackCLI(args=args)
+    with pytest.raises(ValueError, match="test_fraction > 0"):
+        SeqPackCLI(args=args)
+
+
+class WithoutTestLoader(SeqPackDataModule):
+    """A user DataModule that defines no test split."""
+
+    test_dataloader = LightningDataModule.test_dataloader
+
+
+def test_test_subcommand_explains_a_datamodule_without_test_loader(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="defines no test_dataloader"):
+        SeqPackCLI(datamodule_class=WithoutTestLoader, args=["test", "--config", str(tiny_demo(tmp_path))])

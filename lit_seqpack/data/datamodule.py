@@ -23,7 +23,7 @@ from lit_seqpack.data.microbatch import PlannedDataset
 from lit_seqpack.data.overlong import DroppedDataset, OverlongReport, TruncatedDataset, apply_overlong_policy
 from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
 from lit_seqpack.data.sources_factory import build_dataset
-from lit_seqpack.data.splits import IndexView, split_indices
+from lit_seqpack.data.splits import IndexView, Split, split_indices
 from lit_seqpack.planning.plan import PlanConfig
 
 if TYPE_CHECKING:
@@ -77,6 +77,7 @@ class SeqPackDataModule(LightningDataModule):
             ``"drop"``; counted, logged and kept in :attr:`overlong_report`.
         batch_size: samples per microbatch (padded mode only).
         val_fraction: share of the samples held out for validation (0 disables validation).
+        test_fraction: share of the samples held out for ``lit-seqpack test`` / ``trainer.test`` (0: none).
         num_workers: DataLoader worker processes.
         pad_token_id: the id written on padding positions.
         seed: seed of the shuffles and of the validation split (the same on every rank).
@@ -104,6 +105,7 @@ class SeqPackDataModule(LightningDataModule):
         overlong: Literal["error", "truncate", "drop"] = "error",
         batch_size: int | None = None,
         val_fraction: float = 0.0,
+        test_fraction: float = 0.0,
         num_workers: int = 0,
         pad_token_id: int = 0,
         seed: int = 0,
@@ -117,8 +119,9 @@ class SeqPackDataModule(LightningDataModule):
         self.save_hyperparameters(ignore=["dataset"])
         if mode not in _SAMPLERS:
             raise ValueError(f"mode={mode!r} must be one of {tuple(_SAMPLERS)}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1)")
+        for name, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+            if not 0.0 <= fraction < 1.0:
+                raise ValueError(f"{name}={fraction!r} must be in [0, 1)")
         for name, value in (("num_workers", num_workers), ("pad_to_multiple_of", pad_to_multiple_of)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "num_workers" else 1):
                 raise ValueError(f"{name}={value!r} must be an int >= {0 if name == 'num_workers' else 1}")
@@ -132,14 +135,14 @@ class SeqPackDataModule(LightningDataModule):
         )
         _check_parallel_knobs(self._parallel, mode, max_tokens, self.row_multiple)
         # Validate the plan knobs now (world size and accumulation are read from the Trainer in setup).
-        self._plan_config(world_size=1, accumulate_grad_batches=1)
+        self.plan_config(world_size=1, accumulate_grad_batches=1)
         if max_tokens is not None:
             self._document_budget()
         self._dataset = dataset
         self._full_lengths: np.ndarray | None = None
         self._full_loss_tokens: np.ndarray | None = None
         self.overlong_report: OverlongReport | None = None
-        self._splits: dict[str, tuple[Any, np.ndarray, np.ndarray]] = {}
+        self._splits: dict[str, Split] = {}
         self._layout: tuple[int, int, int] = (1, 0, 1)  # data-parallel world size and rank, accumulation
         self._cp_rank = 0
         self._train_sampler: PlannedBatchSampler | None = None
@@ -223,10 +226,17 @@ class SeqPackDataModule(LightningDataModule):
             if self.overlong_report.num_overlong:
                 note = f" ({self._budget_note(budget)})" if budget < hp.max_tokens else ""
                 rank_zero_info(f"lit_seqpack: {self.overlong_report.summary()}{note}")
-        train_idx, val_idx = split_indices(len(data), hp.val_fraction, seed=hp.seed)
-        self._splits["train"] = (IndexView(data, train_idx), lengths[train_idx], loss_tokens[train_idx])
-        if len(val_idx):
-            self._splits["val"] = (IndexView(data, val_idx), lengths[val_idx], loss_tokens[val_idx])
+        parts = split_indices(len(data), hp.val_fraction, seed=hp.seed, test_fraction=hp.test_fraction)
+        for name, idx in zip(("train", "val", "test"), parts, strict=True):
+            if name == "train" or len(idx):
+                self._splits[name] = Split(IndexView(data, idx), lengths[idx], loss_tokens[idx])
+
+    @property
+    def splits(self) -> dict[str, Split]:
+        """``train`` (``val``, ``test`` when held out): each split's dataset view, lengths and loss tokens."""
+        if not self._splits:
+            self.setup()
+        return dict(self._splits)
 
     def _document_budget(self) -> int:
         """The longest document a microbatch holds: ``max_tokens``, rounded down to the per-document pad multiple."""
@@ -270,7 +280,14 @@ class SeqPackDataModule(LightningDataModule):
         return trainer.world_size, trainer.global_rank, trainer.accumulate_grad_batches
 
     # ------------------------------------------------------------------ loaders
-    def _plan_config(self, *, world_size: int, accumulate_grad_batches: int, train: bool = True) -> PlanConfig:
+    def plan_config(self, *, world_size: int, accumulate_grad_batches: int, train: bool = True) -> PlanConfig:
+        """The planner configuration of this DataModule's knobs for a layout (``train=False``: no shuffle).
+
+        Args:
+            world_size: data-parallel ranks.
+            accumulate_grad_batches: microbatches per rank per optimizer step.
+            train: plan the training split (shuffled when ``shuffle``) rather than an evaluation split.
+        """
         hp = self.hparams
         packing = hp.mode == "packing"
         return PlanConfig(
@@ -310,11 +327,11 @@ class SeqPackDataModule(LightningDataModule):
         if not self._splits:
             self.setup("fit")
         if split not in self._splits:
-            raise ValueError(f"no {split!r} data: set val_fraction > 0 to hold out validation samples")
+            raise ValueError(f"no {split!r} data: set {split}_fraction > 0 to hold out {split} samples")
         data, lengths, loss_tokens = self._splits[split]
         world, rank, accumulate = self._layout
         train = split == "train"
-        config = self._plan_config(world_size=world, accumulate_grad_batches=accumulate if train else 1, train=train)
+        config = self.plan_config(world_size=world, accumulate_grad_batches=accumulate if train else 1, train=train)
         planned = _planned_lengths(lengths, self.document_multiple) if self.hparams.mode == "packing" else lengths
         sampler = _SAMPLERS[self.hparams.mode].from_config(planned, config, rank=rank, loss_tokens=loss_tokens)
         if train:
@@ -346,6 +363,10 @@ class SeqPackDataModule(LightningDataModule):
         if not self._splits:
             self.setup("validate")
         return self._loader("val") if "val" in self._splits else []
+
+    def test_dataloader(self) -> StatefulDataLoader:
+        """The test loader (same mode, no shuffle, no accumulation); needs ``test_fraction > 0``."""
+        return self._loader("test")
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

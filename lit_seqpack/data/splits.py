@@ -3,33 +3,53 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["IndexView", "split_indices"]
+__all__ = ["IndexView", "Split", "split_indices"]
 
 
-def split_indices(num_samples: int, val_fraction: float, *, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Split ``range(num_samples)`` into sorted train and validation indices, the same on every rank.
+class Split(NamedTuple):
+    """One split of the data as the planner sees it."""
+
+    dataset: IndexView
+    lengths: np.ndarray
+    loss_tokens: np.ndarray
+
+
+def split_indices(
+    num_samples: int, val_fraction: float, *, seed: int, test_fraction: float = 0.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split ``range(num_samples)`` into sorted train, validation and test indices, the same on every rank.
 
     Args:
         num_samples: size of the dataset.
         val_fraction: share held out for validation, in ``[0, 1)``; at least one sample when positive.
         seed: seed of the permutation.
+        test_fraction: share held out for testing, likewise.
 
     Example:
-        >>> train, val = split_indices(10, 0.2, seed=0)
-        >>> len(train), len(val), sorted(np.concatenate([train, val]).tolist()) == list(range(10))
-        (8, 2, True)
+        >>> train, val, test = split_indices(10, 0.2, seed=0, test_fraction=0.1)
+        >>> len(train), len(val), len(test)
+        (7, 2, 1)
+        >>> sorted(np.concatenate([train, val, test]).tolist()) == list(range(10))
+        True
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1)")
-    num_val = 0 if val_fraction == 0 else max(1, round(num_samples * val_fraction))
-    if num_val >= num_samples and num_samples:
-        raise ValueError(f"val_fraction={val_fraction} leaves no training sample out of {num_samples}")
+    counts = []
+    for name, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError(f"{name}={fraction!r} must be in [0, 1)")
+        counts.append(0 if fraction == 0 else max(1, round(num_samples * fraction)))
+    num_val, num_test = counts
+    if num_val + num_test >= num_samples and num_samples:
+        raise ValueError(
+            f"val_fraction={val_fraction} and test_fraction={test_fraction} leave no training sample "
+            f"out of {num_samples}"
+        )
     order = np.random.default_rng(seed).permutation(num_samples)
-    return np.sort(order[num_val:]), np.sort(order[:num_val])
+    held = num_val + num_test
+    return np.sort(order[held:]), np.sort(order[:num_val]), np.sort(order[num_val:held])
 
 
 class IndexView:

@@ -69,8 +69,8 @@ class _OptimizerMixin:
         optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.lr, betas=(0.9, 0.95))
         total = None
         if hp.lr_schedule == "cosine":
-            total = int(self.trainer.estimated_stepping_batches)  # type: ignore[attr-defined]
-            total = total if math.isfinite(total) and total > 0 else None
+            estimate = self.trainer.estimated_stepping_batches  # type: ignore[attr-defined]
+            total = int(estimate) if math.isfinite(estimate) and estimate > 0 else None
         kwargs = {"warmup_steps": hp.warmup_steps, "total_steps": total, "min_lr_ratio": hp.min_lr_ratio}
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, **kwargs))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -220,3 +220,14 @@ def test_train_loader_plans_the_epoch_the_fit_loop_is_in():
     dm.trainer = trainer
     dm.setup("fit")
     assert dm.train_dataloader().batch_sampler.epoch == 3
+
+
+def test_test_split_is_held_out_and_disjoint():
+    dm = SeqPackDataModule(synthetic=SYNTH, max_tokens=128, val_fraction=0.1, test_fraction=0.2)
+    splits = dm.splits
+    indices = {name: set(split.dataset.indices.tolist()) for name, split in splits.items()}
+    assert [len(indices[n]) for n in ("train", "val", "test")] == [84, 12, 24]
+    assert set.union(*indices.values()) == set(range(120))
+    assert sum(b["num_documents"] for b in dm.test_dataloader()) == 24
+    with pytest.raises(ValueError, match="test_fraction"):
+        SeqPackDataModule(synthetic=SYNTH, test_fraction=1.5)
