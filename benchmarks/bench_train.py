@@ -129,7 +129,7 @@ def run_profile(profile: str, args: argparse.Namespace) -> tuple[dict[str, ModeR
                               lr=args.lr, warmup_steps=args.warmup)  # fmt: skip
         loader = datamodule_loader(dataset, spec, accumulate=accumulation[name])
         runs[name] = ModeRun(name, module, loader, accumulate=accumulation[name])
-    rounds = args.rounds or max(2, total // (2 * args.max_tokens))
+    rounds = args.rounds or max(2, total // args.max_tokens)
     print(f"\n## {profile}: {len(dataset):,} samples, {total:,} tokens (length mean {lengths.mean():.0f}, median "
           f"{np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, max {lengths.max()}); max_tokens "
           f"{args.max_tokens}; padded batch_size {batch_size} (mean {mean_padded:.0f} tokens per microbatch); "
@@ -206,7 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", default=None, choices=["padded", "dynamic", *PACKING_ALGORITHMS],
                         help="a subset: padded, dynamic, packing algorithm names (default: all)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=None, help="real tokens of the epoch every mode trains on")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaving rounds (default: ~2 packed steps each)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaving rounds (default: ~1 packed step each)")
     parser.add_argument("--loss-tolerance", type=float, default=0.03, help="final-loss target, relative to padded")
     parser.add_argument("--max-tokens", type=int, default=None, help="token budget of a microbatch")
     parser.add_argument("--batch-size", type=int, default=None, help="padded baseline (default: same budget)")
