@@ -160,8 +160,8 @@ class PackedSequenceMixin:
             loss = exact_loss(output, batch)
         else:
             loss = output.loss_sum / max(output.num_units, 1)
-        if output.num_units > 0:
-            self._seqpack_log(stage, output.loss_sum.detach() / output.num_units, output.num_units)
+        if output.num_units > 0 or stage != "train":  # eval logs sync over ranks: every rank logs every batch
+            self._seqpack_log(stage, output.loss_sum.detach() / max(output.num_units, 1), output.num_units)
         return loss
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:

@@ -179,6 +179,17 @@ def test_validation_loss_is_token_weighted_over_batches_and_dummies_weigh_nothin
     assert trainer.callback_metrics["test/loss"].item() == pytest.approx(sums / tokens, rel=1e-6)
 
 
+def test_an_eval_batch_without_loss_tokens_is_still_logged_with_zero_weight(monkeypatch) -> None:
+    """Eval logs are reduced across ranks: a rank that skipped one would desynchronise the collectives."""
+    model, logged = TinyLM(), []
+    monkeypatch.setattr(model, "_seqpack_log", lambda stage, value, weight: logged.append((stage, weight)))
+    batch = documents_batch(_docs((3, 2)))
+    batch.update(labels=torch.full_like(batch["labels"], -100), num_loss_tokens=0)
+    model.seqpack_step(batch, "validate")
+    model.seqpack_step(batch, "train")
+    assert logged == [("validate", 0)]
+
+
 def test_a_model_attending_across_documents_is_refused_at_the_first_packed_step() -> None:
     with pytest.raises(PackingLeakError, match="TinyLM attends across documents"):
         TinyLM(leak=True).training_step(documents_batch(_docs()), 0)
