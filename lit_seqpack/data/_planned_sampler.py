@@ -124,6 +124,8 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         self.config, self.rank, self.verify_plan = config, rank, bool(verify_plan)
         self._lengths = as_counts("lengths", lengths)
         self._loss_tokens = None if loss_tokens is None else as_counts("loss_tokens", loss_tokens, self._lengths.size)
+        # What the plan counts per sample (its default when none are given), checked by the collator.
+        self._counted_loss = np.maximum(self._lengths - 1, 0) if self._loss_tokens is None else self._loss_tokens
         self._world_defaulted = world_defaulted
         self._epoch, self._position, self._resume = 0, 0, False
         self._plan: Plan | None = None
@@ -183,6 +185,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
                 accumulate_grad_batches=config.accumulate_grad_batches,
                 max_tokens=config.max_tokens,
                 is_empty=not indices,
+                loss_tokens=int(self._counted_loss[indices].sum()) if indices else 0,
             )
             self._position = position + 1
             yield Microbatch(indices, meta=meta)

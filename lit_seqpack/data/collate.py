@@ -104,6 +104,13 @@ def _scalars(
     meta: MicrobatchMeta | None, *, documents: int, real: int, total: int, loss: int, is_empty: bool
 ) -> dict[str, Any]:
     """The batch contract's Python scalars; the plan's facts come from ``meta`` when there is one."""
+    if meta is not None and not is_empty and meta.loss_tokens is not None and meta.loss_tokens != loss:
+        raise ValueError(
+            f"the plan counted {meta.loss_tokens} loss tokens for this microbatch but its labels hold {loss}: the "
+            "step_loss_tokens normaliser would be wrong. Give the batch sampler the samples' real loss tokens "
+            "(loss_tokens=lit_seqpack.data.lengths.compute_loss_tokens(dataset)); the default assumes every token "
+            "but the first of each sample is trained on"
+        )
     if meta is not None and not is_empty and meta.step_loss_tokens < loss:
         raise ValueError(
             f"the plan says step_loss_tokens={meta.step_loss_tokens} for this optimizer step, but this microbatch "

@@ -29,6 +29,8 @@ class MicrobatchMeta:
         max_tokens: the token budget of a microbatch (``None`` for the padded baseline).
         is_empty: the plan had no sample for this slot (lock-step filler); the collator emits a
             zero-weight dummy batch.
+        loss_tokens: the loss tokens the plan counted for this microbatch (``None``: not checked); the
+            collator compares them with the samples' labels, so a wrong count cannot skew the exact loss.
     """
 
     step: int
@@ -37,6 +39,7 @@ class MicrobatchMeta:
     accumulate_grad_batches: int
     max_tokens: int | None = None
     is_empty: bool = False
+    loss_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.step_loss_tokens < 0:

@@ -263,3 +263,19 @@ def test_collator_does_not_alias_the_samples():
     batch = PackedCollator()([{"input_ids": ids}])
     batch["input_ids"][0, 0] = 99
     assert ids.tolist() == [1, 2, 3]
+
+
+def test_a_plan_that_miscounts_loss_tokens_is_refused_not_silently_rescaled():
+    """A sampler given no loss_tokens assumes length - 1 per sample; prompt-masked labels then disagree."""
+    from lit_seqpack.data.microbatch import PlannedDataset
+    from lit_seqpack.data.samplers import PackedBatchSampler
+
+    samples = [{"input_ids": list(range(1, 9)), "labels": [-100] * 6 + [7, 8]} for _ in range(4)]
+    lengths = [8] * 4
+    miscounted = PackedBatchSampler(lengths, max_tokens=16, shuffle=False)
+    microbatch = next(iter(miscounted))
+    with pytest.raises(ValueError, match="plan counted 14 loss tokens.*labels hold 4"):
+        PackedCollator()(PlannedDataset(samples).__getitems__(microbatch))
+    exact = PackedBatchSampler(lengths, max_tokens=16, shuffle=False, loss_tokens=[2] * 4)
+    batch = PackedCollator()(PlannedDataset(samples).__getitems__(next(iter(exact))))
+    assert batch["num_loss_tokens"] == 4 and batch["step_loss_tokens"] == 4
