@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lit_seqpack.data._budget import apply_document_budget, document_budget, planned_lengths
+from lit_seqpack.data._knobs import check_knobs, check_parallel_knobs
+from lit_seqpack.data._layout import read_layout
+from lit_seqpack.data._resume import LOADER_STATE, check_resume, layout_state
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout
-from lit_seqpack.data.lengths import (
-    cached_lengths_and_loss_tokens,
-    compute_lengths_and_loss_tokens,
-    sample_loss_tokens,
-)
+from lit_seqpack.data.lengths import cached_lengths_and_loss_tokens, compute_lengths_and_loss_tokens
 from lit_seqpack.data.microbatch import PlannedDataset
-from lit_seqpack.data.overlong import DroppedDataset, OverlongReport, TruncatedDataset, apply_overlong_policy
+from lit_seqpack.data.overlong import OverlongReport
 from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
 from lit_seqpack.data.sources_factory import build_dataset
 from lit_seqpack.data.splits import IndexView, Split, split_indices
@@ -34,7 +32,6 @@ __all__ = ["SeqPackDataModule"]
 log = logging.getLogger(__name__)
 
 Mode = Literal["packing", "dynamic", "padded"]
-_LOADER_STATE = "train_loader"
 _SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
 
 
@@ -117,27 +114,24 @@ class SeqPackDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["dataset"])
-        if mode not in _SAMPLERS:
-            raise ValueError(f"mode={mode!r} must be one of {tuple(_SAMPLERS)}")
-        for name, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-            if not 0.0 <= fraction < 1.0:
-                raise ValueError(f"{name}={fraction!r} must be in [0, 1)")
-        for name, value in (("num_workers", num_workers), ("pad_to_multiple_of", pad_to_multiple_of)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "num_workers" else 1):
-                raise ValueError(f"{name}={value!r} must be an int >= {0 if name == 'num_workers' else 1}")
-        if pad_to_multiple_of > 1 and mode != "packing":
-            raise ValueError(
-                f"pad_to_multiple_of={pad_to_multiple_of} pads the documents of a packed row and needs mode='packing', "
-                f"got mode={mode!r} (sequence_length_round pads the rows of dynamic and padded batches)"
-            )
+        check_knobs(
+            mode=mode,
+            modes=_SAMPLERS,
+            val_fraction=val_fraction,
+            test_fraction=test_fraction,
+            num_workers=num_workers,
+            pad_to_multiple_of=pad_to_multiple_of,
+        )
         self._parallel = ParallelLayout(
             context_parallel_size=context_parallel_size, tensor_parallel_size=tensor_parallel_size
         )
-        _check_parallel_knobs(self._parallel, mode, max_tokens, self.row_multiple)
+        check_parallel_knobs(self._parallel, mode, max_tokens, self.row_multiple)
         # Validate the plan knobs now (world size and accumulation are read from the Trainer in setup).
         self.plan_config(world_size=1, accumulate_grad_batches=1)
         if max_tokens is not None:
-            self._document_budget()
+            document_budget(
+                max_tokens, mode=mode, pad_to_multiple_of=pad_to_multiple_of, document_multiple=self.document_multiple
+            )
         self._dataset = dataset
         self._full_lengths: np.ndarray | None = None
         self._full_loss_tokens: np.ndarray | None = None
@@ -199,7 +193,7 @@ class SeqPackDataModule(LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Read world size, rank and accumulation from the Trainer; apply the over-long policy; split."""
-        self._layout = self._read_layout()
+        self._layout, self._cp_rank = read_layout(self.trainer, self._parallel)
         if self._splits:
             return
         hp = self.hparams
@@ -214,18 +208,16 @@ class SeqPackDataModule(LightningDataModule):
             )
         data = self.dataset
         if hp.max_tokens is not None:
-            full_lengths = lengths
-            budget = self._document_budget()
-            try:
-                data, lengths, self.overlong_report = apply_overlong_policy(data, lengths, budget, hp.overlong)
-            except ValueError as err:
-                if budget == hp.max_tokens:
-                    raise
-                raise ValueError(f"{err} ({self._budget_note(budget)})") from None
-            loss_tokens = _view_loss_tokens(data, full_lengths, loss_tokens)
-            if self.overlong_report.num_overlong:
-                note = f" ({self._budget_note(budget)})" if budget < hp.max_tokens else ""
-                rank_zero_info(f"lit_seqpack: {self.overlong_report.summary()}{note}")
+            data, lengths, loss_tokens, self.overlong_report = apply_document_budget(
+                data,
+                lengths,
+                loss_tokens,
+                max_tokens=hp.max_tokens,
+                mode=hp.mode,
+                overlong=hp.overlong,
+                pad_to_multiple_of=hp.pad_to_multiple_of,
+                document_multiple=self.document_multiple,
+            )
         parts = split_indices(len(data), hp.val_fraction, seed=hp.seed, test_fraction=hp.test_fraction)
         for name, idx in zip(("train", "val", "test"), parts, strict=True):
             if name == "train" or len(idx):
@@ -237,47 +229,6 @@ class SeqPackDataModule(LightningDataModule):
         if not self._splits:
             self.setup()
         return dict(self._splits)
-
-    def _document_budget(self) -> int:
-        """The longest document a microbatch holds: ``max_tokens``, rounded down to the per-document pad multiple."""
-        max_tokens, multiple = self.hparams.max_tokens, self.document_multiple
-        budget = max_tokens - max_tokens % multiple if self.hparams.mode == "packing" else max_tokens
-        if budget == 0:
-            raise ValueError(
-                f"max_tokens={max_tokens} cannot hold a single document: pad_to_multiple_of="
-                f"{self.hparams.pad_to_multiple_of} pads every document to a multiple of {multiple} tokens"
-                f"{' (with context parallelism)' if multiple != self.hparams.pad_to_multiple_of else ''}; "
-                "raise max_tokens or lower pad_to_multiple_of"
-            )
-        return budget
-
-    def _budget_note(self, budget: int) -> str:
-        return (
-            f"max_tokens={self.hparams.max_tokens} holds documents of at most {budget} tokens because "
-            f"pad_to_multiple_of={self.hparams.pad_to_multiple_of} pads each to a multiple of {self.document_multiple}"
-        )
-
-    def _read_layout(self) -> tuple[int, int, int]:
-        """Data-parallel world size and rank, and accumulation; sets this process's context-parallel rank."""
-        world, rank, accumulate = self._read_world()
-        dp_rank, self._cp_rank, _ = self._parallel.coordinates(rank)
-        return self._parallel.data_parallel_size(world), dp_rank, accumulate
-
-    def _read_world(self) -> tuple[int, int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                return dist.get_world_size(), dist.get_rank(), 1
-            return 1, 0, 1
-        if trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler:
-            raise ValueError(
-                "SeqPackDataModule plans every rank's batches itself: create the Trainer with "
-                "use_distributed_sampler=False (Lightning would otherwise wrap the batch sampler in a "
-                "DistributedSampler and ranks would get different batch counts and hang)"
-            )
-        return trainer.world_size, trainer.global_rank, trainer.accumulate_grad_batches
 
     # ------------------------------------------------------------------ loaders
     def plan_config(self, *, world_size: int, accumulate_grad_batches: int, train: bool = True) -> PlanConfig:
@@ -332,7 +283,7 @@ class SeqPackDataModule(LightningDataModule):
         world, rank, accumulate = self._layout
         train = split == "train"
         config = self.plan_config(world_size=world, accumulate_grad_batches=accumulate if train else 1, train=train)
-        planned = _planned_lengths(lengths, self.document_multiple) if self.hparams.mode == "packing" else lengths
+        planned = planned_lengths(lengths, self.document_multiple) if self.hparams.mode == "packing" else lengths
         sampler = _SAMPLERS[self.hparams.mode].from_config(planned, config, rank=rank, loss_tokens=loss_tokens)
         if train:
             self._train_sampler = sampler
@@ -373,23 +324,21 @@ class SeqPackDataModule(LightningDataModule):
         """What a resume must agree with (the data and the distributed layout), and the training loader's state."""
         state = self._layout_state()
         if self._train_loader is not None:
-            state[_LOADER_STATE] = self._train_loader.state_dict()
+            state[LOADER_STATE] = self._train_loader.state_dict()
         return state
 
     def _layout_state(self) -> dict[str, Any]:
         world, _, accumulate = self._layout
-        train = self._splits.get("train")
-        return {
-            "num_samples": len(self.dataset),
-            "num_train_samples": 0 if train is None else len(train[0]),
-            "train_lengths": None if train is None else _digest(train[1], train[2]),
-            "world_size": world,
-            "context_parallel_size": self._parallel.context_parallel_size,
-            "tensor_parallel_size": self._parallel.tensor_parallel_size,
-            "accumulate_grad_batches": accumulate,
-            "mode": self.hparams.mode,
-            "max_tokens": self.hparams.max_tokens,
-        }
+        return layout_state(
+            num_samples=len(self.dataset),
+            train=self._splits.get("train"),
+            world_size=world,
+            context_parallel_size=self._parallel.context_parallel_size,
+            tensor_parallel_size=self._parallel.tensor_parallel_size,
+            accumulate_grad_batches=accumulate,
+            mode=self.hparams.mode,
+            max_tokens=self.hparams.max_tokens,
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Refuse to resume on other data or another layout (the plan would no longer match).
@@ -399,57 +348,4 @@ class SeqPackDataModule(LightningDataModule):
         that builds the loader before the checkpoint is read (Lightning #20550), and the resumed epoch would then
         start over from its first microbatch, training some samples twice and others not at all.
         """
-        state_dict = dict(state_dict)
-        loader_state = state_dict.pop(_LOADER_STATE, None)
-        current = self._layout_state()
-        changed = {k: (v, current.get(k)) for k, v in state_dict.items() if current.get(k) != v}
-        if changed:
-            detail = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changed.items())
-            raise ValueError(
-                f"cannot resume: the checkpoint was planned for other data or another layout ({detail}); "
-                "resume with the same dataset, world size, accumulate_grad_batches, mode and max_tokens"
-            )
-        self._pending_loader_state = loader_state
-
-
-def _check_parallel_knobs(layout: ParallelLayout, mode: str, max_tokens: int | None, row_multiple: int) -> None:
-    """Context and tensor parallelism split packed rows: packing only, with a budget their multiples divide."""
-    if layout.model_parallel_size == 1:
-        return
-    if mode != "packing":
-        raise ValueError(
-            f"context_parallel_size={layout.context_parallel_size} and tensor_parallel_size="
-            f"{layout.tensor_parallel_size} need mode='packing', got mode={mode!r}"
-        )
-    if isinstance(max_tokens, int) and max_tokens % row_multiple:
-        raise ValueError(
-            f"max_tokens={max_tokens} must be a multiple of {row_multiple}, the row multiple that "
-            f"sequence_length_round, pad_to_multiple_of, context_parallel_size and tensor_parallel_size give"
-        )
-
-
-def _digest(lengths: np.ndarray, loss_tokens: np.ndarray) -> str:
-    """A short digest of the training lengths and loss tokens: same digest, same plans."""
-    return hashlib.sha256(np.concatenate([lengths, loss_tokens]).astype(np.int64).tobytes()).hexdigest()[:16]
-
-
-def _planned_lengths(lengths: np.ndarray, multiple: int) -> np.ndarray:
-    """Document lengths after per-document padding to ``multiple`` (what a packed row really holds)."""
-    if multiple == 1:
-        return lengths
-    return (lengths + multiple - 1) // multiple * multiple
-
-
-def _view_loss_tokens(view: Any, full_lengths: np.ndarray, full_loss_tokens: np.ndarray) -> np.ndarray:
-    """Loss tokens of the samples of an over-long policy's view (dropped samples gone, cut ones recounted)."""
-    offered = getattr(view, "loss_tokens", None)
-    if offered is not None:
-        return np.asarray(offered, dtype=np.int64)
-    if isinstance(view, DroppedDataset):
-        return full_loss_tokens[view.original_indices]
-    if isinstance(view, TruncatedDataset):
-        counts = full_loss_tokens.copy()
-        for i in np.flatnonzero(full_lengths > view.max_tokens):
-            counts[i] = sample_loss_tokens(view[int(i)])
-        return counts
-    return full_loss_tokens
+        self._pending_loader_state = check_resume(state_dict, self._layout_state())
