@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SeqPackDataModule"]
 
-log = logging.getLogger(__name__)
 
 Mode = Literal["packing", "dynamic", "padded"]
 _SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
@@ -343,9 +341,13 @@ class SeqPackDataModule(LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Refuse to resume on other data or another layout (the plan would no longer match).
 
+        Only ``fit`` resumes training; ``validate`` and ``test`` from a checkpoint ignore this state.
         The training loader's state is applied to the next training loader built. Lightning restores it too, but
         drops it when ``configure_optimizers`` read ``trainer.estimated_stepping_batches`` (a cosine schedule does):
         that builds the loader before the checkpoint is read (Lightning #20550), and the resumed epoch would then
         start over from its first microbatch, training some samples twice and others not at all.
         """
+        trainer = self.trainer
+        if trainer is not None and trainer.state.fn is not None and trainer.state.fn != "fit":
+            return  # validate / test only read the weights: any data layout may evaluate a checkpoint
         self._pending_loader_state = check_resume(state_dict, self._layout_state())

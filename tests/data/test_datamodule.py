@@ -231,3 +231,17 @@ def test_test_split_is_held_out_and_disjoint():
     assert sum(b["num_documents"] for b in dm.test_dataloader()) == 24
     with pytest.raises(ValueError, match="test_fraction"):
         SeqPackDataModule(synthetic=SYNTH, test_fraction=1.5)
+
+
+def test_validate_or_test_from_a_checkpoint_of_another_layout_is_allowed():
+    """Lightning hands the DataModule its checkpoint state for validate/test too; only fit resumes training."""
+    from types import SimpleNamespace
+
+    dm = SeqPackDataModule(synthetic=SYNTH)
+    dm.setup("fit")
+    state = {**dm.state_dict(), "world_size": 2, "accumulate_grad_batches": 4}
+    dm.trainer = SimpleNamespace(state=SimpleNamespace(fn="validate"))
+    dm.load_state_dict(state)
+    dm.trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"))
+    with pytest.raises(ValueError, match="world_size: checkpoint 2 vs now 1"):
+        dm.load_state_dict(state)
