@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from lit_seqpack.data.labels import IGNORE_INDEX
+
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _EXTRAS = {"pyarrow": "parquet", "pyarrow.parquet": "parquet", "datasets": "datasets"}
 

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_seqpack.data.labels import IGNORE_INDEX
 from lit_seqpack.data.microbatch import MicrobatchMeta
 
 __all__ = ["IGNORE_INDEX", "PackedCollator", "PaddedCollator"]
 
-IGNORE_INDEX = -100
 """Label value that the loss skips."""
 
 

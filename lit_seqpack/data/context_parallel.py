@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_seqpack.data.collate import IGNORE_INDEX, PackedCollator
+from lit_seqpack.data.collate import PackedCollator
+from lit_seqpack.data.labels import IGNORE_INDEX, shift_labels
 
 __all__ = [
     "ContextParallelCollator",
@@ -230,7 +231,7 @@ def shard_packed_batch(
     if max_tokens is not None and max_tokens % cp:
         raise ValueError(f"max_tokens={max_tokens} must be a multiple of context_parallel_size={cp}")
     index = context_parallel_index(cu, cp, rank)
-    shift = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+    shift = shift_labels(batch["labels"])
     out = {key: _local(value, index, total) for key, value in batch.items()}
     out["shift_labels"] = shift.index_select(1, index.to(shift.device))
     real = int(_real_mask(batch, total)[index.cpu()].sum())

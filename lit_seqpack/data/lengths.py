@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from lit_seqpack.data.labels import IGNORE_INDEX
+
 __all__ = [
     "cache_path",
     "cached_lengths",
@@ -34,7 +36,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
 _CACHE_VERSION = 1
 
 

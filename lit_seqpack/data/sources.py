@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_seqpack.data.labels import IGNORE_INDEX
+
 __all__ = ["TOKENIZED_FORMATS", "TokenizedDataset", "load_tokenized"]
 
 TOKENIZED_FORMATS: tuple[str, ...] = ("auto", "jsonl", "parquet", "hf_disk")
-IGNORE_INDEX = -100
 _INT32_MAX = np.iinfo(np.int32).max
 
 

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from lit_seqpack.data._hashing import hashed_uniform
+from lit_seqpack.data.labels import IGNORE_INDEX
 
 __all__ = [
     "BOS_ID",
@@ -64,7 +65,6 @@ TASK_TOKEN_IDS: dict[str, int] = {task: 4 + i for i, task in enumerate(SYNTHETIC
 FIRST_PAYLOAD_ID = 4 + len(SYNTHETIC_TASKS)
 _TASK_OF_TOKEN = {token: task for task, token in TASK_TOKEN_IDS.items()}
 LENGTH_DISTRIBUTIONS: tuple[str, ...] = ("lognormal", "power_law", "uniform")
-IGNORE_INDEX = -100
 _OVERHEAD = 4  # BOS, TASK, SEP, EOS
 _PERMUTATION_SEED = 0x5E9A
 _GENERATOR_VERSION = 1  # bump when the generated samples change, so that cached lengths are invalidated

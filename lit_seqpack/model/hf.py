@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lit_seqpack.data.labels import IGNORE_INDEX
 from lit_seqpack.model.attention import varlen_attention
-from lit_seqpack.model.loss import IGNORE_INDEX
 
 __all__ = [
     "ATTENTION_NAME",

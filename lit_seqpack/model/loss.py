@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lit_seqpack.data.labels import IGNORE_INDEX, shift_labels
+
 __all__ = [
     "IGNORE_INDEX",
     "LossOutput",
@@ -32,8 +34,6 @@ __all__ = [
     "shift_labels",
     "token_cross_entropy",
 ]
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,19 +63,6 @@ class LossOutput:
                 f"step_units ({self.step_units}) must be >= num_units ({self.num_units}): the step total includes "
                 "this microbatch"
             )
-
-
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """Labels aligned with the logits: ``out[..., t] = labels[..., t + 1]``, the last position ignored.
-
-    Shifting the labels (a copy of ``[B, T]`` integers) rather than slicing the logits keeps the ``[B, T, V]``
-    logits contiguous, so they flatten without a copy.
-
-    Example:
-        >>> shift_labels(torch.tensor([[-100, 5, 6]])).tolist()
-        [[5, 6, -100]]
-    """
-    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def token_cross_entropy(
