@@ -57,7 +57,7 @@ from lit_seqpack.model.attention import available_backends
 
 SIZES = {  # preset, vocab, median / longest sample, max_tokens, real tokens per mode, attention row, repeats
     "gpu": dict(preset="100m", vocab=32000, median=512, max_len=4096, max_tokens=16384, tokens=3_000_000,
-                attn_tokens=16384, repeats=10, heads=12, head_dim=64, workers=6, eval=256, round=64),
+                attn_tokens=16384, repeats=10, heads=12, head_dim=64, workers=3, eval=256, round=64),
     "tiny": dict(preset="tiny", vocab=128, median=16, max_len=128, max_tokens=256, tokens=3_000,
                  attn_tokens=512, repeats=2, heads=4, head_dim=16, workers=0, eval=8, round=8),
 }  # fmt: skip
@@ -205,13 +205,13 @@ def main(argv: list[str] | None = None) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
     print(f"# lit_seqpack GPU benchmark: {name}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
           f"backends {available_backends(device, dtype)}")  # fmt: skip
-    print(f"optional packages imported by lit_seqpack's model, data and planning modules: {optional_imports()}")
     started = time.perf_counter()
     if not args.skip_attention:
         attention_table(args, device, dtype)
     if not args.skip_training:
         training_table(args, device, dtype)
-    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    print(f"\noptional packages imported by lit_seqpack's model, data and planning modules: {optional_imports()}")
+    print(f"total {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
