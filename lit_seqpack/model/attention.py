@@ -287,14 +287,15 @@ def _sdpa_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], causal: bool, scale: float
 ) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
-    # [heads, tokens, head_dim] views split along tokens: SDPA treats heads as the batch dimension.
-    chunks = zip(*(x.transpose(0, 1).split(lengths, dim=1) for x in (q, k, v)), strict=True)
+    # [1, heads, tokens, head_dim] views split along tokens. The leading batch dimension matters: SDPA sends
+    # 3-D inputs to its unfused math path and 4-D ones to the fused (flash) CPU kernel, about 2x faster.
+    chunks = zip(*(x.transpose(0, 1)[None].split(lengths, dim=2) for x in (q, k, v)), strict=True)
     outs = [
         F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=gqa)
         for (qd, kd, vd), length in zip(chunks, lengths, strict=True)
         if length > 0
     ]
-    return torch.cat(outs, dim=1).transpose(0, 1).contiguous()
+    return torch.cat(outs, dim=2)[0].transpose(0, 1).contiguous()
 
 
 @functools.cache
