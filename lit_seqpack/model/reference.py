@@ -136,6 +136,7 @@ def _rotary(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torc
 def _apply_rotary(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    rotary = rotary.to(x.dtype)  # under autocast q/k are half precision while the tables are float32
     return x * rotary[0] + rotated * rotary[1]
 
 

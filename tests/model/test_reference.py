@@ -186,3 +186,17 @@ def test_bad_config_names_the_knob(kwargs, message):
 def test_bad_forward_arguments(call, message):
     with pytest.raises(ValueError, match=message):
         call(_model(max_seq_len=8))
+
+
+def test_packed_forward_and_backward_run_under_bf16_autocast():
+    """RoPE tables are float32; q and k must stay in the autocast dtype so varlen attention sees one dtype."""
+    from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
+
+    torch.manual_seed(0)
+    model = ReferenceDecoder(ReferenceConfig(vocab_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
+    ids = torch.randint(0, 32, (1, 12))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(ids, cu_seqlens=cu, max_seqlen=7)
+    logits.float().sum().backward()
+    assert torch.isfinite(logits.float()).all()
