@@ -30,6 +30,7 @@ def _distributed() -> bool:
 
 
 def resolve_replicas(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """``(num_replicas, rank)``, each defaulting to ``torch.distributed``'s (or 1 and 0), validated."""
     if num_replicas is None:
         num_replicas = dist.get_world_size() if _distributed() else 1
     if rank is None:

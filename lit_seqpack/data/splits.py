@@ -53,7 +53,7 @@ def split_indices(
 
 
 class IndexView:
-    """``view[i] == dataset[indices[i]]``; lengths and loss tokens follow when the dataset offers them.
+    """``view[i] == dataset[indices[i]]``: a split of a dataset without copying it (see :class:`Split`).
 
     Args:
         dataset: a map-style dataset.

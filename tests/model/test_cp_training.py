@@ -21,19 +21,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lightning.pytorch import Trainer
 
 from lit_seqpack.data.collate import PackedCollator
 from lit_seqpack.data.context_parallel import shard_packed_batch
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta
 from tests.model.test_exact_loss import (
-    GradientCapture,
     assert_gradients_match,
     loss_tokens,
     make_module,
     make_samples,
     reference_gradients,
+    spawned_step_trainer,
 )
 
 CP = 2
@@ -131,19 +130,6 @@ def test_lightning_ddp_with_the_datamodule_cp_knob_equals_the_unsharded_step(tmp
     expected = reference_gradients(module, [view[i] for micro in step for i in micro])
 
     path = tmp_path / "grads.pt"
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=CP,
-        strategy="ddp_spawn",
-        precision="64-true",
-        max_steps=1,
-        accumulate_grad_batches=2,
-        use_distributed_sampler=False,
-        callbacks=[GradientCapture(str(path))],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = spawned_step_trainer(CP, str(path))
     trainer.fit(module, datamodule=SeqPackDataModule(dataset=samples, **knobs))
     assert_gradients_match(torch.load(path), expected, rtol=1e-5)

@@ -122,6 +122,24 @@ class GradientCapture(Callback):
                 torch.save(self.grads, self.path)
 
 
+def spawned_step_trainer(devices: int, path: str) -> Trainer:
+    """A ``ddp_spawn`` CPU Trainer for one fp64 optimizer step (accumulation 2) that saves rank 0's gradients."""
+    return Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp_spawn",
+        precision="64-true",
+        max_steps=1,
+        accumulate_grad_batches=2,
+        use_distributed_sampler=False,
+        callbacks=[GradientCapture(path)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
 def fit_one_step(
     module: LightningModule, batches: list[dict[str, Any]], accumulate: int, precision: str = "64-true"
 ) -> dict[str, torch.Tensor]:

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch import LightningDataModule
 
 from tests.model.test_exact_loss import (
-    GradientCapture,
     assert_gradients_match,
     make_module,
     make_samples,
     reference_gradients,
+    spawned_step_trainer,
     step_batches,
 )
 
@@ -47,19 +47,6 @@ def test_ddp_step_equals_the_big_padded_batch(kind: str, mode: str, tmp_path: Pa
     expected = reference_gradients(module, samples)
     batches = step_batches(samples, GROUPS, mode)
     path = tmp_path / "grads.pt"
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
-        precision="64-true",
-        max_steps=1,
-        accumulate_grad_batches=2,
-        use_distributed_sampler=False,
-        callbacks=[GradientCapture(str(path))],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = spawned_step_trainer(2, str(path))
     trainer.fit(module, datamodule=PerRankBatches(batches))
     assert_gradients_match(torch.load(path), expected, rtol=1e-5)
