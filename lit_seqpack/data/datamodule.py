@@ -67,7 +67,8 @@ class SeqPackDataModule(LightningDataModule):
             (:class:`~lit_seqpack.data.context_parallel.ParallelLayout`), and the plan is made for
             ``trainer.world_size / (cp x tp)`` data-parallel ranks.
         microbatch_order: ``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`).
-        cost_quadratic: ``b`` of the per-document cost ``L + b*L^2`` that ranks are balanced on.
+        cost_quadratic: ``b`` of the per-document cost ``L + b*L^2`` that ranks are balanced on; ``"auto"``:
+            ``1 / max_tokens`` (attention-heavy long documents no longer make one rank the slowest).
         overlong: what happens to samples longer than ``max_tokens``: ``"error"``, ``"truncate"`` or
             ``"drop"``; counted, logged and kept in :attr:`overlong_report`.
         batch_size: samples per microbatch (padded mode only).
@@ -96,7 +97,7 @@ class SeqPackDataModule(LightningDataModule):
         sequence_length_round: int = 1,
         pad_to_multiple_of: int = 1,
         microbatch_order: Literal["largest_first", "packer"] = "largest_first",
-        cost_quadratic: float = 0.0,
+        cost_quadratic: float | Literal["auto"] = "auto",
         overlong: Literal["error", "truncate", "drop"] = "error",
         batch_size: int | None = None,
         val_fraction: float = 0.0,

@@ -29,6 +29,7 @@ Use them as ``DataLoader(PlannedDataset(ds), batch_sampler=sampler, collate_fn=c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class PackedBatchSampler(PlannedBatchSampler):
         sequence_length_round: the collator pads the row to a multiple of this.
         microbatch_order: ``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`).
         cost_linear: ``a`` of the per-document cost ``a*L + b*L^2`` that ranks are balanced on.
-        cost_quadratic: ``b`` of that cost (attention-heavy long contexts).
+        cost_quadratic: ``b`` of that cost (attention-heavy long contexts); ``"auto"``: ``cost_linear / max_tokens``.
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``), for ``step_loss_tokens``.
         verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
 
@@ -80,7 +81,7 @@ class PackedBatchSampler(PlannedBatchSampler):
         sequence_length_round: int = 1,
         microbatch_order: str = "largest_first",
         cost_linear: float = 1.0,
-        cost_quadratic: float = 0.0,
+        cost_quadratic: float | Literal["auto"] = "auto",
         loss_tokens: Sequence[int] | np.ndarray | None = None,
         verify_plan: bool = True,
     ) -> None:
@@ -118,7 +119,7 @@ class DynamicBatchSampler(PlannedBatchSampler):
         sequence_length_round: ``L`` is the longest row rounded up to a multiple of this.
         microbatch_order: ``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`).
         cost_linear: ``a`` of the cost ``rows x (a*L + b*L^2)`` that ranks are balanced on.
-        cost_quadratic: ``b`` of that cost.
+        cost_quadratic: ``b`` of that cost (``"auto"``: ``cost_linear / max_tokens``; 0 in padded mode).
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``), for ``step_loss_tokens``.
         verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
     """
@@ -139,7 +140,7 @@ class DynamicBatchSampler(PlannedBatchSampler):
         sequence_length_round: int = 1,
         microbatch_order: str = "largest_first",
         cost_linear: float = 1.0,
-        cost_quadratic: float = 0.0,
+        cost_quadratic: float | Literal["auto"] = "auto",
         loss_tokens: Sequence[int] | np.ndarray | None = None,
         verify_plan: bool = True,
     ) -> None:
@@ -179,7 +180,7 @@ class PaddedBatchSampler(PlannedBatchSampler):
         sequence_length_round: the padded length is a multiple of this.
         microbatch_order: ``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`).
         cost_linear: ``a`` of the cost ``rows x (a*L + b*L^2)`` that ranks are balanced on.
-        cost_quadratic: ``b`` of that cost.
+        cost_quadratic: ``b`` of that cost (``"auto"``: ``cost_linear / max_tokens``; 0 in padded mode).
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``), for ``step_loss_tokens``.
         verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
     """
@@ -200,7 +201,7 @@ class PaddedBatchSampler(PlannedBatchSampler):
         sequence_length_round: int = 1,
         microbatch_order: str = "largest_first",
         cost_linear: float = 1.0,
-        cost_quadratic: float = 0.0,
+        cost_quadratic: float | Literal["auto"] = "auto",
         loss_tokens: Sequence[int] | np.ndarray | None = None,
         verify_plan: bool = True,
     ) -> None:

@@ -135,7 +135,7 @@ def microbatch_figures(
     """
     bounds = np.concatenate(([0], np.cumsum(sizes)))
     member_lengths = lengths[members]
-    a, b, r = config.cost_linear, config.cost_quadratic, config.sequence_length_round
+    a, b, r = config.cost_linear, config.quadratic_cost, config.sequence_length_round
     tokens = _segment_sums(member_lengths, bounds)
     figures = {"tokens": tokens, "loss_tokens": _segment_sums(loss_tokens[members], bounds)}
     if config.mode == "packing":

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -81,7 +81,10 @@ class PlanConfig:
             shape first); ``"packer"`` keeps the packer's order within a rank's step.
         cost_linear: ``a`` in the per-document cost ``a*L + b*L^2`` that ranks are balanced on.
         cost_quadratic: ``b`` in that cost (attention-heavy long contexts); dynamic and padded blocks
-            cost ``rows x (a*Lp + b*Lp^2)`` with ``Lp`` the padded length.
+            cost ``rows x (a*Lp + b*Lp^2)`` with ``Lp`` the padded length. ``"auto"`` (the default) is
+            ``cost_linear / max_tokens``: a document as long as the budget spends as much on attention as on
+            the rest of the layer, so a step of a few long documents is not dealt to one rank as if it cost
+            its tokens (see :attr:`quadratic_cost`); padded mode has no budget and balances on ``L`` alone.
     """
 
     mode: str = "packing"
@@ -96,7 +99,7 @@ class PlanConfig:
     shuffle: bool = True
     microbatch_order: str = "largest_first"
     cost_linear: float = 1.0
-    cost_quadratic: float = 0.0
+    cost_quadratic: float | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -110,13 +113,15 @@ class PlanConfig:
             raise ValueError(f"shuffle must be a bool, got {self.shuffle!r}")
         if self.microbatch_order not in MICROBATCH_ORDERS:
             raise ValueError(f"microbatch_order must be one of {MICROBATCH_ORDERS}, got {self.microbatch_order!r}")
-        for name in ("cost_linear", "cost_quadratic"):
+        for name, allowed in (("cost_linear", ""), ("cost_quadratic", " or 'auto'")):
             value = getattr(self, name)
+            if allowed and isinstance(value, str) and value == "auto":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.cost_linear == 0 and self.cost_quadratic == 0:
-            raise ValueError("cost_linear and cost_quadratic cannot both be 0")
+                raise ValueError(f"{name} must be a finite number >= 0{allowed}, got {value!r}")
         self._check_mode_knobs()
+        if self.cost_linear == 0 and self.quadratic_cost == 0:
+            raise ValueError("cost_linear and cost_quadratic cannot both be 0")
 
     def _check_mode_knobs(self) -> None:
         if self.algorithm is not None:
@@ -138,6 +143,26 @@ class PlanConfig:
             raise ValueError(
                 f"max_tokens={self.max_tokens} must be a multiple of sequence_length_round={self.sequence_length_round}"
             )
+
+    @property
+    def quadratic_cost(self) -> float:
+        """The ``b`` ranks are balanced on: ``cost_quadratic``, or for ``"auto"`` ``cost_linear / max_tokens``.
+
+        Why the budget: per token, a transformer layer spends a constant on its projections and MLP and a
+        term that grows with the document's length on attention. Their ratio depends on the model (about
+        ``L / (12 d)`` in FLOPs for hidden size ``d``, more in time since attention kernels run below matmul
+        peak), which the planner does not know; the budget is the one length scale it does know, and ``b =
+        a / max_tokens`` weighs a full-budget document's attention like its linear work. Packed rows are
+        near full, so their token balance does not move (bench_plan's balance table), while the per-step
+        attention-heavy cost goes from 1.15-1.32 max/mean over ranks to 1.002-1.004.
+
+        Example:
+            >>> PlanConfig(mode="packing", max_tokens=4096).quadratic_cost == 1 / 4096
+            True
+        """
+        if not isinstance(self.cost_quadratic, str):
+            return float(self.cost_quadratic)
+        return self.cost_linear / self.max_tokens if self.max_tokens else 0.0
 
     @property
     def slots_per_step(self) -> int:
