@@ -25,8 +25,9 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from lit_seqpack.planning._balance import assign_slots, order_within_bundles, step_imbalance
-from lit_seqpack.planning._windows import as_counts, check_budget, microbatch_figures, window_microbatches
+from lit_seqpack.planning._balance import step_imbalance
+from lit_seqpack.planning._order import WindowOrder, auto_window
+from lit_seqpack.planning._windows import as_counts, check_budget, microbatch_figures, plan_window
 
 __all__ = [
     "MICROBATCH_ORDERS",
@@ -67,7 +68,9 @@ class PlanConfig:
             means ``"first_fit_decreasing"``.
         window: consecutive shuffled samples planned together; window ``i`` trains entirely before
             window ``i + 1``. ``None``: the whole epoch (the most efficient; sort-based packers then give
-            the same microbatch count every epoch).
+            the same microbatch count every epoch) up to ``max(2**22, 128 steps)`` samples; larger data is
+            cut into fixed chunks of that size, the same every epoch, trained in a new order each epoch
+            (memory stays bounded and the count stays constant; see ``planning._order``).
         sequence_length_round: rows are padded to a multiple of this (packing: the packed row;
             dynamic/padded: the longest row). ``max_tokens`` must be a multiple of it.
         batch_size: samples per microbatch in padded mode (required there, ``None`` otherwise).
@@ -327,22 +330,16 @@ def build_plan(
             i = int(above[0])
             raise ValueError(f"loss_tokens[{i}] = {int(loss[i])} exceeds the sample's length {int(lengths[i])}")
     check_budget(lengths, config)
-    n, window = lengths.size, config.window or max(lengths.size, 1)
-    # SeedSequence pads entropy with zeros, so [s, e] and [s, e, 0] collide: each stream ends in its own tag
-    order = np.random.default_rng([config.seed, epoch, 1]).permutation(n) if config.shuffle else np.arange(n)
+    n = lengths.size
+    window = config.window or auto_window(config, n, int(lengths.sum()))
+    order = WindowOrder(n, config, epoch, window, WindowOrder.partition_for(n, config, window))
     members, sizes, slots, offset = [], [], [], 0
-    for w, start in enumerate(range(0, n, window)):
-        seeds = np.random.SeedSequence([config.seed, epoch, w, 2] if config.shuffle else [config.seed, w, 3])
-        window_members, window_sizes = window_microbatches(
-            lengths, order[start : start + window], config, int(seeds.generate_state(1)[0])
-        )
-        costs = microbatch_figures(lengths, loss, window_members, window_sizes, config)["cost"]
-        rng = np.random.default_rng(seeds) if config.shuffle else None
-        grid = assign_slots(costs, config.world_size, config.accumulate_grad_batches, rng)
-        slots.append(order_within_bundles(grid, costs, config.microbatch_order) + offset)
-        members.append(window_members)
-        sizes.append(window_sizes)
-        offset += window_sizes.size
+    for w in range(order.num_windows):
+        planned = plan_window(lengths, loss, order.positions(w), config, epoch, w)
+        slots.append(planned.grid + offset)
+        members.append(planned.members)
+        sizes.append(planned.sizes)
+        offset += planned.sizes.size
     return _assemble(config, epoch, lengths, loss, members, sizes, slots)
 
 
