@@ -1,6 +1,6 @@
 """Benchmark scale: memory and time of planning 10M sequences, and the DataLoader's share of an 8k-token step.
 
-Two Markdown tables:
+Three Markdown tables:
 
 1. **Planning at scale.** Each mode plans one epoch of ``--sequences`` lognormal lengths (median 512, sigma 1,
    clipped to [16, 4096]) for ``--world`` ranks x ``--accumulate`` accumulation, in a fresh subprocess: the peak
@@ -12,7 +12,14 @@ Two Markdown tables:
    time the loop waits for the next batch (fetch + collate, in the main process with 0 workers, overlapped with
    the step otherwise) against the model step (forward, backward, AdamW). The overhead column is wait / step.
 
-    .venv/bin/python benchmarks/bench_scale.py                      # both tables (10M sequences, demo model)
+3. **Per-rank planning.** What one rank process pays (``--rank-sizes`` samples x ``--rank-worlds`` ranks, one fresh
+   subprocess each, lengths held as ``uint16``): the batch sampler of the last rank built from the lengths, its
+   ``len()``, the first batch, and a resume at mid-epoch (a fresh sampler seeking its window) -- seconds, the
+   peak resident memory above the process before (bytes per sample) and the process's whole peak (torch
+   included); ``dm`` rows go through ``SeqPackDataModule`` (a dataset exposing ``lengths``/``loss_tokens``).
+
+    .venv/bin/python benchmarks/bench_scale.py                      # all tables (10M sequences, demo model)
+    .venv/bin/python benchmarks/bench_scale.py --only rank --rank-sizes 100000000 --rank-worlds 4096
     .venv/bin/python benchmarks/bench_scale.py --only plan --sequences 1000000
     .venv/bin/python benchmarks/bench_scale.py --only loader --model 100m --steps 3
 """
@@ -95,6 +102,122 @@ def plan_table(args: argparse.Namespace) -> str:
         f"max_tokens={args.tokens} (padded: batch_size=16), {args.world} ranks x {args.accumulate} accumulation"
     )
     headers = ["mode", "seconds", "peak MiB", "peak B/seq", "plan B/seq", "microbatches", "utilization"]
+    return f"{title}\n\n{_table(headers, rows)}"
+
+
+def _compact_lognormal(sequences: int, high: int, median: int) -> object:
+    """Lognormal lengths as ``uint16``, drawn 4M at a time (no 100M float64 temporary)."""
+    import numpy as np
+
+    rng, out = np.random.default_rng(0), np.empty(sequences, dtype=np.uint16)
+    for start in range(0, sequences, 1 << 22):
+        size = min(1 << 22, sequences - start)
+        out[start : start + size] = np.clip(np.round(rng.lognormal(np.log(median), 1.0, size)), min(LOW, high), high)
+    return out
+
+
+class _LengthsOnly:
+    """A dataset of ``n`` samples that exposes compact ``lengths``/``loss_tokens`` and makes tokens on demand."""
+
+    def __init__(self, lengths: object) -> None:
+        import numpy as np
+
+        self.lengths = lengths
+        self.loss_tokens = np.maximum(lengths, 1) - 1
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return {"input_ids": [1] * int(self.lengths[index])}
+
+
+def rank_child(path: str, sequences: int, max_tokens: int, world: int, accumulate: int) -> dict[str, float]:
+    """Runs in a fresh interpreter: one rank's sampler (``path`` "sampler") or DataModule ("dm"), timed and measured."""
+    import gc
+
+    from lit_seqpack import PackedBatchSampler, SeqPackDataModule
+    from lit_seqpack.planning.plan import PlanConfig
+
+    high = min(HIGH, max_tokens)
+    lengths = _compact_lognormal(sequences, high, min(MEDIAN, high // 2))
+    config = PlanConfig(max_tokens=max_tokens, world_size=world, accumulate_grad_batches=accumulate)
+    rank = world - 1
+
+    def build() -> PackedBatchSampler:
+        if path == "sampler":
+            return PackedBatchSampler.from_config(lengths, config, rank=rank, verify_plan=False)
+        data = SeqPackDataModule(dataset=_LengthsOnly(lengths), max_tokens=max_tokens)
+        data.setup("fit")
+        data._layout = (world, rank, accumulate)  # what setup reads from a Trainer
+        data.train_dataloader()
+        return data._train_sampler
+
+    small = PlanConfig(max_tokens=max_tokens, world_size=1)
+    next(iter(PackedBatchSampler.from_config(lengths[:10_000], small, verify_plan=False)))  # compile kernels
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    before = _rss_kib("VmRSS")
+    start = time.perf_counter()
+    sampler = build()
+    count = len(sampler)
+    setup = time.perf_counter() - start
+    next(iter(sampler))
+    first = time.perf_counter() - start
+    state = {**sampler.state_dict(), "position": count // 2}
+    del sampler
+    gc.collect()
+    start = time.perf_counter()
+    resumed = build()
+    resumed.load_state_dict(state)
+    next(iter(resumed))
+    resume = time.perf_counter() - start
+    peak = _rss_kib("VmHWM")
+    return {
+        "setup_s": setup,
+        "first_s": first,
+        "resume_s": resume,
+        "peak_bytes_per_sample": (peak - before) * 1024 / sequences,
+        "peak_gib": peak / 2**20,
+        "window": resumed.lazy_plan.window,
+        "steps": count // accumulate,
+        "utilization": float(lengths.sum(dtype="int64")) / (count * world * max_tokens),
+    }
+
+
+def rank_table(args: argparse.Namespace) -> str:
+    rows = []
+    for sequences in args.rank_sizes:
+        for world in args.rank_worlds:
+            for path in args.rank_paths:
+                code = (
+                    "import json, sys; sys.path.insert(0, 'benchmarks'); from bench_scale import rank_child; "
+                    f"print(json.dumps(rank_child({path!r}, {sequences}, {args.tokens}, {world}, {args.accumulate})))"
+                )
+                child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+                if child.returncode:
+                    raise RuntimeError(f"rank planning failed:\n{child.stderr[-3000:]}")
+                r = json.loads(child.stdout.strip().splitlines()[-1])
+                rows.append(
+                    [
+                        f"{sequences:,} x {world} ({path})",
+                        f"{r['window']:,}",
+                        f"{r['steps']:,}",
+                        f"{r['utilization']:.4f}",
+                        f"{r['setup_s']:.1f}",
+                        f"{r['first_s']:.1f}",
+                        f"{r['resume_s']:.1f}",
+                        f"{r['peak_bytes_per_sample']:.1f}",
+                        f"{r['peak_gib']:.2f}",
+                    ]
+                )
+    title = (
+        f"One rank's plan (the last rank), lognormal lengths (median {MEDIAN}, clip [{LOW}, {HIGH}]), "
+        f"max_tokens={args.tokens}, accumulation {args.accumulate}, window=None (auto), first_fit_decreasing"
+    )
+    headers = ["samples x ranks (path)", "window", "steps", "utilization", "len() s", "1st batch s", "resume s"]
+    headers += ["peak B/sample", "process peak GiB"]
     return f"{title}\n\n{_table(headers, rows)}"
 
 
@@ -181,7 +304,10 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["plan", "loader"], default=None, help="run one table")
+    parser.add_argument("--only", choices=["plan", "loader", "rank"], default=None, help="run one table")
+    parser.add_argument("--rank-sizes", type=int, nargs="+", default=[10_000_000], help="samples, rank table")
+    parser.add_argument("--rank-worlds", type=int, nargs="+", default=[8, 4096], help="ranks, rank table")
+    parser.add_argument("--rank-paths", nargs="+", choices=["sampler", "dm"], default=["sampler", "dm"])
     parser.add_argument("--sequences", type=int, default=10_000_000, help="sequences to plan")
     parser.add_argument("--tokens", type=int, default=8192, help="max_tokens of a microbatch")
     parser.add_argument("--world", type=int, default=8, help="ranks planned for")
@@ -195,6 +321,8 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, load {load}\n")
     if args.only in (None, "plan"):
         print(plan_table(args), end="\n\n")
+    if args.only in (None, "rank"):
+        print(rank_table(args), end="\n\n")
     if args.only in (None, "loader"):
         print(loader_table(args))
 

@@ -22,6 +22,7 @@ __all__ = [
     "WindowPlan",
     "as_counts",
     "check_budget",
+    "compact_counts",
     "microbatch_figures",
     "plan_window",
     "window_microbatches",
@@ -51,6 +52,30 @@ def as_counts(name: str, values: object, size: int | None = None) -> np.ndarray:
         i = int(negative[0])
         raise ValueError(f"{name}[{i}] = {int(array[i])} is negative")
     return array
+
+
+def compact_counts(name: str, values: object, size: int | None = None) -> np.ndarray:
+    """Like :func:`as_counts`, in the smallest unsigned dtype that holds them (``uint16`` for most lengths).
+
+    Example:
+        >>> compact_counts("lengths", [3, 0, 5]).dtype.name
+        'uint16'
+    """
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
+    if size is not None and array.size != size:
+        raise ValueError(f"{name} must have one entry per sample ({size}), got {array.size}")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.uint16)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be integers, got dtype {array.dtype}")
+    if array.dtype.kind == "i" and array.min() < 0:
+        i = int(np.argmax(array < 0))
+        raise ValueError(f"{name}[{i}] = {int(array[i])} is negative")
+    top = int(array.max())
+    dtype = np.uint16 if top < 1 << 16 else np.uint32 if top < 1 << 32 else np.int64
+    return array.astype(dtype, copy=False)
 
 
 def check_budget(lengths: np.ndarray, config: PlanConfig) -> None:
