@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["AUTO_WINDOW_MIN", "AUTO_WINDOW_STEPS", "WindowOrder", "auto_window", "shuffled"]
 
-AUTO_WINDOW_MIN = 1 << 22  # up to this many samples, window=None plans the whole epoch at once
-AUTO_WINDOW_STEPS = 128  # an auto window holds at least this many optimizer steps of samples
+AUTO_WINDOW_MIN = 1 << 21  # up to this many samples, window=None plans the whole epoch at once
+AUTO_WINDOW_STEPS = 64  # an auto window holds at least this many optimizer steps of samples
 
 
 def shuffled(n: int, entropy: list[int]) -> np.ndarray:
@@ -41,11 +41,12 @@ def shuffled(n: int, entropy: list[int]) -> np.ndarray:
 
 
 def auto_window(config: PlanConfig, num_samples: int, num_tokens: int) -> int:
-    """The window of ``window=None``: the whole epoch up to ``max(AUTO_WINDOW_MIN, 128 steps)`` samples.
+    """The window of ``window=None``: the whole epoch up to ``max(AUTO_WINDOW_MIN, 64 steps)`` samples.
 
     A step's worth of samples is ``world_size x accumulate_grad_batches`` microbatches of about
     ``max_tokens / mean length`` samples (padded: ``batch_size``). Rounding a window up to whole steps
-    costs at most one step in ``AUTO_WINDOW_STEPS`` (< 0.8% of the microbatches, about half on average).
+    splits at most one step's worth of bins in ``AUTO_WINDOW_STEPS`` (< 1.6% more microbatches, about
+    half on average); planning memory is about 80 bytes per sample of a window (``bench_scale.py``).
     """
     if config.mode == "padded":
         per_microbatch = config.batch_size
@@ -98,12 +99,12 @@ class WindowOrder:
         return self._fixed
 
     def positions(self, w: int) -> np.ndarray:
-        """Dataset indices (``int64``) of window ``w``, in order."""
+        """Dataset indices of window ``w``, in order (``uint32`` below 2^32 samples, ``int64`` otherwise)."""
         c = self.chunk(w)
         lo, hi = c * self.window, min(self.num_samples, (c + 1) * self.window)
         if self._base is None:
-            return np.arange(lo, hi, dtype=np.int64)
-        positions = self._base[lo:hi].astype(np.int64)
+            return np.arange(lo, hi, dtype=np.uint32 if hi < 1 << 32 else np.int64)
+        positions = self._base[lo:hi]
         if self._fixed and self._config.shuffle:
             positions = positions[np.random.default_rng([self._config.seed, self._epoch, c, 6]).permutation(hi - lo)]
         return positions

@@ -116,21 +116,23 @@ def _pack(window_lengths: np.ndarray, config: PlanConfig, seed: int) -> tuple[np
 
 
 def window_microbatches(
-    lengths: np.ndarray, positions: np.ndarray, config: PlanConfig, seed: int
+    lengths: np.ndarray, positions: np.ndarray | None, config: PlanConfig, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Group one window of samples into microbatches.
 
     Args:
         lengths: lengths of the whole dataset (``int64``).
-        positions: dataset indices of the window, in (shuffled) order.
+        positions: dataset indices of the window, in (shuffled) order; ``None``: ``lengths`` is the window.
         config: the plan configuration.
         seed: seed for a randomised packer (``first_fit_shuffle``).
 
     Returns:
         ``(members, sizes)``: dataset indices in microbatch order and samples per microbatch.
     """
-    window_lengths = lengths[positions]
+    window_lengths = lengths if positions is None else lengths[positions]
     multiple = config.slots_per_step
+    if positions is None:
+        positions = np.arange(window_lengths.size)
     if config.mode == "padded":
         return positions, fixed_group_sizes(positions.size, config.batch_size, group_count_multiple=multiple)
     if config.mode == "dynamic":
@@ -188,15 +190,15 @@ class WindowPlan(NamedTuple):
 
 
 def plan_window(
-    lengths: np.ndarray, loss_tokens: np.ndarray, positions: np.ndarray, config: PlanConfig, epoch: int, w: int
+    lengths: np.ndarray, loss_tokens: np.ndarray, positions: np.ndarray | None, config: PlanConfig, epoch: int, w: int
 ) -> WindowPlan:
     """Plan window ``w`` of ``epoch``: microbatches, then their ``[steps, world_size, accumulate]`` grid.
 
     Args:
-        lengths: lengths of the whole dataset (``int64``), or of the window alone with ``positions``
-            its ``arange``.
+        lengths: lengths of the whole dataset (``int64``), or of the window alone with ``positions=None``
+            (members are then positions in the window).
         loss_tokens: loss tokens, indexed like ``lengths``.
-        positions: indices into ``lengths`` of the window's samples, in order.
+        positions: indices into ``lengths`` of the window's samples, in order, or ``None``.
         config: the plan configuration.
         epoch: the epoch.
         w: the window's number in the epoch (seeds its packer and its balancing).

@@ -111,7 +111,8 @@ class LazyPlan:
         positions = self._order.positions(w)
         lengths = self._lengths[positions].astype(np.int64)
         loss = np.maximum(lengths - 1, 0) if self._loss is None else self._loss[positions].astype(np.int64)
-        planned = plan_window(lengths, loss, np.arange(lengths.size), self.config, self.epoch, w)
+        planned = plan_window(lengths, loss, None, self.config, self.epoch, w)
+        del lengths, loss
         expected = int(self._step_starts[w + 1] - self._step_starts[w])
         if planned.grid.shape[0] != expected:  # the count pass and the plan must agree, or ranks desynchronise
             raise RuntimeError(f"window {w} planned {planned.grid.shape[0]} steps, {expected} were counted")
