@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -73,6 +73,9 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         rank: this process's rank (default: ``torch.distributed`` rank, or 0).
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``).
         verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
+        content_digest: a digest of the data's content (e.g. :func:`~lit_seqpack.data._hashing.content_digest`
+            of a few samples' tokens), or a function computing it, compared with the plan: ranks that read
+            different data with the same lengths then fail too. ``None``: lengths only.
         **plan_knobs: the remaining :class:`~lit_seqpack.planning.PlanConfig` fields.
     """
 
@@ -86,11 +89,13 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         rank: int | None = None,
         loss_tokens: Sequence[int] | np.ndarray | None = None,
         verify_plan: bool = True,
+        content_digest: str | Callable[[], str] | None = None,
         **plan_knobs: Any,
     ) -> None:
         world, rank = resolve_replicas(num_replicas, rank)
         config = PlanConfig(mode=self._mode, world_size=world, **plan_knobs)
         self._setup(lengths, config, rank, loss_tokens, verify_plan, num_replicas is None and not _distributed())
+        self.content_digest = content_digest
 
     @classmethod
     def from_config(
@@ -101,6 +106,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         rank: int | None = None,
         loss_tokens: Sequence[int] | np.ndarray | None = None,
         verify_plan: bool = True,
+        content_digest: str | Callable[[], str] | None = None,
     ) -> PlannedBatchSampler:
         """Build a sampler from a ready :class:`~lit_seqpack.planning.PlanConfig` of the sampler's mode.
 
@@ -110,12 +116,14 @@ class PlannedBatchSampler(Sampler[Microbatch]):
             rank: this process's rank (default: ``torch.distributed`` rank, or 0).
             loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``).
             verify_plan: compare the plan across ranks when ``torch.distributed`` is initialised.
+            content_digest: a digest of the data's content, or a function computing it (see the class).
         """
         if config.mode != cls._mode:
             raise ValueError(f"{cls.__name__} plans mode={cls._mode!r}, got a config with mode={config.mode!r}")
         _, rank = resolve_replicas(config.world_size, rank)
         sampler = cls.__new__(cls)
         sampler._setup(lengths, config, rank, loss_tokens, verify_plan, False)
+        sampler.content_digest = content_digest
         return sampler
 
     def _setup(
@@ -244,14 +252,23 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         if not self.verify_plan or self._verified_epoch == plan.epoch:
             return
         # the plan is a pure function of these: equal digests, equal plans (no need to hash the plan itself)
-        mine = (self._plan_key, plan.epoch, plan.num_steps, self.config.world_size)
-        fingerprints: list[Any] = [None] * world
-        dist.all_gather_object(fingerprints, mine)
-        if len(set(fingerprints)) > 1:
-            others = [r for r, f in enumerate(fingerprints) if f != mine]
+        content = self.content_digest() if callable(self.content_digest) else self.content_digest
+        mine = (self._plan_key, plan.epoch, plan.num_steps, self.config.world_size, content)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine)
+        if len(set(everyone)) > 1:  # every rank sees the same list, so every rank raises: no hang
+            others = [r for r, f in enumerate(everyone) if f[:4] != mine[:4]]
+            if others:
+                raise RuntimeError(
+                    f"rank {dist.get_rank()} computed a different plan for epoch {plan.epoch} than ranks {others}: "
+                    "every rank must pass the same lengths, loss tokens and settings (seed, max_tokens, window, ...)"
+                )
+            others = [r for r, f in enumerate(everyone) if f[4] != content]
             raise RuntimeError(
-                f"rank {dist.get_rank()} computed a different plan for epoch {plan.epoch} than ranks {others}: "
-                "every rank must pass the same lengths, loss tokens and settings (seed, max_tokens, window, ...)"
+                f"rank {dist.get_rank()} reads different data than ranks {others}: the lengths agree but the tokens of "
+                f"the sampled samples do not (content digest {content} vs {[everyone[r][4] for r in others]}); every "
+                "rank must read the same dataset (same files, tokenizer and preprocessing). A dataset whose samples "
+                "change between reads (random augmentation) needs the check off (content_check_samples=0)"
             )
         self._verified_epoch = plan.epoch
 

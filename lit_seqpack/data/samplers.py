@@ -19,8 +19,9 @@ Use them as ``DataLoader(PlannedDataset(ds), batch_sampler=sampler, collate_fn=c
 - ``state_dict`` holds the epoch and the microbatches consumed, never the rank: rank 0's checkpoint
   resumes every rank. StatefulDataLoader snapshots it when each batch is requested, so prefetching by
   workers does not move the resume point.
-- With ``torch.distributed`` initialised, the first iteration of each epoch compares the plan's
-  fingerprint across ranks (one ``all_gather_object``) and fails loudly on a mismatch.
+- With ``torch.distributed`` initialised, the first iteration of each epoch compares a digest of the
+  plan's inputs (config, lengths, loss tokens, epoch; and the data's ``content_digest`` when given) across
+  ranks (one ``all_gather_object``) and fails loudly, on every rank, on a mismatch.
 - Lightning reads ``len(dataloader)`` once. The count is constant across epochs with ``window=None`` and
   a sort-based packer (or dynamic or padded batching); otherwise reload the dataloaders every epoch
   (a warning says so when the count changes).
@@ -28,7 +29,7 @@ Use them as ``DataLoader(PlannedDataset(ds), batch_sampler=sampler, collate_fn=c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -57,6 +58,8 @@ class PackedBatchSampler(PlannedBatchSampler):
         cost_quadratic: ``b`` of that cost (attention-heavy long contexts); ``"auto"``: ``cost_linear / max_tokens``.
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``), for ``step_loss_tokens``.
         verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
+        content_digest: a digest of the data's content (or a function computing it) compared with the plan, so
+            ranks reading different tokens with the same lengths fail loudly (``None``: lengths only).
 
     Example:
         >>> sampler = PackedBatchSampler([5, 3, 4, 4], max_tokens=8, num_replicas=2, rank=1, shuffle=False)
@@ -84,6 +87,7 @@ class PackedBatchSampler(PlannedBatchSampler):
         cost_quadratic: float | Literal["auto"] = "auto",
         loss_tokens: Sequence[int] | np.ndarray | None = None,
         verify_plan: bool = True,
+        content_digest: str | Callable[[], str] | None = None,
     ) -> None:
         super().__init__(
             lengths,
@@ -91,6 +95,7 @@ class PackedBatchSampler(PlannedBatchSampler):
             rank=rank,
             loss_tokens=loss_tokens,
             verify_plan=verify_plan,
+            content_digest=content_digest,
             max_tokens=max_tokens,
             algorithm=algorithm,
             seed=seed,
@@ -122,6 +127,8 @@ class DynamicBatchSampler(PlannedBatchSampler):
         cost_quadratic: ``b`` of that cost (``"auto"``: ``cost_linear / max_tokens``; 0 in padded mode).
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``), for ``step_loss_tokens``.
         verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
+        content_digest: a digest of the data's content (or a function computing it) compared with the plan, so
+            ranks reading different tokens with the same lengths fail loudly (``None``: lengths only).
     """
 
     _mode = "dynamic"
@@ -143,6 +150,7 @@ class DynamicBatchSampler(PlannedBatchSampler):
         cost_quadratic: float | Literal["auto"] = "auto",
         loss_tokens: Sequence[int] | np.ndarray | None = None,
         verify_plan: bool = True,
+        content_digest: str | Callable[[], str] | None = None,
     ) -> None:
         super().__init__(
             lengths,
@@ -150,6 +158,7 @@ class DynamicBatchSampler(PlannedBatchSampler):
             rank=rank,
             loss_tokens=loss_tokens,
             verify_plan=verify_plan,
+            content_digest=content_digest,
             max_tokens=max_tokens,
             seed=seed,
             accumulate_grad_batches=accumulate_grad_batches,
@@ -183,6 +192,8 @@ class PaddedBatchSampler(PlannedBatchSampler):
         cost_quadratic: ``b`` of that cost (``"auto"``: ``cost_linear / max_tokens``; 0 in padded mode).
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``), for ``step_loss_tokens``.
         verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
+        content_digest: a digest of the data's content (or a function computing it) compared with the plan, so
+            ranks reading different tokens with the same lengths fail loudly (``None``: lengths only).
     """
 
     _mode = "padded"
@@ -204,6 +215,7 @@ class PaddedBatchSampler(PlannedBatchSampler):
         cost_quadratic: float | Literal["auto"] = "auto",
         loss_tokens: Sequence[int] | np.ndarray | None = None,
         verify_plan: bool = True,
+        content_digest: str | Callable[[], str] | None = None,
     ) -> None:
         super().__init__(
             lengths,
@@ -211,6 +223,7 @@ class PaddedBatchSampler(PlannedBatchSampler):
             rank=rank,
             loss_tokens=loss_tokens,
             verify_plan=verify_plan,
+            content_digest=content_digest,
             batch_size=batch_size,
             seed=seed,
             accumulate_grad_batches=accumulate_grad_batches,
