@@ -142,25 +142,23 @@ def rank_child(path: str, sequences: int, max_tokens: int, world: int, accumulat
     high = min(HIGH, max_tokens)
     lengths = _compact_lognormal(sequences, high, min(MEDIAN, high // 2))
     config = PlanConfig(max_tokens=max_tokens, world_size=world, accumulate_grad_batches=accumulate)
-    rank = world - 1
 
-    def build() -> PackedBatchSampler:
+    def build(values: object, plan: PlanConfig) -> PackedBatchSampler:
         if path == "sampler":
-            return PackedBatchSampler.from_config(lengths, config, rank=rank, verify_plan=False)
-        data = SeqPackDataModule(dataset=_LengthsOnly(lengths), max_tokens=max_tokens)
+            return PackedBatchSampler.from_config(values, plan, rank=plan.world_size - 1, verify_plan=False)
+        data = SeqPackDataModule(dataset=_LengthsOnly(values), max_tokens=max_tokens)
         data.setup("fit")
-        data._layout = (world, rank, accumulate)  # what setup reads from a Trainer
+        data._layout = (plan.world_size, plan.world_size - 1, plan.accumulate_grad_batches)  # as from a Trainer
         data.train_dataloader()
         return data._train_sampler
 
-    small = PlanConfig(max_tokens=max_tokens, world_size=1)
-    next(iter(PackedBatchSampler.from_config(lengths[:10_000], small, verify_plan=False)))  # compile kernels
+    next(iter(build(lengths[:10_000], PlanConfig(max_tokens=max_tokens, world_size=1))))  # imports, compiled kernels
     gc.collect()
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
     before = _rss_kib("VmRSS")
     start = time.perf_counter()
-    sampler = build()
+    sampler = build(lengths, config)
     count = len(sampler)
     setup = time.perf_counter() - start
     next(iter(sampler))
@@ -169,7 +167,7 @@ def rank_child(path: str, sequences: int, max_tokens: int, world: int, accumulat
     del sampler
     gc.collect()
     start = time.perf_counter()
-    resumed = build()
+    resumed = build(lengths, config)
     resumed.load_state_dict(state)
     next(iter(resumed))
     resume = time.perf_counter() - start
@@ -180,7 +178,7 @@ def rank_child(path: str, sequences: int, max_tokens: int, world: int, accumulat
         "resume_s": resume,
         "peak_bytes_per_sample": (peak - before) * 1024 / sequences,
         "peak_gib": peak / 2**20,
-        "window": resumed.lazy_plan.window,
+        "window": getattr(getattr(resumed, "lazy_plan", None), "window", sequences),  # older versions: the epoch
         "steps": count // accumulate,
         "utilization": float(lengths.sum(dtype="int64")) / (count * world * max_tokens),
     }

@@ -8,10 +8,10 @@ against ``build_plan``) but keeps only::
                  step count of every window (counted up front: len() and lock-step need the total)
     on demand    the plan of the window holding the requested step (one cached; older ones dropped)
 
-So memory is O(window) beyond a few bytes per sample, and a resume at step ``s`` plans only the window
-holding ``s``. Counting a window runs its packer (not the balancing), so the first ``len()`` costs about
-half a full plan's time; with ``window=None`` on large data the chunks are the same every epoch and, for
-sort-based packers, counted once (``chunk_steps``).
+So memory is O(window) beyond a few bytes per sample, and a resume at step ``s`` plans the window holding
+``s`` (and the first, see below), not the windows before it. Counting a window runs its packer (not the balancing); the first window is planned outright
+instead. With ``window=None`` on large data the chunks are the same every epoch and, for sort-based
+packers, counted once (``chunk_steps``).
 """
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ class LazyPlan:
             partition = WindowOrder.partition_for(n, config, self.window)
         self.partition = partition
         self._order = WindowOrder(n, config, epoch, self.window, partition)
+        self._cached: tuple[int, tuple[np.ndarray, ...]] | None = None
         self.chunk_steps = self._count(chunk_steps)
         steps = self.chunk_steps[[self._order.chunk(w) for w in range(self._order.num_windows)]]
         self._step_starts = np.concatenate(([0], np.cumsum(steps, dtype=np.int64)))
-        self._cached: tuple[int, tuple[np.ndarray, ...]] | None = None
 
     def _count(self, known: np.ndarray | None) -> np.ndarray:
         """Steps of every chunk (window ``w`` trains chunk ``order.chunk(w)``)."""
@@ -89,6 +89,10 @@ class LazyPlan:
             return known
         steps = np.zeros(order.num_windows, dtype=np.int64)
         for w in range(order.num_windows):
+            if w == 0:  # the first window is needed first: plan it now rather than count it, then plan it
+                self._cached = (0, self._plan_arrays(0))
+                steps[order.chunk(0)] = self._cached[1][2].shape[0]
+                continue
             window_lengths = self._lengths[order.positions(w)].astype(np.int64)
             seed = int(window_seeds(config, self.epoch, w).generate_state(1)[0])
             steps[order.chunk(w)] = window_steps(window_lengths, config, seed)
@@ -108,24 +112,28 @@ class LazyPlan:
         if self._cached is not None and self._cached[0] == w:
             return self._cached[1]
         self._cached = None  # drop the previous window before planning the next one
+        arrays = self._plan_arrays(w)
+        expected = int(self._step_starts[w + 1] - self._step_starts[w])
+        if arrays[2].shape[0] != expected:  # the count and the plan must agree, or ranks desynchronise
+            raise RuntimeError(f"window {w} planned {arrays[2].shape[0]} steps, {expected} were counted")
+        self._cached = (w, arrays)
+        return arrays
+
+    def _plan_arrays(self, w: int) -> tuple[np.ndarray, ...]:
+        """Window ``w``'s members, bounds, ``[steps, ranks, slots]`` grid, step and microbatch loss tokens."""
         positions = self._order.positions(w)
         lengths = self._lengths[positions].astype(np.int64)
         loss = np.maximum(lengths - 1, 0) if self._loss is None else self._loss[positions].astype(np.int64)
         planned = plan_window(lengths, loss, None, self.config, self.epoch, w)
         del lengths, loss
-        expected = int(self._step_starts[w + 1] - self._step_starts[w])
-        if planned.grid.shape[0] != expected:  # the count pass and the plan must agree, or ranks desynchronise
-            raise RuntimeError(f"window {w} planned {planned.grid.shape[0]} steps, {expected} were counted")
         loss_per_microbatch = planned.figures["loss_tokens"]
-        arrays = (
+        return (
             positions[planned.members],
             np.concatenate(([0], np.cumsum(planned.sizes))),
             planned.grid,
             loss_per_microbatch[planned.grid].sum(axis=(1, 2)),
             loss_per_microbatch,
         )
-        self._cached = (w, arrays)
-        return arrays
 
     def _locate(self, rank: int, position: int) -> tuple[int, int, tuple[np.ndarray, ...]]:
         if not 0 <= rank < self.config.world_size:
