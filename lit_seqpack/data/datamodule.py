@@ -237,6 +237,7 @@ class SeqPackDataModule(LightningDataModule):
                 document_multiple=self.document_multiple,
             )
         lengths, loss_tokens = _int32(lengths), _int32(loss_tokens)
+        self._full_lengths = self._full_loss_tokens = None  # the splits hold what planning needs from now on
         if hp.val_fraction == 0 and hp.test_fraction == 0:  # everything trains: no index view, no copies
             self._splits["train"] = Split(data, lengths, loss_tokens)
             return

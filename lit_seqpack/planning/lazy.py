@@ -8,10 +8,11 @@ against ``build_plan``) but keeps only::
                  step count of every window (counted up front: len() and lock-step need the total)
     on demand    the plan of the window holding the requested step (one cached; older ones dropped)
 
-So memory is O(window) beyond a few bytes per sample, and a resume at step ``s`` plans the window holding
-``s`` (and the first, see below), not the windows before it. Counting a window runs its packer (not the balancing); the first window is planned outright
-instead. With ``window=None`` on large data the chunks are the same every epoch and, for sort-based
-packers, counted once (``chunk_steps``).
+So memory is O(window) beyond a few bytes per sample, and a resume at step ``s`` plans the window
+holding ``s``, not the windows before it (their steps are counted: O(N) time, O(window) memory).
+Counting a window runs its packer (not the balancing); the first window is planned outright instead.
+With ``window=None`` on large data the chunks are the same every epoch and, for sort-based packers,
+counted once (``chunk_steps``).
 """
 
 from __future__ import annotations
