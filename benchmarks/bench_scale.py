@@ -12,7 +12,8 @@ Three Markdown tables:
    time the loop waits for the next batch (fetch + collate, in the main process with 0 workers, overlapped with
    the step otherwise) against the model step (forward, backward, AdamW). The overhead column is wait / step.
 
-3. **Per-rank planning.** What one rank process pays (``--rank-sizes`` samples x ``--rank-worlds`` ranks, one fresh
+3. **Per-rank planning.** What one rank process pays (``--rank-sizes`` samples, default ``--sequences``, x
+   ``--rank-worlds`` ranks, one fresh
    subprocess each, lengths held as ``uint16``): the batch sampler of the last rank built from the lengths, its
    ``len()``, the first batch, and a resume at mid-epoch (a fresh sampler seeking its window) -- seconds, the
    peak resident memory above the process before (bytes per sample) and the process's whole peak (torch
@@ -303,7 +304,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["plan", "loader", "rank"], default=None, help="run one table")
-    parser.add_argument("--rank-sizes", type=int, nargs="+", default=[10_000_000], help="samples, rank table")
+    parser.add_argument("--rank-sizes", type=int, nargs="+", default=None, help="samples (default --sequences)")
     parser.add_argument("--rank-worlds", type=int, nargs="+", default=[8, 4096], help="ranks, rank table")
     parser.add_argument("--rank-paths", nargs="+", choices=["sampler", "dm"], default=["sampler", "dm"])
     parser.add_argument("--sequences", type=int, default=10_000_000, help="sequences to plan")
@@ -315,6 +316,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="num_workers settings")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="torch threads")
     args = parser.parse_args()
+    args.rank_sizes = args.rank_sizes or [args.sequences]
     load = "/".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, load {load}\n")
     if args.only in (None, "plan"):
