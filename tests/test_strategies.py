@@ -2,9 +2,10 @@
 
 One spawned pair of processes runs three Trainers in turn (one process group, one start-up cost):
 
-* ``ModelParallelStrategy`` data-parallel 1 x tensor-parallel 2, on documents of odd lengths: both TP ranks get the
-  same microbatches (the device mesh says they are one data-parallel rank), rows are padded to a multiple of 2, and
-  a DataModule or a batch whose tensor-parallel size contradicts the mesh raises a ``ValueError`` naming both.
+* ``ModelParallelStrategy`` data-parallel 1 x tensor-parallel 2 (the MLPs column/row-wise parallel), on documents of
+  odd lengths: both TP ranks get the same microbatches (the device mesh says they are one data-parallel rank), rows
+  are padded to a multiple of 2, one optimizer step with accumulation 2 equals one big padded batch, and a
+  DataModule or a batch whose tensor-parallel size contradicts the mesh raises a ``ValueError`` naming both.
 * ``ModelParallelStrategy`` data-parallel 2 x tensor-parallel 1 (FSDP2 ``fully_shard`` over the data-parallel mesh):
   the gradient of one optimizer step with accumulation 2 equals the token-mean gradient of one big padded batch of
   the step's samples, and the weight-decay group holds exactly the >= 2-D weights (DTensor ``ndim`` is the full one).
@@ -43,11 +44,15 @@ def odd_samples() -> list[dict[str, list[int]]]:
     return samples
 
 
-class ReplicatedLM(ReferenceLM):
-    """Not sharded: every tensor-parallel rank runs the whole model on the same rows (what the data side needs)."""
+class TensorParallelLM(ReferenceLM):
+    """Tensor parallelism on every MLP (gate/up column-wise, down row-wise) over the mesh's tensor-parallel ranks."""
 
     def configure_model(self) -> None:
-        pass
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+        for layer in self.model.layers:
+            parallelize_module(layer, self.device_mesh["tensor_parallel"], plan)
 
 
 class ShardedLM(ReferenceLM):
@@ -94,13 +99,19 @@ class Recorder(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
         if self.grads and "grads" not in self.record:
-            grads = {name: p.grad.full_tensor() for name, p in pl_module.named_parameters()}  # a collective
+            grads = {name: _full(p.grad) for name, p in pl_module.named_parameters()}  # DTensors: a collective
             self.record["grads"] = True
             if trainer.global_rank == 0:
                 torch.save(grads, Path(self.out).with_suffix(".pt"))
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         Path(self.out).write_text(json.dumps(self.record))
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
 def _trainer(strategy: Any, recorder: Recorder, **kwargs: Any) -> Trainer:
@@ -120,10 +131,10 @@ def _trainer(strategy: Any, recorder: Recorder, **kwargs: Any) -> Trainer:
 
 def _tp_run(rank: int, out: Path) -> None:
     torch.manual_seed(0)
-    module = ReplicatedLM(vocab_size=VOCAB, **TINY, lr_schedule="constant", attn_backend="sdpa")
-    recorder = Recorder(str(out / f"tp{rank}.json"))
+    module = TensorParallelLM(vocab_size=VOCAB, **TINY, lr_schedule="constant", attn_backend="sdpa").double()
+    recorder = Recorder(str(out / f"tp_{rank}.json"), grads=True)
     strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=WORLD)
-    trainer = _trainer(strategy, recorder, max_steps=3)
+    trainer = _trainer(strategy, recorder, max_steps=2, accumulate_grad_batches=2)
     trainer.fit(module, datamodule=SeqPackDataModule(dataset=odd_samples(), tensor_parallel_size=WORLD, **KNOBS))
     errors = {}
     unset = SeqPackDataModule(dataset=odd_samples(), **KNOBS)  # tensor_parallel_size left at 1
@@ -196,8 +207,8 @@ def _expected_groups() -> tuple[list[str], list[str]]:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_tensor_parallel_ranks_of_one_data_parallel_rank_get_the_same_odd_length_batches(runs: Path) -> None:
-    tp0, tp1 = _load(runs, "tp0.json")["batches"], _load(runs, "tp1.json")["batches"]
-    assert len(tp0) == 3 and tp0 == tp1
+    tp0, tp1 = _load(runs, "tp_0.json")["batches"], _load(runs, "tp_1.json")["batches"]
+    assert len(tp0) == 4 and tp0 == tp1
     lengths = {len(batch["input_ids"][0]) for batch in tp0}
     assert all(n % 2 == 0 for n in lengths) and all(batch["tp"] == 2 for batch in tp0)
 
@@ -214,10 +225,12 @@ def test_a_tensor_parallel_size_that_contradicts_the_mesh_names_both(runs: Path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_fsdp2_step_with_accumulation_equals_the_big_padded_batch(runs: Path) -> None:
+@pytest.mark.parametrize(("run", "data_parallel"), [("fsdp2_0", WORLD), ("tp_0", 1)])
+def test_one_step_with_accumulation_equals_the_big_padded_batch(runs: Path, run: str, data_parallel: int) -> None:
+    """FSDP2 over 2 data-parallel ranks, and TP over 2 ranks that form one data-parallel rank (plan for 1)."""
     planner = SeqPackDataModule(dataset=odd_samples(), **KNOBS)  # the same plan, read in this process
     planner.trainer = SimpleNamespace(
-        world_size=WORLD,
+        world_size=data_parallel,
         global_rank=0,
         accumulate_grad_batches=2,
         _accelerator_connector=SimpleNamespace(use_distributed_sampler=False),
@@ -229,12 +242,12 @@ def test_fsdp2_step_with_accumulation_equals_the_big_padded_batch(runs: Path) ->
     torch.manual_seed(0)
     module = ReferenceLM(vocab_size=VOCAB, **TINY, lr_schedule="constant", attn_backend="sdpa")
     expected = reference_gradients(module, [view[i] for rank in step for micro in rank for i in micro])
-    assert_gradients_match(torch.load(runs / "fsdp2_0.pt"), expected, rtol=1e-5)
+    assert_gradients_match(torch.load(runs / f"{run}.pt"), expected, rtol=1e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("run", ["fsdp2", "fsdp1"])
+@pytest.mark.parametrize("run", ["fsdp2", "fsdp1", "tp"])
 def test_the_decay_group_holds_exactly_the_two_dimensional_weights(runs: Path, run: str) -> None:
     decay, no_decay = _expected_groups()
     for rank in range(WORLD):
