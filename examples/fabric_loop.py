@@ -59,35 +59,39 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     data.setup("fit")
 
     torch.manual_seed(0)  # the same initial weights on every rank
-    lm = ReferenceLM(vocab_size=data.vocab_size, **TINY, lr_schedule="constant", attn_backend="sdpa")
+    lm = ReferenceLM(vocab_size=data.vocab_size, **TINY, lr=3e-3, lr_schedule="constant", attn_backend="sdpa")
     initial = {k: v.detach().clone() for k, v in lm.state_dict().items()}
     optimizer = lm.configure_optimizers()["optimizer"]  # AdamW, weight decay on the >= 2-D weights only
     model, optimizer = fabric.setup(lm, optimizer)
     train_loader = data.train_dataloader()
     loader = fabric.setup_dataloaders(train_loader, use_distributed_sampler=False)
 
-    steps, tokens, start, loss_sum = 0, 0, time.perf_counter(), 0.0
-    epoch = 0
+    steps, tokens, share, losses, start, epoch = 0, 0, 0.0, [], time.perf_counter(), 0
     while steps < args.max_steps:
         train_loader.batch_sampler.set_epoch(epoch)  # no Trainer calls set_epoch here: reshuffle each epoch
         for batch in loader:
             loss = model.training_step(batch, steps)  # the mixin's exact loss (normalised over the whole step)
             tokens += batch["num_real_tokens"]
-            loss_sum += float(loss.detach()) / (batch["world_size"] * batch["accumulate_grad_batches"])
+            share += float(loss.detach()) / (batch["world_size"] * batch["accumulate_grad_batches"])
             if not accumulation.backward(model, loss, batch):
                 continue
             if steps == 0 and args.save_first_step:
                 _save_first_step(fabric, lm, data, train_loader.batch_sampler.plan, initial, args.save_first_step)
             optimizer.step()
             optimizer.zero_grad()
-            steps += 1
+            # this rank's share of the step's token-mean loss; summed over ranks it is the step's loss
+            losses.append(float(fabric.all_reduce(torch.tensor(share, dtype=torch.float64), reduce_op="sum")))
+            steps, share = steps + 1, 0.0
             if steps >= args.max_steps:
                 break
         epoch += 1
     elapsed = time.perf_counter() - start
-    fabric.print(f"fabric: {steps} steps x {args.accumulate_grad_batches} microbatches x {fabric.world_size} ranks "
-                 f"in {elapsed:.1f} s, {tokens * fabric.world_size / elapsed:,.0f} tokens/s")  # fmt: skip
-    return {"steps": steps, "elapsed": elapsed}
+    total = int(fabric.all_reduce(torch.tensor(tokens), reduce_op="sum"))
+    fabric.print(
+        f"fabric: {steps} steps x {args.accumulate_grad_batches} microbatches x {fabric.world_size} ranks in "
+        f"{elapsed:.1f} s, {total / elapsed:,.0f} real tokens/s, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    )
+    return {"steps": steps, "elapsed": elapsed, "first_loss": losses[0], "last_loss": losses[-1]}
 
 
 def _save_first_step(fabric: Fabric, model: ReferenceLM, data: SeqPackDataModule, plan, initial, path: str) -> None:
