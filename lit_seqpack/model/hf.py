@@ -11,29 +11,33 @@ switches a model to it and :func:`hf_model_inputs` maps the batch contract to th
     padded [B, L]  input_ids, position_ids, lit_seqpack_padding_mask = attention_mask, use_cache=False
                                                                                       -> SDPA, causal + padding
 
-:func:`check_packing_equivalence` runs each document of a batch alone and reports the largest difference with
-the batch's logits; :class:`~lit_seqpack.model.mixin.PackedSequenceMixin` runs a two-document version of it once
-(:func:`probe_packing_isolation`) and raises :class:`PackingLeakError` rather than train on leaking attention.
+:func:`check_packing_equivalence`, :func:`probe_packing_isolation` (the structural leak guard that
+:class:`~lit_seqpack.model.mixin.PackedSequenceMixin` runs once), :class:`PackingLeakError` and
+:func:`documents_batch` live in :mod:`lit_seqpack.model.isolation` and are re-exported here.
 
 transformers is imported only inside the functions that need it; nothing here touches CUDA at import time.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from lit_seqpack.data.labels import IGNORE_INDEX
 from lit_seqpack.model.attention import varlen_attention
+from lit_seqpack.model.isolation import (
+    PackingLeakError,
+    PackingReport,
+    check_packing_equivalence,
+    documents_batch,
+    probe_packing_isolation,
+)
 
 __all__ = [
     "ATTENTION_NAME",
-    "PackingLeakError",
+    "PackingLeakError",  # re-exported from lit_seqpack.model.isolation, like the next four
     "PackingReport",
     "check_packing_equivalence",
     "documents_batch",
@@ -46,34 +50,6 @@ __all__ = [
 
 ATTENTION_NAME = "lit_seqpack_varlen"
 """The name of lit_seqpack's attention function in transformers' ``AttentionInterface``."""
-
-
-class PackingLeakError(RuntimeError):
-    """A model's outputs on a packed row differ from its outputs on each document alone."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PackingReport:
-    """Result of :func:`check_packing_equivalence`.
-
-    Args:
-        document_errors: per document, the largest absolute logit difference between the batch and the
-            document alone.
-        tolerance: the largest difference accepted.
-    """
-
-    document_errors: tuple[float, ...]
-    tolerance: float
-
-    @property
-    def max_error(self) -> float:
-        """The largest difference over all documents."""
-        return max(self.document_errors, default=0.0)
-
-    @property
-    def passed(self) -> bool:
-        """Whether every document is within ``tolerance``."""
-        return self.max_error <= self.tolerance
 
 
 # ------------------------------------------------------------------------------------------- transformers glue
@@ -188,142 +164,3 @@ def _dense_mask(
     keys = padding_mask.bool()[:, None, None, :]
     # a query always sees itself, so a padding row never softmaxes over nothing (no NaN)
     return (causal & keys) | torch.eye(q_len, kv_len, dtype=torch.bool, device=padding_mask.device)
-
-
-# ------------------------------------------------------------------------------------------- equivalence check
-def documents_batch(documents: Sequence[torch.Tensor], *, packed: bool = True) -> dict[str, Any]:
-    """A contract batch of whole documents (1-D token tensors on one device): one packed row or padded rows.
-
-    Every token but each document's first is a target. Padded rows are right-padded with token 0.
-
-    Example:
-        >>> b = documents_batch([torch.tensor([5, 6, 7]), torch.tensor([8, 9])])
-        >>> b["position_ids"].tolist(), b["cu_seqlens"].tolist(), b["labels"].tolist()
-        ([[0, 1, 2, 0, 1]], [0, 3, 5], [[-100, 6, 7, -100, 9]])
-    """
-    if not documents or any(d.ndim != 1 or d.numel() == 0 for d in documents):
-        raise ValueError(f"documents must be non-empty 1-D tensors, got shapes {[tuple(d.shape) for d in documents]}")
-    device, lengths = documents[0].device, [int(d.numel()) for d in documents]
-    if packed:
-        input_ids = torch.cat(list(documents)).long()[None]
-        position_ids = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
-        bounds = torch.tensor([0, *lengths], device=device).cumsum(0)
-        extra: dict[str, Any] = {"cu_seqlens": bounds.to(torch.int32), "max_seqlen": max(lengths)}
-        labels = input_ids.masked_fill(position_ids == 0, IGNORE_INDEX)
-    else:
-        width = max(lengths)
-        input_ids = torch.zeros(len(lengths), width, dtype=torch.long, device=device)
-        for row, doc in enumerate(documents):
-            input_ids[row, : len(doc)] = doc
-        position_ids = torch.arange(width, device=device).expand(len(lengths), -1)
-        extra = {"attention_mask": (position_ids < torch.tensor(lengths, device=device)[:, None]).long()}
-        labels = input_ids.masked_fill((position_ids == 0) | (extra["attention_mask"] == 0), IGNORE_INDEX)
-    num_loss_tokens = sum(lengths) - len(lengths)
-    return {
-        "input_ids": input_ids,
-        "labels": labels,
-        "position_ids": position_ids,
-        **extra,
-        "num_documents": len(lengths),
-        "num_real_tokens": sum(lengths),
-        "num_padding_tokens": input_ids.numel() - sum(lengths),
-        "num_loss_tokens": num_loss_tokens,
-        "step_loss_tokens": num_loss_tokens,
-        "world_size": 1,
-        "accumulate_grad_batches": 1,
-        "max_tokens": None,
-        "is_empty": False,
-    }
-
-
-def check_packing_equivalence(
-    model: Any, batch: Mapping[str, Any], *, atol: float = 1e-5, strict: bool = False
-) -> PackingReport:
-    """Compare a batch's logits with the logits of each of its documents run alone (eval mode, no grad).
-
-    Args:
-        model: a module with ``seqpack_forward`` (a :class:`~lit_seqpack.model.mixin.PackedSequenceMixin`), or a
-            transformers causal LM, called with :func:`hf_model_inputs` (prepare it with :func:`prepare_hf_model`).
-        batch: a packed row (documents are its first ``num_documents`` segments) or a padded ``[B, L]`` batch
-            (each row is a document of ``attention_mask.sum()`` tokens).
-        atol: the largest absolute logit difference accepted.
-        strict: raise :class:`PackingLeakError` instead of returning a failed report.
-    """
-    if atol < 0:
-        raise ValueError(f"atol must be >= 0, got {atol}")
-    forward = _forward_fn(model)
-    packed = batch.get("cu_seqlens") is not None
-    errors = []
-    with _evaluation(model):
-        logits = forward(batch).float()
-        for row, start, end in _documents(batch):
-            alone = forward(documents_batch([batch["input_ids"][row, start:end]], packed=packed)).float()
-            errors.append((logits[row, start:end] - alone[0]).abs().max().item())
-    report = PackingReport(document_errors=tuple(errors), tolerance=atol)
-    if strict and not report.passed:
-        raise PackingLeakError(
-            f"packed logits differ from per-document logits by up to {report.max_error:.3g} (atol={atol}); errors "
-            f"per document: {[f'{e:.3g}' for e in errors]}"
-        )
-    return report
-
-
-def probe_packing_isolation(model: Any, batch: Mapping[str, Any]) -> PackingReport:
-    """Raise :class:`PackingLeakError` if ``model`` attends across documents; a cheap one-time runtime probe.
-
-    Two documents (up to 4 tokens of ``batch`` then 6 seeded random tokens) are run packed in one row and each
-    alone; the tolerance is ``1e-3 * (1 + max |logit|)`` for float32/64 logits and 50x that for half precision.
-    """
-    forward = _forward_fn(model)
-    first = batch["input_ids"].reshape(-1)[:4]
-    with _evaluation(model):
-        alone_first = forward(documents_batch([first])).float()
-        gen = torch.Generator().manual_seed(0)
-        second = torch.randint(0, alone_first.shape[-1], (6,), generator=gen).to(first.device)
-        alone_second = forward(documents_batch([second])).float()
-        packed = forward(documents_batch([first, second]))
-    expected = torch.cat([alone_first, alone_second], dim=1)
-    scale = 1e-3 if packed.dtype in (torch.float32, torch.float64) else 5e-2
-    tolerance = scale * (1.0 + expected.abs().max().item())
-    errors = tuple(
-        (packed.float()[:, s:e] - expected[:, s:e]).abs().max().item() for s, e in [(0, len(first)), (len(first), None)]
-    )
-    report = PackingReport(document_errors=errors, tolerance=tolerance)
-    if not report.passed:
-        raise PackingLeakError(
-            f"{type(model).__name__} attends across documents in a packed row: a 2-document row differs from the "
-            f"documents run alone by {report.max_error:.3g} (tolerance {tolerance:.3g}). Its forward must use "
-            "cu_seqlens (lit_seqpack.varlen_attention); for a transformers model use lit_seqpack.model.hf."
-            "prepare_hf_model and hf_model_inputs (which also pass use_cache=False)."
-        )
-    return report
-
-
-def _forward_fn(model: Any) -> Callable[[Mapping[str, Any]], torch.Tensor]:
-    if hasattr(model, "seqpack_forward"):
-        return model.seqpack_forward
-    return lambda batch: model(**hf_model_inputs(batch)).logits
-
-
-def _documents(batch: Mapping[str, Any]) -> list[tuple[int, int, int]]:
-    """``(row, start, end)`` of every document of a contract batch."""
-    if batch.get("cu_seqlens") is not None:
-        bounds = batch["cu_seqlens"].tolist()
-        count = batch.get("num_documents", len(bounds) - 1)
-        return [(0, bounds[i], bounds[i + 1]) for i in range(count) if bounds[i + 1] > bounds[i]]
-    lengths = batch["attention_mask"].sum(dim=1).tolist()
-    return [(row, 0, int(n)) for row, n in enumerate(lengths) if n > 0]
-
-
-@contextlib.contextmanager
-def _evaluation(model: Any) -> Iterator[None]:
-    """Eval mode and no grad inside the block; every submodule's own mode is restored after it."""
-    modes = [(m, m.training) for m in model.modules()] if isinstance(model, torch.nn.Module) else []
-    if isinstance(model, torch.nn.Module):
-        model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for m, training in modes:
-            m.training = training

@@ -168,7 +168,7 @@ def test_first_step_check_detects_the_plain_hf_path() -> None:
     """position_ids only, default use_cache: HF attends across documents; the mixin refuses to train."""
     module = PlainHFModule(tiny_llama())
     module.train()
-    with pytest.raises(PackingLeakError, match="attends across documents"):
+    with pytest.raises(PackingLeakError, match=r"does not keep the documents .* \(LlamaAttention\)"):
         module.training_step(documents_batch(random_documents()), 0)
     assert module.training and all(m.training for m in module.modules())  # the probe restored train mode
 
