@@ -47,6 +47,7 @@ from lit_seqpack._imports import FLASH_ATTN_AVAILABLE, FLASH_ATTN_INSTALL_HINT
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
+    "autocast_inputs",
     "available_backends",
     "override_backend",
     "reference_flash_attn_varlen_func",
@@ -213,6 +214,27 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         raise ValueError(f"max_seqlen must be a positive Python int (not a tensor: no device sync), got {max_seqlen!r}")
 
 
+def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``q``, ``k``, ``v`` in autocast's dtype when autocast is on for their device, else unchanged.
+
+    Under autocast, transformers' RoPE returns float32 queries and keys while the values come out of a bfloat16
+    projection. SDPA under autocast casts its three inputs to the autocast dtype, and transformers' flash-attention
+    path casts them to it too (``get_target_dtype``); every backend here does the same, so a packed row computes
+    what the stock model computes under the same autocast. Outside autocast the dtypes must already agree.
+
+    Example:
+        >>> q, v = torch.zeros(3, 2, 4), torch.zeros(3, 2, 4, dtype=torch.bfloat16)
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     [t.dtype for t in autocast_inputs(q, q, v)]
+        [torch.bfloat16, torch.bfloat16, torch.bfloat16]
+    """
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v))
+
+
 def _segment_lengths(cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int) -> list[int]:
     """Check cu_seqlens' values and return the segment lengths (reads the tensor on the host)."""
     bounds = cu_seqlens.tolist()
@@ -250,6 +272,8 @@ def varlen_attention(
         softmax_scale: score scale; default ``head_dim ** -0.5``.
         backend: ``"auto"`` or one of :data:`BACKENDS`.
 
+    Under autocast, ``q``/``k``/``v`` are first cast to the autocast dtype (see :func:`autocast_inputs`).
+
     Returns:
         ``[total_tokens, heads, head_dim]``.
 
@@ -258,6 +282,7 @@ def varlen_attention(
             on the host or the backend reads them anyway, so a CUDA kernel call never pays for a sync).
         BackendUnavailableError: an explicit ``backend`` cannot run here; the message says how to fix it.
     """
+    q, k, v = autocast_inputs(q, k, v)
     handler = _ROUTE.get()
     if handler is not None:  # see route_varlen_attention
         token = _ROUTE.set(None)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lit_seqpack.model import _hf_dispatch
 from lit_seqpack.model.attention import varlen_attention
 from lit_seqpack.model.isolation import (
     PackingLeakError,
@@ -46,6 +47,7 @@ __all__ = [
     "prepare_hf_model",
     "probe_packing_isolation",
     "register_attention",
+    "restore_hf_attention",
 ]
 
 ATTENTION_NAME = "lit_seqpack_varlen"
@@ -62,14 +64,34 @@ def register_attention() -> str:
 
 
 def prepare_hf_model(model: Any) -> Any:
-    """Switch a transformers model (and its sub-models) to lit_seqpack's varlen attention; returns ``model``."""
+    """Switch a transformers model (and its sub-models) to lit_seqpack's varlen attention; returns ``model``.
+
+    The implementation every config had before (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``, ... for the
+    model and each sub-model) is recorded on the model, so :func:`restore_hf_attention` can switch it back exactly.
+    Preparing a prepared model again keeps the first record.
+    """
+    _hf_dispatch.record(model)
     model.set_attn_implementation(register_attention())
     if model.config._attn_implementation != ATTENTION_NAME:
+        _hf_dispatch.restore(model)
         raise ValueError(
             f"{type(model).__name__} does not support custom attention functions (its attn_implementation stayed "
             f"{model.config._attn_implementation!r}); packed training needs a model built on AttentionInterface"
         )
     return model
+
+
+def restore_hf_attention(model: Any) -> Any:
+    """Switch a model prepared by :func:`prepare_hf_model` back to its original attention; returns ``model``.
+
+    Every config (the model's and each sub-model's) gets back exactly the implementation it had before
+    :func:`prepare_hf_model`, so the model computes what the stock model computes (e.g. before ``save_pretrained``
+    or for serving).
+
+    Raises:
+        ValueError: ``model`` was not prepared by :func:`prepare_hf_model`.
+    """
+    return _hf_dispatch.restore(model)
 
 
 def hf_model_inputs(batch: Mapping[str, Any], *, backend: str = "auto") -> dict[str, Any]:
