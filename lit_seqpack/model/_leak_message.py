@@ -58,8 +58,10 @@ def probe_lengths(model: torch.nn.Module) -> tuple[int, ...]:
     cap = min([MAX_PROBE_LENGTH, *positions])
     base = min(max([8, *sizes]) + 4, cap)
     lengths = [min(base + 9, cap), min(base + 5, cap), base]
-    while not _is_prime(sum(lengths)) and lengths[-1] > 2:
-        lengths[-1] -= 1
+    while not _is_prime(sum(lengths)) and lengths[-1] < cap:  # grow the shortest (never below a window) ...
+        lengths[-1] += 1
+    while not _is_prime(sum(lengths)) and lengths[0] > 2:  # ... or, at the cap, shorten the first
+        lengths[0] -= 1
     return tuple(lengths)
 
 

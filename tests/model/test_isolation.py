@@ -96,6 +96,21 @@ def test_the_probe_sees_through_a_ddp_wrapper(tmp_path: Any) -> None:
         dist.destroy_process_group()
 
 
+def test_probe_documents_are_longer_than_the_windows_and_kernels_a_config_declares() -> None:
+    from lit_seqpack.model._leak_message import MAX_PROBE_LENGTH, probe_lengths
+
+    class Configured(MixLM):
+        def __init__(self, **sizes: int) -> None:
+            super().__init__()
+            self.config = type("Config", (), {"to_dict": lambda _: sizes})()
+
+    assert min(probe_lengths(Configured(sliding_window=100, conv_L_cache=3))) > 100
+    assert max(probe_lengths(Configured(sliding_window=4096))) <= MAX_PROBE_LENGTH  # cheap, whatever the window
+    assert max(probe_lengths(Configured(sliding_window=100, max_position_embeddings=32))) <= 32
+    lengths = probe_lengths(MixLM())
+    assert len(set(lengths)) == 3 and all(sum(lengths) % d for d in range(2, sum(lengths)))  # a prime total
+
+
 def test_a_model_without_embedding_modules_is_checked_by_perturbation() -> None:
     class OneHot(MixLM):
         def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -158,3 +173,20 @@ def test_llama_packed_is_isolated_and_the_probe_stays_cheap() -> None:
     module = _hf("llama")
     report = probe_packing_isolation(module.train(), _tokens_batch())
     assert report.passed and sum(report.lengths) < 100
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_the_probe_on_cuda_kernels_under_bf16_autocast(backend: str) -> None:
+    """The kernels' backward (flash-attn / torch varlen when present) leaves other documents' gradients at 0."""
+    from lit_seqpack.model.lm import HFCausalLM
+
+    torch.manual_seed(0)
+    module = HFCausalLM(config={"model_type": "llama", **TINY, **HEADS}, attn_backend=backend).cuda().train()
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _tokens_batch().items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        report = probe_packing_isolation(module, batch)
+    assert report.passed and report.dtype == torch.bfloat16
+    leaky = _hf("lfm2", layer_types=["conv", "full_attention"]).cuda().train()
+    with torch.autocast("cuda", dtype=torch.bfloat16), pytest.raises(PackingLeakError, match="Lfm2ShortConv"):
+        probe_packing_isolation(leaky, batch)
