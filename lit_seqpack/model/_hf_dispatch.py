@@ -192,10 +192,20 @@ def original_mask(**kwargs: Any) -> Any:
     mask_function = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(original_implementation(kwargs["config"]))
     if mask_function is None or mask_function is original_mask:  # the stock model builds no mask either
         return None
-    no_offset = kwargs.get("q_offset", 0) == 0 and kwargs.get("kv_offset", 0) == 0
-    if kind == "right_padded" and no_offset and kwargs.get("q_length") == kwargs.get("kv_length"):
+    if kind == "right_padded" and _causal_without_offsets(kwargs):
         kwargs["attention_mask"] = None
     return mask_function(**kwargs)
+
+
+def _causal_without_offsets(kwargs: dict[str, Any]) -> bool:
+    """Whether a mask call builds a causal mask (or a sub-pattern of one: window, chunks) over a fresh row.
+
+    Bidirectional masks (``allow_is_bidirectional_skip``) and user overlays (``or_mask_function`` sets
+    ``use_vmap``) may let a query see later keys, so their padding must stay.
+    """
+    no_offset = kwargs.get("q_offset", 0) == 0 and kwargs.get("kv_offset", 0) == 0
+    causal = getattr(kwargs["config"], "is_causal", True) and "allow_is_bidirectional_skip" not in kwargs
+    return no_offset and causal and not kwargs.get("use_vmap", False) and kwargs["q_length"] == kwargs["kv_length"]
 
 
 @functools.cache
