@@ -40,9 +40,9 @@ import numbers
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from lit_seqpack._imports import FLASH_ATTN_AVAILABLE, FLASH_ATTN_INSTALL_HINT
+from lit_seqpack.model._attention_math import allowed_mask, explicit_attention, sdpa_varlen
 
 __all__ = [
     "BACKENDS",
@@ -129,13 +129,27 @@ def available_backends(device: torch.device | str | None = None, dtype: torch.dt
     return [name for name in BACKENDS if _unavailable_reason(name, device, dtype) is None]
 
 
-def _resolve(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+_FEATURES: dict[str, frozenset[str]] = {
+    "flash_attn": frozenset({"window", "softcap"}),
+    "torch_varlen": frozenset({"window"}),
+    "sdpa": frozenset({"window", "softcap", "sinks"}),
+}
+"""What each backend can honour beyond plain (causal) attention."""
+
+
+def _resolve(backend: str, device: torch.device, dtype: torch.dtype, features: frozenset[str] = frozenset()) -> str:
     if backend == "auto" and _FORCED:
         backend = _FORCED[-1]
     if backend == "auto":
-        return next(name for name in BACKENDS if _unavailable_reason(name, device, dtype) is None)
+        usable = (name for name in BACKENDS if features <= _FEATURES[name])
+        return next(name for name in usable if _unavailable_reason(name, device, dtype) is None)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    missing = sorted(features - _FEATURES[backend])
+    if missing:
+        raise BackendUnavailableError(
+            f"attention backend {backend!r} cannot honour {', '.join(missing)}; backend='sdpa' computes it exactly"
+        )
     if _unavailable_reason(backend, device, dtype) is not None:
         reason = _unavailable_reason(backend, device, dtype, explain=True)
         raise BackendUnavailableError(f"attention backend {backend!r} is unavailable: {reason}")
@@ -257,6 +271,9 @@ def varlen_attention(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention inside each segment of a packed row.
@@ -270,7 +287,15 @@ def varlen_attention(
         max_seqlen: the longest segment, a Python int (no device sync).
         causal: mask future tokens inside each segment.
         softmax_scale: score scale; default ``head_dim ** -0.5``.
-        backend: ``"auto"`` or one of :data:`BACKENDS`.
+        window: ``(left, right)``, FlashAttention's local window: query ``i`` sees keys ``i - left ..
+            i + right`` of its segment (``-1``: unbounded; ``causal`` caps ``right`` at 0). transformers'
+            ``sliding_window=W`` is ``(W - 1, 0)``. A window at least as long as a segment changes nothing there.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma2).
+        sinks: ``[heads]`` float sink logits, one extra softmax column per query head that no value reads
+            (GPT-OSS ``s_aux``).
+        backend: ``"auto"`` or one of :data:`BACKENDS`. ``"auto"`` skips backends that cannot honour the
+            requested ``window``/``softcap``/``sinks`` (flash_attn: window and softcap; torch_varlen: window;
+            sdpa: all three); an explicit backend that cannot raises.
 
     Under autocast, ``q``/``k``/``v`` are first cast to the autocast dtype (see :func:`autocast_inputs`).
 
@@ -278,49 +303,92 @@ def varlen_attention(
         ``[total_tokens, heads, head_dim]``.
 
     Raises:
-        ValueError: bad shapes, dtypes or boundaries (the values of ``cu_seqlens`` are checked whenever they are
-            on the host or the backend reads them anyway, so a CUDA kernel call never pays for a sync).
-        BackendUnavailableError: an explicit ``backend`` cannot run here; the message says how to fix it.
+        ValueError: bad shapes, dtypes, boundaries, window, softcap or sinks (the values of ``cu_seqlens`` are
+            checked whenever they are on the host or the backend reads them anyway, so a CUDA kernel call never
+            pays for a sync).
+        BackendUnavailableError: an explicit ``backend`` cannot run here or cannot honour a requested feature; the
+            message names it and says how to fix it.
     """
     q, k, v = autocast_inputs(q, k, v)
     handler = _ROUTE.get()
     if handler is not None:  # see route_varlen_attention
+        extra = {
+            key: val for key, val in (("window", window), ("softcap", softcap), ("sinks", sinks)) if val is not None
+        }
         token = _ROUTE.set(None)
         try:
-            return handler(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale, backend=backend)
+            return handler(
+                q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale, backend=backend, **extra
+            )
         finally:
             _ROUTE.reset(token)
     _check_inputs(q, k, v, cu_seqlens, max_seqlen)
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    name = _resolve(backend, q.device, q.dtype)
+    window, features = _check_extras(q, window, softcap, sinks, causal)
+    name = _resolve(backend, q.device, q.dtype, features)
     max_seqlen = int(max_seqlen)
     if name == "sdpa":
-        return _sdpa_varlen(q, k, v, _segment_lengths(cu_seqlens, q.shape[0], max_seqlen), causal, scale)
+        lengths = _segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
+        return sdpa_varlen(q, k, v, lengths, causal, scale, window, softcap, sinks)
     if cu_seqlens.device.type == "cpu":
         _segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
     if name == "flash_attn":
-        kernel = _OVERRIDES.get(name) or _load_flash_attn()[0]
-        return kernel(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal
-        )
-    return _torch_varlen(q, k, v, cu_seqlens, max_seqlen, causal, scale)
+        return _flash_attn(q, k, v, cu_seqlens, max_seqlen, causal, scale, window, softcap)
+    return _torch_varlen(q, k, v, cu_seqlens, max_seqlen, causal, scale, window)
 
 
-def _sdpa_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], causal: bool, scale: float
+def _check_extras(
+    q: torch.Tensor,
+    window: tuple[int, int] | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    causal: bool,
+) -> tuple[tuple[int, int] | None, frozenset[str]]:
+    """Validate ``window``/``softcap``/``sinks``; the window to use (``None``: unbounded) and the features asked."""
+    if window is not None:
+        if (
+            not isinstance(window, tuple | list)
+            or len(window) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1 for w in window)
+        ):
+            raise ValueError(f"window must be (left, right) with ints >= -1 (-1: unbounded), got {window!r}")
+        left, right = int(window[0]), 0 if causal else int(window[1])
+        window = None if left < 0 and (causal or right < 0) else (left, right)  # unbounded: plain attention
+    if softcap is not None and not (isinstance(softcap, numbers.Real) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite float (None: no cap), got {softcap!r}")
+    if sinks is not None and (
+        not isinstance(sinks, torch.Tensor) or sinks.shape != (q.shape[1],) or not sinks.is_floating_point()
+    ):
+        raise ValueError(f"sinks must be a float tensor [heads={q.shape[1]}], got {getattr(sinks, 'shape', sinks)}")
+    asked = (("window", window), ("softcap", softcap), ("sinks", sinks))
+    return window, frozenset(key for key, val in asked if val is not None)
+
+
+def _flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float,
+    window: tuple[int, int] | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    gqa = q.shape[1] != k.shape[1]
-    # [1, heads, tokens, head_dim] views split along tokens. The leading batch dimension matters: SDPA sends
-    # 3-D inputs to its unfused math path and 4-D ones to the fused (flash) CPU kernel, about 2x faster.
-    chunks = zip(*(x.transpose(0, 1)[None].split(lengths, dim=2) for x in (q, k, v)), strict=True)
-    outs = [
-        F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=gqa)
-        for (qd, kd, vd), length in zip(chunks, lengths, strict=True)
-        if length > 0
-    ]
-    return torch.cat(outs, dim=2)[0].transpose(0, 1).contiguous()
+    kernel = _OVERRIDES.get("flash_attn") or _load_flash_attn()[0]
+    kwargs: dict[str, object] = {"dropout_p": 0.0, "softmax_scale": scale, "causal": causal}
+    for key, value in (("window_size", window), ("softcap", softcap)):
+        if value is None:
+            continue
+        if key not in _parameters(kernel):
+            raise BackendUnavailableError(
+                f"the installed flash_attn_varlen_func has no {key!r} (flash-attn >= 2.6 has window_size and softcap)"
+                "; upgrade flash-attn or use backend='sdpa'"
+            )
+        kwargs[key] = value
+    return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
 
 
 @functools.cache
@@ -336,12 +404,18 @@ def _torch_varlen(
     max_seqlen: int,
     causal: bool,
     scale: float,
+    window: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     kernel = _OVERRIDES.get("torch_varlen") or _load_torch_varlen()[0]
     params = _parameters(kernel)
     kwargs: dict[str, object] = {}
     if "window_size" in params:  # torch >= 2.11: causal is the window (-1, 0)
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+        kwargs["window_size"] = window if window is not None else ((-1, 0) if causal else (-1, -1))
+    elif window is not None:
+        raise BackendUnavailableError(
+            f"this torch's varlen_attn has no window_size (torch >= 2.11 has it); window={window} needs "
+            "backend='sdpa' or a newer torch"
+        )
     elif "is_causal" in params:  # torch 2.9 / 2.10
         kwargs["is_causal"] = causal
     else:
@@ -368,11 +442,14 @@ def reference_varlen_attention(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Naive dense masked attention with :func:`varlen_attention`'s signature: the ground truth of the tests.
 
-    Builds the full ``[total_tokens, total_tokens]`` block-diagonal mask and computes in the inputs' dtype (pass
-    float64 for a high-precision reference). Quadratic in the row length: for tests only.
+    Builds the full ``[total_tokens, total_tokens]`` block-diagonal (and windowed) mask and computes in the inputs'
+    dtype (pass float64 for a high-precision reference). Quadratic in the row length: for tests only.
 
     Example:
         >>> q = torch.randn(5, 2, 4, dtype=torch.float64)
@@ -384,17 +461,16 @@ def reference_varlen_attention(
     _check_inputs(q, k, v, cu_seqlens, max_seqlen)
     lengths = _segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    window, _ = _check_extras(q, window, softcap, sinks, causal)
     segment = torch.repeat_interleave(
         torch.arange(len(lengths), device=q.device), torch.tensor(lengths, device=q.device)
     )
     allowed = segment[:, None] == segment[None, :]
-    if causal:
-        allowed = allowed.tril()
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v)
+    band = allowed_mask(q.shape[0], window, causal, q.device)
+    if band is not None:
+        allowed = allowed & band
+    out = explicit_attention(*(x.transpose(0, 1) for x in (q, k, v)), allowed, scale, softcap, sinks)
+    return out.transpose(0, 1)
 
 
 def reference_flash_attn_varlen_func(
@@ -408,13 +484,26 @@ def reference_flash_attn_varlen_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """A CPU stand-in with ``flash_attn.flash_attn_varlen_func``'s signature (self-attention, no dropout).
 
     Use it with :func:`override_backend` to test code that routes through the ``"flash_attn"`` backend.
+    ``window_size`` and ``softcap`` follow flash-attn (``(-1, -1)``: no window; ``0.0``: no cap).
     """
     if dropout_p != 0.0:
         raise ValueError(f"the reference kernel has no dropout, got dropout_p={dropout_p}")
     if not torch.equal(cu_seqlens_q, cu_seqlens_k) or max_seqlen_q != max_seqlen_k:
         raise ValueError("the reference kernel only does self-attention (cu_seqlens_q == cu_seqlens_k)")
-    return reference_varlen_attention(q, k, v, cu_seqlens_q, max_seqlen_q, causal=causal, softmax_scale=softmax_scale)
+    return reference_varlen_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        max_seqlen_q,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window=tuple(window_size),
+        softcap=softcap or None,
+    )
