@@ -115,12 +115,19 @@ def left_padded(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-ARCHITECTURES = [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager"), ("mistral", "eager")]
+# windows shorter than the prompts; None: the model's own default implementation
+WINDOWED = {
+    "mistral": {"sliding_window": 4},
+    "gemma2": {"sliding_window": 4, "head_dim": 8, "query_pre_attn_scalar": 8, "attn_logit_softcapping": 0.05},
+    "gpt_oss": {"sliding_window": 4, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2},
+}
+ARCHITECTURES = [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager"), ("mistral", "eager"), ("mistral", "sdpa"),
+                 ("gemma2", None), ("gpt_oss", None)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("model_type", "attn_implementation"), ARCHITECTURES)
 def test_cached_and_left_padded_generation_equal_the_stock_model(model_type: str, attn_implementation: str) -> None:
-    extra = {"sliding_window": 4} if model_type == "mistral" else {}  # a window shorter than the prompts
+    extra = WINDOWED.get(model_type, {})
     model = prepare_hf_model(tiny(model_type, attn_implementation=attn_implementation, **extra))
     stock = tiny(model_type, attn_implementation=attn_implementation, **extra)
     assert model.config._attn_implementation == ATTENTION_NAME

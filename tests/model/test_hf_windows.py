@@ -36,6 +36,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3": {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1},
     "olmo3": {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
     "cohere2": {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+    "gemma3_text": {
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 8,
+    },
 }
 LENGTHS = (40, 37, 9, 44)
 
