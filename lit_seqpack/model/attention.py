@@ -34,14 +34,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import inspect
 import math
-import numbers
 from collections.abc import Callable, Iterator
 
 import torch
 
 from lit_seqpack._imports import FLASH_ATTN_AVAILABLE, FLASH_ATTN_INSTALL_HINT
+from lit_seqpack.model._attention_checks import check_extras, check_inputs, segment_lengths
+from lit_seqpack.model._attention_kernels import BackendUnavailableError, flash_attn_call, torch_varlen_call
 from lit_seqpack.model._attention_math import allowed_mask, explicit_attention, sdpa_varlen
 
 __all__ = [
@@ -66,10 +66,6 @@ _FORCED: list[str] = []
 _ROUTE: contextvars.ContextVar[Callable[..., torch.Tensor] | None] = contextvars.ContextVar(
     "lit_seqpack_varlen_route", default=None
 )
-
-
-class BackendUnavailableError(RuntimeError):
-    """An explicitly requested attention backend cannot run here; the message says why and how to fix it."""
 
 
 @functools.cache
@@ -206,28 +202,6 @@ def route_varlen_attention(handler: Callable[..., torch.Tensor]) -> Iterator[Non
         _ROUTE.reset(token)
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a [total_tokens, heads, head_dim] tensor, got {getattr(t, 'shape', t)}")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(f"k and v must be [{q.shape[0]}, kv_heads, {q.shape[2]}] like q, got {k.shape} and {v.shape}")
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
-    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on {q.device}")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(
-            f"cu_seqlens must be a 1-D tensor [num_segments + 1], got {getattr(cu_seqlens, 'shape', None)}"
-        )
-    if cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens must be int32 (FlashAttention's dtype), got {cu_seqlens.dtype}")
-    if cu_seqlens.device != q.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 1:
-        raise ValueError(f"max_seqlen must be a positive Python int (not a tensor: no device sync), got {max_seqlen!r}")
-
-
 def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``q``, ``k``, ``v`` in autocast's dtype when autocast is on for their device, else unchanged.
 
@@ -249,17 +223,8 @@ def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v))
 
 
-def _segment_lengths(cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int) -> list[int]:
-    """Check cu_seqlens' values and return the segment lengths (reads the tensor on the host)."""
-    bounds = cu_seqlens.tolist()
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
-    if bounds[0] != 0 or bounds[-1] != total_tokens:
-        raise ValueError(f"cu_seqlens must start at 0 and end at total_tokens={total_tokens}, got {bounds}")
-    if min(lengths) < 0:
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
-    if max(lengths) > max_seqlen:
-        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest segment ({max(lengths)})")
-    return lengths
+def _kernel(name: str) -> Callable[..., torch.Tensor]:
+    return _OVERRIDES.get(name) or _LOADERS[name]()[0]  # type: ignore[return-value]
 
 
 def varlen_attention(
@@ -322,115 +287,21 @@ def varlen_attention(
             )
         finally:
             _ROUTE.reset(token)
-    _check_inputs(q, k, v, cu_seqlens, max_seqlen)
+    check_inputs(q, k, v, cu_seqlens, max_seqlen)
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    window, features = _check_extras(q, window, softcap, sinks, causal)
+    window, features = check_extras(q, window, softcap, sinks, causal)
     name = _resolve(backend, q.device, q.dtype, features)
     max_seqlen = int(max_seqlen)
     if name == "sdpa":
-        lengths = _segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
+        lengths = segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
         return sdpa_varlen(q, k, v, lengths, causal, scale, window, softcap, sinks)
     if cu_seqlens.device.type == "cpu":
-        _segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
+        segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
     if name == "flash_attn":
-        return _flash_attn(q, k, v, cu_seqlens, max_seqlen, causal, scale, window, softcap)
-    return _torch_varlen(q, k, v, cu_seqlens, max_seqlen, causal, scale, window)
-
-
-def _check_extras(
-    q: torch.Tensor,
-    window: tuple[int, int] | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-    causal: bool,
-) -> tuple[tuple[int, int] | None, frozenset[str]]:
-    """Validate ``window``/``softcap``/``sinks``; the window to use (``None``: unbounded) and the features asked."""
-    if window is not None:
-        if (
-            not isinstance(window, tuple | list)
-            or len(window) != 2
-            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1 for w in window)
-        ):
-            raise ValueError(f"window must be (left, right) with ints >= -1 (-1: unbounded), got {window!r}")
-        left, right = int(window[0]), 0 if causal else int(window[1])
-        window = None if left < 0 and (causal or right < 0) else (left, right)  # unbounded: plain attention
-    if softcap is not None and not (isinstance(softcap, numbers.Real) and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be a positive finite float (None: no cap), got {softcap!r}")
-    if sinks is not None and (
-        not isinstance(sinks, torch.Tensor) or sinks.shape != (q.shape[1],) or not sinks.is_floating_point()
-    ):
-        raise ValueError(f"sinks must be a float tensor [heads={q.shape[1]}], got {getattr(sinks, 'shape', sinks)}")
-    asked = (("window", window), ("softcap", softcap), ("sinks", sinks))
-    return window, frozenset(key for key, val in asked if val is not None)
-
-
-def _flash_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    causal: bool,
-    scale: float,
-    window: tuple[int, int] | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    kernel = _OVERRIDES.get("flash_attn") or _load_flash_attn()[0]
-    kwargs: dict[str, object] = {"dropout_p": 0.0, "softmax_scale": scale, "causal": causal}
-    for key, value in (("window_size", window), ("softcap", softcap)):
-        if value is None:
-            continue
-        if key not in _parameters(kernel):
-            raise BackendUnavailableError(
-                f"the installed flash_attn_varlen_func has no {key!r} (flash-attn >= 2.6 has window_size and softcap)"
-                "; upgrade flash-attn or use backend='sdpa'"
-            )
-        kwargs[key] = value
-    return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
-
-
-@functools.cache
-def _parameters(kernel: Callable[..., torch.Tensor]) -> frozenset[str]:
-    return frozenset(inspect.signature(kernel).parameters)
-
-
-def _torch_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    causal: bool,
-    scale: float,
-    window: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    kernel = _OVERRIDES.get("torch_varlen") or _load_torch_varlen()[0]
-    params = _parameters(kernel)
-    kwargs: dict[str, object] = {}
-    if "window_size" in params:  # torch >= 2.11: causal is the window (-1, 0)
-        kwargs["window_size"] = window if window is not None else ((-1, 0) if causal else (-1, -1))
-    elif window is not None:
-        raise BackendUnavailableError(
-            f"this torch's varlen_attn has no window_size (torch >= 2.11 has it); window={window} needs "
-            "backend='sdpa' or a newer torch"
-        )
-    elif "is_causal" in params:  # torch 2.9 / 2.10
-        kwargs["is_causal"] = causal
-    else:
-        raise BackendUnavailableError(f"unrecognised varlen_attn signature {sorted(params)}; use backend='sdpa'")
-    if "scale" in params:
-        kwargs["scale"] = scale
-    else:  # the kernel applies head_dim ** -0.5 itself
-        q = q * (scale * math.sqrt(q.shape[-1]))
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+        return flash_attn_call(_kernel("flash_attn"), q, k, v, cu_seqlens, max_seqlen, causal, scale, window, softcap)
+    return torch_varlen_call(_kernel("torch_varlen"), q, k, v, cu_seqlens, max_seqlen, causal, scale, window)
 
 
 def reference_varlen_attention(
@@ -458,10 +329,10 @@ def reference_varlen_attention(
         >>> torch.allclose(out[:2], reference_varlen_attention(q[:2], q[:2], q[:2], cu[:2], 2))
         True
     """
-    _check_inputs(q, k, v, cu_seqlens, max_seqlen)
-    lengths = _segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
+    check_inputs(q, k, v, cu_seqlens, max_seqlen)
+    lengths = segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    window, _ = _check_extras(q, window, softcap, sinks, causal)
+    window, _ = check_extras(q, window, softcap, sinks, causal)
     segment = torch.repeat_interleave(
         torch.arange(len(lengths), device=q.device), torch.tensor(lengths, device=q.device)
     )
