@@ -8,8 +8,15 @@ switches a model to it and :func:`hf_model_inputs` maps the batch contract to th
 
     packed row     input_ids, position_ids, cu_seq_lens_q = cu_seq_lens_k = cu_seqlens,
                    max_length_q = max_length_k = max_seqlen, use_cache=False          -> varlen_attention
-    padded [B, L]  input_ids, position_ids, lit_seqpack_padding_mask = attention_mask, use_cache=False
-                                                                                      -> SDPA, causal + padding
+    padded [B, L]  input_ids, position_ids, attention_mask, use_cache=False           -> the original attention
+                   (right padding only: lit_seqpack_right_padded=True, no padding mask, plain causal SDPA)
+    anything else  (generate(), a KV cache, left padding, a 4-D mask)                 -> the original attention
+
+Outside packed rows a prepared model computes exactly what it computed before :func:`prepare_hf_model`: the mask
+is built by the original implementation's mask function and the attention delegated to the original's function
+(see :mod:`lit_seqpack.model._hf_dispatch`). Model code that branches on the implementation's *name* (e.g.
+GPT-2's ``reorder_and_upcast_attn`` under ``"eager"``) sees lit_seqpack's name; :func:`restore_hf_attention` gives
+back the stock model entirely (before ``save_pretrained`` or serving).
 
 :func:`check_packing_equivalence`, :func:`probe_packing_isolation` (the structural leak guard that
 :class:`~lit_seqpack.model.mixin.PackedSequenceMixin` runs once), :class:`PackingLeakError` and
@@ -24,9 +31,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from lit_seqpack.model import _hf_dispatch
+from lit_seqpack.model._hf_packed import ATTENTION_NAME, attention_extras, reject_unsupported
 from lit_seqpack.model.attention import varlen_attention
 from lit_seqpack.model.isolation import (
     PackingLeakError,
@@ -50,16 +57,19 @@ __all__ = [
     "restore_hf_attention",
 ]
 
-ATTENTION_NAME = "lit_seqpack_varlen"
-"""The name of lit_seqpack's attention function in transformers' ``AttentionInterface``."""
-
 
 # ------------------------------------------------------------------------------------------- transformers glue
 def register_attention() -> str:
-    """Register :func:`hf_varlen_attention` with transformers' ``AttentionInterface`` (idempotent); its name."""
+    """Register :func:`hf_varlen_attention` with transformers' attention and mask interfaces (idempotent); its name.
+
+    The mask function registered under the same name builds the mask of each model's original implementation
+    (none on a packed row).
+    """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, hf_varlen_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _hf_dispatch.original_mask)
     return ATTENTION_NAME
 
 
@@ -72,6 +82,7 @@ def prepare_hf_model(model: Any) -> Any:
     """
     _hf_dispatch.record(model)
     model.set_attn_implementation(register_attention())
+    _hf_dispatch.install_hooks(model)
     if model.config._attn_implementation != ATTENTION_NAME:
         _hf_dispatch.restore(model)
         raise ValueError(
@@ -97,6 +108,10 @@ def restore_hf_attention(model: Any) -> Any:
 def hf_model_inputs(batch: Mapping[str, Any], *, backend: str = "auto") -> dict[str, Any]:
     """Keyword arguments for a model prepared by :func:`prepare_hf_model`, from a contract batch.
 
+    A padded batch passes the standard ``attention_mask`` (models that read it for more than attention get it);
+    when every row's padding is on the right it also passes ``lit_seqpack_right_padded=True``, so the mask is built
+    without the padding (plain causal SDPA, exact for every real token; see :mod:`lit_seqpack.model._hf_dispatch`).
+
     Args:
         batch: a packed row (with ``cu_seqlens``) or a padded ``[B, L]`` batch (with ``attention_mask``).
         backend: the :func:`~lit_seqpack.model.attention.varlen_attention` backend for packed rows.
@@ -110,8 +125,17 @@ def hf_model_inputs(batch: Mapping[str, Any], *, backend: str = "auto") -> dict[
             cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen
         )
     elif batch.get("attention_mask") is not None:
-        inputs["lit_seqpack_padding_mask"] = batch["attention_mask"]
+        mask = batch["attention_mask"]
+        inputs["attention_mask"] = mask
+        if mask.ndim == 2 and _is_right_padded(mask):
+            inputs[_hf_dispatch.RIGHT_PADDED_KWARG] = True
     return inputs
+
+
+def _is_right_padded(mask: torch.Tensor) -> bool:
+    """Whether every row of a 2-D ``[B, L]`` padding mask is ones then zeros (one host sync)."""
+    keep = mask.bool()
+    return bool((keep[:, 1:] <= keep[:, :-1]).all()) if keep.shape[1] > 1 else True
 
 
 def hf_varlen_attention(
@@ -123,66 +147,39 @@ def hf_varlen_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention function: varlen attention with ``cu_seq_lens_q``, causal SDPA otherwise.
+) -> tuple[torch.Tensor, Any]:
+    """transformers attention function: varlen attention with ``cu_seq_lens_q``, the original attention otherwise.
 
     ``query`` is ``[B, heads, T, head_dim]`` and ``key``/``value`` ``[B, kv_heads, T, head_dim]``; returns
-    ``([B, T, heads, head_dim], None)``. Anything this function cannot honour raises rather than being ignored.
+    ``([B, T, heads, head_dim], None)`` on a packed row. Without ``cu_seq_lens_q`` the call goes, with the same
+    arguments, to the attention function of the model's original implementation (what the model ran before
+    :func:`prepare_hf_model`). On a packed row anything this function cannot honour raises rather than being
+    ignored.
     """
-    _reject_unsupported(module, dropout, kwargs)
+    backend = kwargs.pop("lit_seqpack_backend", "auto")
+    kwargs.pop(_hf_dispatch.RIGHT_PADDED_KWARG, None)
     cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if cu_seqlens is not None:
-        cu_seqlens_k = kwargs.get("cu_seq_lens_k")
-        if cu_seqlens_k is None or (cu_seqlens_k is not cu_seqlens and not torch.equal(cu_seqlens_k, cu_seqlens)):
-            raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q (self-attention without a cache)")
-        if query.shape[0] != 1:
-            raise ValueError(f"a packed row must have batch size 1, got query of shape {tuple(query.shape)}")
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, head_dim] views
-        out = varlen_attention(
-            q,
-            k,
-            v,
-            cu_seqlens.to(torch.int32),
-            int(kwargs["max_length_q"]),
-            causal=True,
-            softmax_scale=scaling,
-            backend=kwargs.get("lit_seqpack_backend", "auto"),
+    if cu_seqlens is None:
+        return _hf_dispatch.delegate(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-        return out.unsqueeze(0), None
-    mask = _dense_mask(attention_mask, kwargs.get("lit_seqpack_padding_mask"), query.shape[2], key.shape[2])
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
+    reject_unsupported(module, attention_mask, dropout, kwargs)
+    extras = attention_extras(module, kwargs)
+    cu_seqlens_k = kwargs.get("cu_seq_lens_k")
+    if cu_seqlens_k is None or (cu_seqlens_k is not cu_seqlens and not torch.equal(cu_seqlens_k, cu_seqlens)):
+        raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q (self-attention without a cache)")
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed row must have batch size 1, got query of shape {tuple(query.shape)}")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, head_dim] views
+    out = varlen_attention(
+        q,
+        k,
+        v,
+        cu_seqlens.to(torch.int32),
+        int(kwargs["max_length_q"]),
+        causal=True,
+        softmax_scale=scaling,
+        backend=backend,
+        **extras,
     )
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _reject_unsupported(module: torch.nn.Module, dropout: float, kwargs: Mapping[str, Any]) -> None:
-    if dropout > 0.0:
-        raise ValueError(
-            f"attention dropout is not supported by {ATTENTION_NAME!r}, got {dropout}; set attention_dropout=0"
-        )
-    for name in ("sliding_window", "softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{ATTENTION_NAME!r} does not support {name}={kwargs[name]!r} ({type(module).__name__})")
-    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
-        raise ValueError(f"{ATTENTION_NAME!r} supports causal attention only ({type(module).__name__} is not causal)")
-
-
-def _dense_mask(
-    attention_mask: torch.Tensor | None, padding_mask: torch.Tensor | None, q_len: int, kv_len: int
-) -> torch.Tensor | None:
-    """The SDPA mask of a padded batch: a prepared 4-D mask as is, else causal and key padding (``None``: causal)."""
-    if attention_mask is not None and attention_mask.ndim == 4:
-        return attention_mask
-    if padding_mask is None:
-        return None
-    causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=padding_mask.device).tril()
-    keys = padding_mask.bool()[:, None, None, :]
-    # a query always sees itself, so a padding row never softmaxes over nothing (no NaN)
-    return (causal & keys) | torch.eye(q_len, kv_len, dtype=torch.bool, device=padding_mask.device)
+    return out.unsqueeze(0), None

@@ -97,3 +97,96 @@ def test_restore_puts_back_each_sub_config() -> None:
     assert [c._attn_implementation for c in configs] == [ATTENTION_NAME] * 3
     restore_hf_attention(model)
     assert [c._attn_implementation for c in configs] == ["sdpa", "eager", "sdpa"]
+
+
+def stock_copy(model: Any) -> Any:
+    """A stock model (its original attention) with ``model``'s weights."""
+    stock = restore_hf_attention(copy.deepcopy(model))
+    assert stock.config._attn_implementation != ATTENTION_NAME
+    return stock.eval()
+
+
+def left_padded(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 64, (3, 10), generator=gen)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate((0, 4, 7)):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    return ids, mask
+
+
+# windows shorter than the prompts; None: the model's own default implementation
+WINDOWED = {
+    "mistral": {"sliding_window": 4},
+    "gemma2": {"sliding_window": 4, "head_dim": 8, "query_pre_attn_scalar": 8, "attn_logit_softcapping": 0.05},
+    "gpt_oss": {"sliding_window": 4, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2},
+}
+ARCHITECTURES = [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager"), ("mistral", "eager"), ("mistral", "sdpa"),
+                 ("gemma2", None), ("gpt_oss", None)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model_type", "attn_implementation"), ARCHITECTURES)
+def test_cached_and_left_padded_generation_equal_the_stock_model(model_type: str, attn_implementation: str) -> None:
+    extra = WINDOWED.get(model_type, {})
+    model = prepare_hf_model(tiny(model_type, attn_implementation=attn_implementation, **extra))
+    stock = tiny(model_type, attn_implementation=attn_implementation, **extra)
+    assert model.config._attn_implementation == ATTENTION_NAME
+    prompt = torch.randint(1, 64, (1, 7), generator=torch.Generator().manual_seed(2))
+    assert_same_generation(model, stock, prompt)  # cached decoding: q_len 1 against kv_len n
+    ids, mask = left_padded()
+    assert_same_generation(model, stock, ids, attention_mask=mask)
+    with torch.no_grad():  # a plain forward with a 2-D mask and with a prepared 4-D mask
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, stock(ids, attention_mask=mask).logits,
+                                   atol=1e-5, rtol=0)  # fmt: skip
+        four_d = (torch.ones(10, 10).tril().bool() & mask.bool()[:, None, :])[:, None]
+        torch.testing.assert_close(model(ids, attention_mask=four_d).logits,
+                                   stock(ids, attention_mask=four_d).logits, atol=1e-5, rtol=0)  # fmt: skip
+
+
+def test_generation_after_training_and_after_load_from_checkpoint(tmp_path: Any) -> None:
+    from lightning.pytorch import Trainer
+
+    from lit_seqpack.data.collate import PackedCollator
+    from lit_seqpack.model.lm import HFCausalLM
+
+    gen = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(1, 64, (n,), generator=gen).tolist()} for n in (5, 9, 13, 7)]
+    module = HFCausalLM(config={"model_type": "llama", **LLAMA}, lr=1e-2, lr_schedule="constant")
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader([PackedCollator()(samples)] * 3, batch_size=None))
+    path = tmp_path / "model.ckpt"
+    trainer.save_checkpoint(path)
+    ids, mask = left_padded()
+    for wrapped in (module, HFCausalLM.load_from_checkpoint(path)):
+        model = wrapped.model.eval()
+        assert model.config._attn_implementation == ATTENTION_NAME
+        stock = stock_copy(model)
+        assert_same_generation(model, stock, ids[:1, 3:])
+        assert_same_generation(model, stock, ids, attention_mask=mask)
+
+
+def test_packed_rows_get_no_mask_and_a_model_own_mask_is_refused() -> None:
+    """On a packed row the mask function builds nothing (no [T, T] mask); a mask that still arrives is the model's."""
+    from lit_seqpack.model import _hf_dispatch
+    from lit_seqpack.model.hf import documents_batch, hf_model_inputs
+
+    model = prepare_hf_model(tiny(attn_implementation="eager"))
+    seen: list[Any] = []
+    original = _hf_dispatch.original_mask
+
+    def spy(**kwargs: Any) -> Any:
+        seen.append(original(**kwargs))
+        return seen[-1]
+
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionMaskInterface.register(ATTENTION_NAME, spy)
+    try:
+        with torch.no_grad():
+            model(**hf_model_inputs(documents_batch([torch.arange(1, 6), torch.arange(1, 4)])))
+            assert seen == [None]
+            model(torch.arange(1, 6)[None], use_cache=False)
+            assert seen[-1] is not None and seen[-1].dtype == torch.float32  # eager's float mask, as stock
+    finally:
+        AttentionMaskInterface.register(ATTENTION_NAME, original)
