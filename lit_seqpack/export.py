@@ -6,7 +6,8 @@
 
 The Lightning checkpoint is loaded on the CPU (the base model named by its ``model_name_or_path`` must still be
 readable: the module is rebuilt from its hyperparameters, then gets the trained weights), PEFT adapters are merged
-and the stock attention implementation is restored, so ``AutoModelForCausalLM.from_pretrained(output_dir)`` loads
+and the stock attention implementation is restored (the base checkpoint's tokenizer, if its folder has one, or
+``--tokenizer`` is saved alongside), so ``AutoModelForCausalLM.from_pretrained(output_dir)`` loads
 the trained model with no lit_seqpack installed. The same in Python: ``HFCausalLM.export_hf(path)``.
 """
 
@@ -32,6 +33,9 @@ def build_export_parser() -> argparse.ArgumentParser:
         "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="saved weights (default: as trained)"
     )
     parser.add_argument(
+        "--tokenizer", default=None, help="a tokenizer to save alongside (default: the base checkpoint's, if any)"
+    )
+    parser.add_argument(
         "--model_class",
         default="lit_seqpack.model.lm.HFCausalLM",
         help="the checkpoint's LightningModule class (an HFCausalLM subclass), as module.Class",
@@ -47,7 +51,7 @@ def export_command(argv: Sequence[str]) -> str:
     if not hasattr(cls, "export_hf"):
         raise ValueError(f"--model_class {args.model_class} has no export_hf method (use HFCausalLM or a subclass)")
     module = cls.load_from_checkpoint(args.ckpt_path, map_location="cpu")
-    path = module.export_hf(args.output_dir, dtype=args.dtype)
+    path = module.export_hf(args.output_dir, dtype=args.dtype, tokenizer=args.tokenizer)
     model = module.model
     name = type(model.get_base_model()).__name__ + " (PEFT adapters merged)" if hasattr(model, "get_base_model") else ""
     return f"exported {name or type(model).__name__} from {args.ckpt_path} to {path}"

@@ -274,7 +274,7 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         """The wrapped model's output (a ``CausalLMOutput``; the mixin reads its ``logits``)."""
         return self.model(**inputs)
 
-    def export_hf(self, path: str | Path, *, dtype: str | None = None) -> Path:
+    def export_hf(self, path: str | Path, *, dtype: str | None = None, tokenizer: str | None = None) -> Path:
         """Write the trained model as a Hugging Face folder (``AutoModelForCausalLM.from_pretrained`` loads it).
 
         PEFT adapters are merged into the weights and the model's original attention implementation is restored
@@ -283,5 +283,21 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         Args:
             path: the output folder.
             dtype: the saved weights' dtype (``"bfloat16"``, ...; default: as trained).
+            tokenizer: a tokenizer to save alongside (a path or name for ``AutoTokenizer``); by default the one
+                in the ``model_name_or_path`` folder, if it has one.
         """
-        return export_hf_model(self.model, path, dtype=dtype)
+        out = export_hf_model(self.model, path, dtype=dtype)
+        source = tokenizer or _local_tokenizer(self.hparams.model_name_or_path)
+        if source is not None:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(source).save_pretrained(out)
+        return out
+
+
+def _local_tokenizer(model_name_or_path: str | None) -> str | None:
+    """``model_name_or_path`` when it is a local folder with tokenizer files, else ``None``."""
+    if model_name_or_path is None or not Path(model_name_or_path).is_dir():
+        return None
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return model_name_or_path if any((Path(model_name_or_path) / n).exists() for n in names) else None

@@ -35,10 +35,17 @@ def _docs(lengths: tuple[int, ...] = (7, 12, 5), seed: int = 0) -> list[torch.Te
     return [torch.randint(0, 64, (n,), generator=gen) for n in lengths]
 
 
-def _checkpoint(tmp_path: Path, dtype: torch.dtype = torch.float32) -> str:
+def _checkpoint(tmp_path: Path, dtype: torch.dtype = torch.float32, tokenizer: bool = False) -> str:
     torch.manual_seed(0)
     config = AutoConfig.for_model(**LLAMA)
     AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(tmp_path / "base")
+    if tokenizer:
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {f"t{i}": i for i in range(63)} | {"[UNK]": 63}
+        fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")))
+        fast.save_pretrained(tmp_path / "base")
     return str(tmp_path / "base")
 
 
@@ -113,13 +120,15 @@ def test_export_loads_with_plain_transformers_and_gives_the_trained_logits(tmp_p
 
 def test_the_export_subcommand_writes_a_folder_from_a_lightning_checkpoint(tmp_path: Path, capsys: Any) -> None:
     pytest.importorskip("peft")
-    module = HFCausalLM(model_name_or_path=_checkpoint(tmp_path), peft_config=LORA, lr=1e-2, attn_backend="sdpa")
+    path = _checkpoint(tmp_path, tokenizer=True)
+    module = HFCausalLM(model_name_or_path=path, peft_config=LORA, lr=1e-2, attn_backend="sdpa")
     trainer = _fit(module)
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     main(["export", "--ckpt_path", str(tmp_path / "last.ckpt"), "--output_dir", str(tmp_path / "out"), "--dtype",
           "bfloat16"])  # fmt: skip
     assert "exported LlamaForCausalLM (PEFT adapters merged)" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").convert_tokens_to_ids("t5") == 5
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
     with torch.no_grad():
         doc = _docs()[0]
