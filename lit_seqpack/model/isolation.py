@@ -190,6 +190,8 @@ def probe_packing_isolation(
     are exactly zero at the moment (a zero-initialised gate leaks only after training moves it), and dependence
     through integer inputs (token ids, positions) other than the embeddings. Without an ``nn.Embedding`` it
     falls back to changing each document's tokens and requiring the other documents' logits to stay bitwise equal.
+    Tested on CPU, alone and under DDP (it runs inside the training step, on the module DDP wraps); under FSDP or
+    model-parallel strategies it runs like any forward of the sharded module, untested here.
 
     Args:
         model: a module with ``seqpack_forward``, a transformers causal LM, or a ``.module`` wrapper of either.

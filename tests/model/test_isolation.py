@@ -148,6 +148,12 @@ def test_lfm2_conv_layers_are_refused_in_packing_mode_naming_the_layer() -> None
         module.train().training_step(_tokens_batch(), 0)
 
 
+def test_the_first_leaking_layer_is_named_when_it_is_not_the_first_layer() -> None:
+    module = _hf("lfm2", layer_types=["full_attention", "full_attention", "conv"], num_hidden_layers=3)
+    with pytest.raises(PackingLeakError, match=r"model\.layers\.2\.conv \(Lfm2ShortConv\)"):
+        probe_packing_isolation(module.train(), _tokens_batch())
+
+
 def test_lfm2_is_exact_in_dynamic_mode_against_the_stock_eager_model() -> None:
     module = _hf("lfm2", layer_types=["conv", "full_attention"])
     stock = transformers.AutoModelForCausalLM.from_config(module.model.config, attn_implementation="eager")
