@@ -28,14 +28,22 @@ def _config_items(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
         if config is None or id(config) in seen:
             continue
         seen.add(id(config))
-        stack = [config.to_dict() if hasattr(config, "to_dict") else dict(vars(config)) if hasattr(config, "__dict__")
-                 else {name: getattr(config, name) for name in getattr(config, "__slots__", ())}]  # fmt: skip
+        stack = [_as_dict(config)]
         while stack:
             for key, value in stack.pop().items():
                 if isinstance(value, dict):
                     stack.append(value)
                 else:
                     yield key, value
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    """A transformers config's ``to_dict()``, a dataclass's or plain object's attributes."""
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    if hasattr(config, "__dict__"):
+        return dict(vars(config))
+    return {name: getattr(config, name) for name in getattr(config, "__slots__", ()) if hasattr(config, name)}
 
 
 def _is_int(value: Any) -> bool:
