@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,10 @@ def test_a_bf16_checkpoint_loads_as_float32_unless_asked_and_then_warns(tmp_path
     assert weight_dtype_warning(module.model, "bf16-true") is None
     with pytest.warns(UserWarning, match=r"weights are bfloat16 but the Trainer runs precision='32-true'"):
         _fit(module, steps=1, precision="32-true")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(HFCausalLM(model_name_or_path=path, dtype="bfloat16", attn_backend="sdpa"), precision="bf16-true")
+    assert not [w for w in caught if "trainable weights are" in str(w.message)]  # an explicit choice: no warning
 
 
 def test_lora_from_a_dict_trains_only_the_adapters_and_packing_stays_exact(tmp_path: Path) -> None:
