@@ -175,6 +175,29 @@ def test_a_decoder_layer_that_drops_the_boundaries_is_named() -> None:
         probe_packing_isolation(module, _tokens_batch())
 
 
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [
+        ("qwen2", {}),
+        ("mistral", {"sliding_window": 8}),
+        ("gemma2", {"sliding_window": 8}),
+        ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8}),
+    ],
+)
+def test_no_false_alarm_on_isolated_families_with_windows_softcaps_and_sinks(model_type: str, overrides: dict) -> None:
+    report = probe_packing_isolation(_hf(model_type, head_dim=8, **overrides).train(), _tokens_batch())
+    assert report.passed and min(report.lengths) > overrides.get("sliding_window", 0)
+
+
+def test_no_false_alarm_on_gpt2_with_its_position_embeddings() -> None:
+    from lit_seqpack.model.lm import HFCausalLM
+
+    gpt2 = {"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}
+    module = HFCausalLM(config=gpt2, config_overrides={"attn_pdrop": 0.0}, attn_backend="sdpa").train()
+    report = probe_packing_isolation(module, _tokens_batch())  # dropout on (resid/embd): masks are per token
+    assert report.passed and report.training
+
+
 def test_llama_packed_is_isolated_and_the_probe_stays_cheap() -> None:
     module = _hf("llama")
     report = probe_packing_isolation(module.train(), _tokens_batch())
