@@ -27,7 +27,7 @@ from lit_seqpack.model.hf_load import (
     load_hf_model,
     weight_dtype_warning,
 )
-from lit_seqpack.model.mixin import PackedSequenceMixin
+from lit_seqpack.model.mixin import _VERIFIED, PackedSequenceMixin
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
 
 __all__ = ["HFCausalLM", "ReferenceLM", "warmup_cosine"]
@@ -256,7 +256,8 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
 
     def seqpack_verify_packing(self, batch: Any) -> None:
         """Refuse attention dropout on packed rows naming the config key, then run the isolation probe."""
-        settings = attention_dropout_settings(self.model) if self.training else []
+        first = self.training and True not in _VERIFIED.get(self, ())  # once, with the train-mode probe
+        settings = attention_dropout_settings(self.model) if first else []
         if settings:
             keys = ", ".join(f"{key}={value}" for key, value in settings)
             overrides = ", ".join(f"{key}: 0.0" for key, _ in settings)
