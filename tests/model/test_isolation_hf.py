@@ -111,3 +111,17 @@ def test_the_probe_on_cuda_kernels_under_bf16_autocast(backend: str) -> None:
     leaky = _hf("lfm2", layer_types=["conv", "full_attention"]).cuda().train()
     with torch.autocast("cuda", dtype=torch.bfloat16), pytest.raises(PackingLeakError, match="Lfm2ShortConv"):
         probe_packing_isolation(leaky, batch)
+
+
+def test_the_probe_runs_through_gradient_checkpointing() -> None:
+    """A train-mode-only path (activation recomputation) is where the probe looks."""
+    from lit_seqpack.model.lm import HFCausalLM
+
+    torch.manual_seed(0)
+    config = {"model_type": "llama", **TINY, **HEADS}
+    module = HFCausalLM(config=config, gradient_checkpointing=True, attn_backend="sdpa").train()
+    assert probe_packing_isolation(module, _tokens_batch()).passed
+    leaky = HFCausalLM(config={**config, "model_type": "lfm2", "layer_types": ["conv", "full_attention"]},
+                       gradient_checkpointing=True).train()  # fmt: skip
+    with pytest.raises(PackingLeakError, match="Lfm2ShortConv"):
+        probe_packing_isolation(leaky, _tokens_batch())
