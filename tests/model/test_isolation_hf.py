@@ -125,3 +125,27 @@ def test_the_probe_runs_through_gradient_checkpointing() -> None:
                        gradient_checkpointing=True).train()  # fmt: skip
     with pytest.raises(PackingLeakError, match="Lfm2ShortConv"):
         probe_packing_isolation(leaky, _tokens_batch())
+
+
+@pytest.mark.parametrize("mode", ["packing", "dynamic"])
+def test_an_lfm2_run_is_refused_before_any_step_when_packed_and_trains_when_dynamic(mode: str, tmp_path: Any) -> None:
+    from lightning.pytorch import Trainer
+
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+
+    module = _hf("lfm2", layer_types=["conv", "full_attention"])
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    synthetic = {"num_samples": 24, "median_length": 12, "max_length": 30, "vocab_size": 64, "seed": 3}
+    data = SeqPackDataModule(synthetic=synthetic, max_tokens=64, mode=mode)
+    trainer = Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=tmp_path,
+        num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+    if mode == "packing":
+        with pytest.raises(PackingLeakError, match=r"Lfm2ShortConv.*mode: dynamic"):
+            trainer.fit(module, datamodule=data)
+        assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())  # not one step trained
+    else:
+        trainer.fit(module, datamodule=data)
+        assert trainer.global_step == 2
