@@ -210,8 +210,23 @@ def _eager_function(module_type: type) -> Callable[..., Any] | None:
 
 
 def delegate(module: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call ``module``'s original attention function with the arguments lit_seqpack's function received."""
+    """Call ``module``'s original attention function with the arguments lit_seqpack's function received.
+
+    Raises:
+        PackingLeakError: a causal layer is called without ``cu_seq_lens_q`` inside a packed call: something
+            between the model and this layer dropped the boundary keywords, and its documents would see each other.
+    """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if _CALLS and _CALLS[-1] == "packed" and kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        from lit_seqpack.model.hf import PackingLeakError
+
+        raise PackingLeakError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) was called without cu_seq_lens_q "
+            "in a packed forward: a module between the model and its attention (typically a decoder layer that "
+            "does not pass **kwargs on) drops the packing keywords, so its documents would attend to each other. "
+            "Train this model with mode: dynamic"
+        )
 
     implementation = original_implementation(module.config)
     eager = _eager_function(type(module))
