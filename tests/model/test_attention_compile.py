@@ -65,3 +65,19 @@ def test_compiled_hf_model_on_packed_rows(fresh_dynamo: Any, model_type: str) ->
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     assert not fresh_dynamo["graph_break"], dict(fresh_dynamo["graph_break"])
     assert fresh_dynamo["stats"]["unique_graphs"] <= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])
+def test_compiled_cuda_kernels_do_not_recompile_per_document_count(fresh_dynamo: Any, backend: str) -> None:
+    from lit_seqpack.model.attention import available_backends
+
+    if not torch.cuda.is_available() or backend not in available_backends("cuda", torch.bfloat16):
+        pytest.skip(f"needs a CUDA device with {backend}")
+    fn = torch.compile(lambda q, k, v, c, m: varlen_attention(q, k, v, c, m, backend=backend), fullgraph=True)
+    for lengths in layouts(steps=12):
+        q, k, v = (torch.randn(sum(lengths), 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out = fn(q, k, v, cu(lengths).cuda(), max(lengths))
+        ref = varlen_attention(q, k, v, cu(lengths).cuda(), max(lengths), backend="sdpa")
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert not fresh_dynamo["graph_break"] and fresh_dynamo["stats"]["unique_graphs"] <= 3
