@@ -26,7 +26,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
         raise ValueError(f"cu_seqlens must be int32 (FlashAttention's dtype), got {cu_seqlens.dtype}")
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 1:
+    integral = isinstance(max_seqlen, numbers.Integral | torch.SymInt)  # SymInt: a dynamic int under torch.compile
+    if isinstance(max_seqlen, bool) or not integral or max_seqlen < 1:
         raise ValueError(f"max_seqlen must be a positive Python int (not a tensor: no device sync), got {max_seqlen!r}")
 
 

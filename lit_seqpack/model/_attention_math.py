@@ -132,3 +132,37 @@ def sdpa_varlen(
             mask = allowed_mask(length, window, causal, q.device)
             outs.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa))
     return torch.cat(outs, dim=2)[0].transpose(0, 1).contiguous()
+
+
+def dense_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window: Window | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact varlen attention over the whole row with a block-diagonal mask built on the device; ``[T, heads, d]``.
+
+    Nothing is read on the host (segment ids come from ``searchsorted`` on ``cu_seqlens``), so ``torch.compile``
+    traces it without a graph break and without guarding on segment lengths or counts. It costs a ``[T, T]`` mask
+    and ``T^2`` score work instead of ``sum(n_i^2)``: the path for compiled CPU runs, not the fastest eager one.
+    """
+    total = q.shape[0]
+    position = torch.arange(total, device=q.device)
+    segment = torch.searchsorted(cu_seqlens[1:].to(torch.int64), position, right=True)
+    allowed = segment[:, None] == segment[None, :]
+    band = allowed_mask(total, window, causal, q.device)
+    if band is not None:
+        allowed = allowed & band
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
+    if softcap is not None or sinks is not None:
+        out = explicit_attention(qh, kh, vh, allowed, scale, softcap, sinks)
+    else:
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1]
+        )
+    return out[0].transpose(0, 1).contiguous()

@@ -24,7 +24,6 @@ Configs are looked up by identity (they are not hashable); an entry dies with it
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import sys
 import weakref
@@ -38,10 +37,9 @@ RIGHT_PADDED_KWARG = "lit_seqpack_right_padded"
 """The keyword :func:`~lit_seqpack.model.hf.hf_model_inputs` sets on a batch whose padding is only on the right."""
 
 _ORIGINALS: dict[int, tuple[weakref.ref[Any], str | None]] = {}
-_CALL: contextvars.ContextVar[str | None] = contextvars.ContextVar("lit_seqpack_hf_call", default=None)
-_TOKENS: contextvars.ContextVar[tuple[contextvars.Token[str | None], ...]] = contextvars.ContextVar(
-    "lit_seqpack_hf_call_tokens", default=()
-)
+# the kind of each model call in progress, innermost last. A plain list (not a ContextVar, which torch.compile
+# cannot trace): calls nest on one thread; concurrent forwards of one model from several threads are not supported.
+_CALLS: list[str | None] = []
 
 
 class AttentionRecord:
@@ -145,14 +143,12 @@ def _pre_hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Non
         kind = "right_padded"
     else:
         kind = None
-    _TOKENS.set((*_TOKENS.get(), _CALL.set(kind)))
+    _CALLS.append(kind)
 
 
 def _post_hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-    tokens = _TOKENS.get()
-    if tokens:
-        _CALL.reset(tokens[-1])
-        _TOKENS.set(tokens[:-1])
+    if _CALLS:
+        _CALLS.pop()
 
 
 def install_hooks(model: Any) -> None:
@@ -184,7 +180,7 @@ def original_mask(**kwargs: Any) -> Any:
     original's mask without its padding part (``sdpa`` then skips the mask and runs causal): exact for every real
     token, because under causality a real query never sees a right-padding key, and padded positions carry no loss.
     """
-    kind = _CALL.get()
+    kind = _CALLS[-1] if _CALLS else None
     if kind == "packed":
         return None
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -214,8 +210,23 @@ def _eager_function(module_type: type) -> Callable[..., Any] | None:
 
 
 def delegate(module: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call ``module``'s original attention function with the arguments lit_seqpack's function received."""
+    """Call ``module``'s original attention function with the arguments lit_seqpack's function received.
+
+    Raises:
+        PackingLeakError: a causal layer is called without ``cu_seq_lens_q`` inside a packed call: something
+            between the model and this layer dropped the boundary keywords, and its documents would see each other.
+    """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if _CALLS and _CALLS[-1] == "packed" and kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        from lit_seqpack.model.hf import PackingLeakError
+
+        raise PackingLeakError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) was called without cu_seq_lens_q "
+            "in a packed forward: a module between the model and its attention (typically a decoder layer that "
+            "does not pass **kwargs on) drops the packing keywords, so its documents would attend to each other. "
+            "Train this model with mode: dynamic"
+        )
 
     implementation = original_implementation(module.config)
     eager = _eager_function(type(module))

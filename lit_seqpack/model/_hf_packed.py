@@ -28,9 +28,9 @@ def attention_extras(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> dict
     ``sinks``. A layer that the config declares sliding but that passes no ``sliding_window`` (its window would live
     in the mask only, which packed rows do not build) raises, as does a window that differs from the config's.
     """
-    name = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     sliding_window, expected = kwargs.get("sliding_window"), configured_window(module)
     if expected is not None and sliding_window != expected:
+        name = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
         raise ValueError(
             f"{name} is a sliding-window layer (config sliding_window={expected}) but passes "
             f"sliding_window={sliding_window!r} to its attention function; its stock mask uses the config's window, "
@@ -39,7 +39,7 @@ def attention_extras(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> dict
     extras: dict[str, Any] = {}
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            raise ValueError(f"{name}: sliding_window must be a positive int, got {sliding_window!r}")
+            raise ValueError(f"{type(module).__name__}: sliding_window must be a positive int, got {sliding_window!r}")
         extras["window"] = (sliding_window - 1, 0)
     if kwargs.get("softcap") is not None:
         extras["softcap"] = float(kwargs["softcap"])

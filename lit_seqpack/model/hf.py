@@ -176,7 +176,7 @@ def hf_varlen_attention(
         k,
         v,
         cu_seqlens.to(torch.int32),
-        int(kwargs["max_length_q"]),
+        kwargs["max_length_q"],  # an int (a SymInt under torch.compile: no int() that would specialise it)
         causal=True,
         softmax_scale=scaling,
         backend=backend,

@@ -61,23 +61,25 @@ def test_varlen_attention_casts_mixed_inputs_to_the_autocast_dtype(backend: str,
         varlen_attention(q, k, v, cu, 7, backend=backend)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
-def test_packed_logits_under_bf16_autocast_equal_the_stock_model_per_document(model_type: str) -> None:
+def test_packed_logits_under_autocast_equal_the_stock_model_per_document(model_type: str, dtype: torch.dtype) -> None:
     stock, model = stock_and_prepared(model_type)
     docs = documents()
     batch = documents_batch(docs)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
         packed = model(**hf_model_inputs(batch, backend="sdpa")).logits[0].float()
         alone = torch.cat([stock(input_ids=d[None]).logits[0].float() for d in docs])
         with torch.autocast("cpu", enabled=False):
             exact = torch.cat([stock(input_ids=d[None]).logits[0] for d in docs])
     torch.testing.assert_close(packed, alone, atol=2e-2, rtol=2e-2)
-    # and bf16 is a rounding of the fp32 function, not another function
+    # and half precision is a rounding of the fp32 function, not another function
     assert (packed - exact).abs().max() < 5e-2 * (1 + exact.abs().max())
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
-def test_bf16_mixed_packed_training_of_hf_causal_lm(model_type: str) -> None:
+def test_mixed_precision_packed_training_of_hf_causal_lm(model_type: str, precision: str) -> None:
     gen = torch.Generator().manual_seed(0)
     samples = [{"input_ids": torch.randint(0, 64, (n,), generator=gen).tolist()} for n in (5, 9, 13, 7)]
     batches = [PackedCollator()(samples)] * 3
@@ -86,7 +88,7 @@ def test_bf16_mixed_packed_training_of_hf_causal_lm(model_type: str) -> None:
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        precision="bf16-mixed",
+        precision=precision,
         max_steps=3,
         logger=False,
         enable_checkpointing=False,
@@ -95,7 +97,7 @@ def test_bf16_mixed_packed_training_of_hf_causal_lm(model_type: str) -> None:
     )
     trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
-    assert all(p.dtype == torch.float32 for p in module.parameters())  # mixed: fp32 weights, bf16 compute
+    assert all(p.dtype == torch.float32 for p in module.parameters())  # mixed: fp32 weights, half compute
     assert any(not torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
 
 

@@ -142,3 +142,16 @@ def test_a_sliding_layer_that_hides_its_window_is_refused() -> None:
         hf_varlen_attention(FakeLayer(chunked, 0), q, q, q, None, **packed)
     with pytest.raises(ValueError, match="position_bias"):
         hf_varlen_attention(FakeLayer(AutoConfig.for_model("llama"), 0), q, q, q, None, position_bias=q, **packed)
+
+
+@pytest.mark.parametrize("model_type", ["stablelm", "nemotron"])
+def test_a_decoder_layer_that_drops_the_packing_keywords_is_named(model_type: str) -> None:
+    """StableLM / Nemotron layers do not pass **kwargs on: the attention would see no boundaries."""
+    from lit_seqpack.model.hf import PackingLeakError
+
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in TINY.items() if k != "head_dim"})
+    model = prepare_hf_model(AutoModelForCausalLM.from_config(config)).eval()
+    with pytest.raises(PackingLeakError, match="called without cu_seq_lens_q in a packed forward.*mode: dynamic"):
+        model(**hf_model_inputs(documents_batch(documents((5, 3)))))
+    with torch.no_grad():  # outside packed rows it is the stock model
+        model(input_ids=torch.arange(1, 6)[None])
