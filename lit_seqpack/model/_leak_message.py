@@ -132,18 +132,29 @@ def _cause(model: torch.nn.Module, trace: Trace, culprit: tuple[str, torch.nn.Mo
 
 def leak_message(
     model: torch.nn.Module,
-    report: IsolationReport,
+    report: IsolationReport | None,
     leaking: int,
     culprit: tuple[str, torch.nn.Module, bool] | None,
     trace: Trace,
+    *,
+    training: bool | None = None,
 ) -> str:
-    """The :class:`~lit_seqpack.model.isolation.PackingLeakError` message: what leaked, where, why, what to do."""
-    mode = "train" if report.training else "eval"
-    what = "gradient entries" if report.method == "gradient" else "logits that changed"
+    """The :class:`~lit_seqpack.model.isolation.PackingLeakError` message: what leaked, where, why, what to do.
+
+    ``report`` is ``None`` when the forward itself was refused (an attention call without the boundaries).
+    """
+    mode = "train" if (report.training if report is not None else training) else "eval"
+    if report is None:
+        what = f"({mode} mode): an attention layer lost the packed boundaries."
+    else:
+        counted = "gradient entries" if report.method == "gradient" else "logits that changed"
+        what = (
+            f"({mode} mode, {str(report.dtype).removeprefix('torch.')}; probe lengths {list(report.lengths)}): "
+            f"document {leaking + 1} of {len(report.lengths)} depends on the other documents "
+            f"({report.cross_entries[leaking]} nonzero {counted}, exactly 0 required)."
+        )
     return (
-        f"{type(model).__name__} does not keep the documents of a packed row apart ({mode} mode, "
-        f"{str(report.dtype).removeprefix('torch.')}; probe lengths {list(report.lengths)}): document {leaking + 1} "
-        f"of {len(report.lengths)} depends on the other documents ({report.cross_entries[leaking]} nonzero "
-        f"{what}, exactly 0 required). Cause: {_cause(model, trace, culprit)} Train it with mode: dynamic (or "
-        "padded), where every row holds one document: that is exact for this model; packing is refused."
+        f"{type(model).__name__} does not keep the documents of a packed row apart {what} Cause: "
+        f"{_cause(model, trace, culprit)} Train it with mode: dynamic (or padded), where every row holds one "
+        "document: that is exact for this model; packing is refused."
     )

@@ -207,7 +207,12 @@ def probe_packing_isolation(
         row = documents_batch(docs)
         bounds = row["cu_seqlens"].tolist()
         with tracing(model, tuple(row["input_ids"].shape)) as trace:
-            logits = forward(row)
+            try:
+                logits = forward(row)
+            except PackingLeakError as err:  # the attention refused a call that lost the boundaries: name the caller
+                if not any(not got for _, got in trace.attention_calls):
+                    raise
+                raise PackingLeakError(leak_message(model, None, 0, None, trace, training=training)) from err
         if not trace.leaves:
             cross = _perturbation_entries(forward, docs, logits)
             method = "perturbation"
