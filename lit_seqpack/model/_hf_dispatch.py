@@ -136,8 +136,34 @@ def restore(model: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ call kind
+_MULTIMODAL_KWARGS = ("pixel_values", "pixel_values_videos", "input_features", "token_type_ids", "mm_token_type_ids")
+"""Inputs whose attention pattern (bidirectional image blocks, ...) lives only in the mask that packed rows skip."""
+
+
+def _check_packed_call(module: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse the packed-call inputs that would silently compute another function than per-document runs."""
+    name = type(module).__name__
+    if kwargs.get("attention_mask") is not None:
+        raise ValueError(
+            f"{name} got an attention_mask with cu_seq_lens_q: on a packed row cu_seq_lens mark the documents and "
+            "no mask is applied; drop the attention_mask (padding belongs in its own segment)"
+        )
+    if kwargs.get("position_ids") is None:
+        raise ValueError(
+            f"{name} got cu_seq_lens_q without position_ids: positions would run across the documents of the row; "
+            "pass position_ids restarting at 0 for every document (lit_seqpack.model.hf.hf_model_inputs does)"
+        )
+    given = [key for key in _MULTIMODAL_KWARGS if kwargs.get(key) is not None]
+    if given:
+        raise ValueError(
+            f"{name} got {', '.join(given)} on a packed row: their attention pattern (e.g. bidirectional image "
+            "tokens) lives in a mask that packed rows do not build; train multimodal rows with mode: dynamic"
+        )
+
+
 def _pre_hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if kwargs.get("cu_seq_lens_q") is not None:
+        _check_packed_call(module, kwargs)
         kind = "packed"
     elif kwargs.get(RIGHT_PADDED_KWARG):
         kind = "right_padded"
@@ -182,6 +208,12 @@ def original_mask(**kwargs: Any) -> Any:
     """
     kind = _CALLS[-1] if _CALLS else None
     if kind == "packed":
+        if kwargs.get("use_vmap"):  # an or/and overlay (create_*_mask(or_mask_function=...)) the kernel would drop
+            raise ValueError(
+                f"{type(kwargs['config']).__name__}: the model overlays its own pattern on the causal mask "
+                "(or_mask_function / and_mask_function), which varlen attention on a packed row cannot honour; "
+                "train this model with mode: dynamic"
+            )
         return None
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 

@@ -155,3 +155,22 @@ def test_a_decoder_layer_that_drops_the_packing_keywords_is_named(model_type: st
         model(**hf_model_inputs(documents_batch(documents((5, 3)))))
     with torch.no_grad():  # outside packed rows it is the stock model
         model(input_ids=torch.arange(1, 6)[None])
+
+
+def test_packed_calls_that_would_compute_another_function_are_refused() -> None:
+    from lit_seqpack.model import _hf_dispatch
+
+    model = prepare_hf_model(stock_eager("mistral"))
+    inputs = hf_model_inputs(documents_batch(documents((5, 3))))
+    with pytest.raises(ValueError, match="attention_mask with cu_seq_lens_q"):
+        model(**inputs, attention_mask=torch.ones(1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="without position_ids"):
+        model(**{k: v for k, v in inputs.items() if k != "position_ids"})
+    with pytest.raises(ValueError, match="pixel_values on a packed row"):
+        model(**inputs, pixel_values=torch.zeros(1, 3, 8, 8))
+    _hf_dispatch._CALLS.append("packed")  # an image overlay on the causal mask (Gemma3, PaliGemma, ...)
+    try:
+        with pytest.raises(ValueError, match="overlays its own pattern"):
+            _hf_dispatch.original_mask(config=model.config, use_vmap=True)
+    finally:
+        _hf_dispatch._CALLS.pop()
