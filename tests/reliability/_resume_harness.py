@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from lit_seqpack import ReferenceLM
@@ -102,10 +102,12 @@ def epoch_length(mode: str, world_size: int = 1) -> int:
     return build_plan(lengths, config, epoch=0, loss_tokens=loss_tokens).microbatches_per_rank
 
 
-def make_datamodule(mode: str, num_workers: int) -> script.RecordingDataModule:
-    """The run's DataModule: ``IndexedSamples`` batched in ``mode``."""
+def make_datamodule(mode: str, num_workers: int, **overrides: Any) -> script.RecordingDataModule:
+    """The run's DataModule: ``IndexedSamples`` batched in ``mode`` (``overrides``: other DataModule knobs)."""
     budget = {"max_tokens": None, "batch_size": 6} if mode == "padded" else {"max_tokens": script.MAX_TOKENS}
-    return script.RecordingDataModule(dataset=script.IndexedSamples(), mode=mode, num_workers=num_workers, **budget)
+    return script.RecordingDataModule(
+        dataset=script.IndexedSamples(), mode=mode, num_workers=num_workers, **(budget | overrides)
+    )
 
 
 def fit(
@@ -116,9 +118,22 @@ def fit(
     num_workers: int = 0,
     ckpt_path: Path | None = None,
     save: dict[tuple[int, int], Path] | None = None,
+    callbacks: list[Callback] | None = None,
+    data: dict[str, Any] | None = None,
 ) -> None:
     """One run of ``EPOCHS`` epochs (accumulation ``ACCUMULATE``, a cosine schedule reading
-    ``estimated_stepping_batches``), logging every trained microbatch to ``out/rank{r}.jsonl``."""
+    ``estimated_stepping_batches``), logging every trained microbatch to ``out/rank{r}.jsonl``.
+
+    Args:
+        out: where the records go.
+        strategy: see :func:`strategy_for`.
+        mode: the batching mode.
+        num_workers: DataLoader workers.
+        ckpt_path: resume from this checkpoint.
+        save: checkpoints to write, by ``(epoch, batch_idx)``.
+        callbacks: more callbacks.
+        data: other DataModule knobs.
+    """
     out.mkdir(parents=True, exist_ok=True)
     engine, devices = strategy_for(strategy)
     trainer = L.Trainer(
@@ -129,18 +144,18 @@ def fit(
         accumulate_grad_batches=ACCUMULATE,
         use_distributed_sampler=False,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks or []),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         default_root_dir=out,
-        callbacks=[script.TrainedLog(out), SaveAt(save or {})],
+        callbacks=[script.TrainedLog(out), SaveAt(save or {}), *(callbacks or [])],
     )
     model = script.make_model()  # seeded: the same initial weights in every run
     if strategy == "fsdp2":
         L.seed_everything(0, verbose=False)
         model = FSDP2Model(**model.hparams)
-    trainer.fit(model, datamodule=make_datamodule(mode, num_workers), ckpt_path=ckpt_path)
+    trainer.fit(model, datamodule=make_datamodule(mode, num_workers, **(data or {})), ckpt_path=ckpt_path)
 
 
 def records(out: Path, rank: int = 0) -> list[dict[str, Any]]:
