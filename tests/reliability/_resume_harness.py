@@ -120,6 +120,7 @@ def fit(
     save: dict[tuple[int, int], Path] | None = None,
     callbacks: list[Callback] | None = None,
     data: dict[str, Any] | None = None,
+    trainer: dict[str, Any] | None = None,
 ) -> None:
     """One run of ``EPOCHS`` epochs (accumulation ``ACCUMULATE``, a cosine schedule reading
     ``estimated_stepping_batches``), logging every trained microbatch to ``out/rank{r}.jsonl``.
@@ -133,10 +134,11 @@ def fit(
         save: checkpoints to write, by ``(epoch, batch_idx)``.
         callbacks: more callbacks.
         data: other DataModule knobs.
+        trainer: other Trainer arguments.
     """
     out.mkdir(parents=True, exist_ok=True)
     engine, devices = strategy_for(strategy)
-    trainer = L.Trainer(
+    runner = L.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=engine,
@@ -150,12 +152,13 @@ def fit(
         num_sanity_val_steps=0,
         default_root_dir=out,
         callbacks=[script.TrainedLog(out), SaveAt(save or {}), *(callbacks or [])],
+        **(trainer or {}),
     )
     model = script.make_model()  # seeded: the same initial weights in every run
     if strategy == "fsdp2":
         L.seed_everything(0, verbose=False)
         model = FSDP2Model(**model.hparams)
-    trainer.fit(model, datamodule=make_datamodule(mode, num_workers, **(data or {})), ckpt_path=ckpt_path)
+    runner.fit(model, datamodule=make_datamodule(mode, num_workers, **(data or {})), ckpt_path=ckpt_path)
 
 
 def records(out: Path, rank: int = 0) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 from tests.reliability import _resume_harness as harness
 from tests.reliability import _train_script as script
@@ -89,3 +89,19 @@ def test_an_exception_checkpoint_resumes_exactly_at_a_step_start_and_is_refused_
         else:  # microbatch 6 was drawn from the loader but never trained: Lightning's counter says so
             harness.fit(run / "resumed", **resume)
             assert harness.compare(harness.records(run / "resumed"), harness.after(expected, (1, 5))) is None
+
+
+@pytest.mark.slow
+def test_validation_checkpoints_resume_exactly_at_a_step_boundary_and_are_refused_inside_a_window(
+    tmp_path: Path,
+) -> None:
+    """``val_check_interval=3`` with accumulation 2: ``ModelCheckpoint`` itself writes inside accumulation windows."""
+    run = {"data": {"val_fraction": 0.1}, "trainer": {"val_check_interval": 3}}
+    saver = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_top_k=-1, filename="{step}")
+    harness.fit(tmp_path / "reference", callbacks=[saver], **run)
+    expected = harness.records(tmp_path / "reference")
+    # after microbatches 3 (inside optimizer step 1) and 6 (the end of step 2) of epoch 0
+    with pytest.raises(RuntimeError, match="inside a gradient-accumulation window"):
+        harness.fit(tmp_path / "window", strategy="late", ckpt_path=tmp_path / "checkpoints" / "step=1.ckpt", **run)
+    harness.fit(tmp_path / "step", strategy="late", ckpt_path=tmp_path / "checkpoints" / "step=3.ckpt", **run)
+    assert harness.compare(harness.records(tmp_path / "step"), harness.after(expected, (0, 5))) is None
