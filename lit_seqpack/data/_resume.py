@@ -12,7 +12,8 @@ be the Trainer's own batch counter (which decides when the optimizer steps) and 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,18 @@ from lit_seqpack.data._loader import sampler_state_of
 from lit_seqpack.data.splits import Split
 from lit_seqpack.planning.plan import PlanConfig
 
-__all__ = ["LOADER_STATE", "PLAN_SETTINGS", "check_resume", "check_start", "digest", "layout_state", "plan_settings"]
+__all__ = [
+    "LOADER_STATE",
+    "PLAN_SETTINGS",
+    "check_resume",
+    "check_start",
+    "digest",
+    "layout_state",
+    "plan_settings",
+    "rewind_fit_loop",
+]
+
+log = logging.getLogger(__name__)
 
 LOADER_STATE = "train_loader"
 PLAN_STATE = "plan_settings"
@@ -136,7 +148,12 @@ def check_resume(
 
 
 def check_start(
-    *, trainer_epoch: int, trainer_position: int, saved: tuple[int, int] | None, accumulate: int
+    *,
+    trainer_epoch: int,
+    trainer_position: int,
+    saved: tuple[int, int] | None,
+    accumulate: int,
+    rewind: Callable[[int], bool] | None = None,
 ) -> tuple[int, int]:
     """Where a training iteration must start: the Trainer's epoch and batch counter, checked against the checkpoint.
 
@@ -145,23 +162,31 @@ def check_start(
     before or after the loader was built, with another worker count, or not at all). A checkpoint of an earlier
     epoch is fine: Lightning closed that epoch early (``max_steps``, ``limit_train_batches``) and starts the next.
 
+    A checkpoint written inside a gradient-accumulation window holds the weights of the step's start but not the
+    gradient of its first microbatches: the resume goes back to the step's start (``rewind`` moves the Trainer's
+    counter back) and trains those microbatches again, so the step gets its whole gradient.
+
     Args:
         trainer_epoch: the epoch the Trainer is training.
         trainer_position: microbatches of that epoch the Trainer counts as trained.
         saved: the ``(epoch, microbatch)`` of the checkpoint's loader state, on the first iteration after a
             restore (``None`` otherwise).
         accumulate: microbatches per optimizer step.
+        rewind: moves the Trainer's counter back by the given number of microbatches; returns ``False`` when it
+            cannot (``None``: never).
 
     Returns:
-        ``(trainer_epoch, trainer_position)``.
+        ``(trainer_epoch, position)``: ``trainer_position``, or the start of its optimizer step.
 
     Raises:
         RuntimeError: the checkpoint's loader is at a later epoch than the Trainer, or in the same epoch at neither
             the Trainer's position nor one microbatch past it (a checkpoint written while that microbatch trained);
-            or the Trainer resumes inside a gradient-accumulation window, whose partial gradient no checkpoint holds.
+            or the Trainer resumes inside a gradient-accumulation window and its counter cannot be moved back.
 
     Example:
         >>> check_start(trainer_epoch=1, trainer_position=6, saved=(1, 6), accumulate=2)
+        (1, 6)
+        >>> check_start(trainer_epoch=1, trainer_position=7, saved=(1, 7), accumulate=2, rewind=lambda n: True)
         (1, 6)
     """
     epoch = trainer_epoch
@@ -171,8 +196,19 @@ def check_start(
             f"but the Trainer's loop resumes at epoch {epoch}, microbatch {trainer_position}; the run would train "
             "some samples twice or skip them. Resume from a checkpoint written by ModelCheckpoint"
         )
-    if trainer_position % accumulate:
-        step, done = divmod(trainer_position, accumulate)
+    step, done = divmod(trainer_position, accumulate)
+    if done and rewind is not None and rewind(done):
+        log.info(
+            "The checkpoint was written inside a gradient-accumulation window (epoch %d, after microbatch %d of the "
+            "%d of optimizer step %d) and holds no partial gradient: resuming from the step's start, microbatch %d.",
+            epoch,
+            done,
+            accumulate,
+            step,
+            trainer_position - done,
+        )
+        return epoch, trainer_position - done
+    if done:
         raise RuntimeError(
             f"cannot resume exactly: the checkpoint was written inside a gradient-accumulation window (epoch "
             f"{epoch}, after microbatch {done} of the {accumulate} of optimizer step {step}). It does not hold the "
@@ -181,3 +217,31 @@ def check_start(
             "and save_last write there), or set accumulate_grad_batches=1 for runs checkpointed at any microbatch"
         )
     return trainer_epoch, trainer_position
+
+
+def rewind_fit_loop(fit_loop: Any, microbatches: int) -> bool:
+    """Move a restarted Lightning fit loop back by ``microbatches`` trained microbatches of the current epoch.
+
+    Called at the first batch after a restore, when Lightning's batch progress and its data fetcher agree on the
+    microbatches done (``ready == started == processed == completed == fetched``); anything else (another
+    Lightning version, a prefetching fetcher) returns ``False`` and the caller refuses the checkpoint.
+
+    Args:
+        fit_loop: ``trainer.fit_loop``.
+        microbatches: how many to move back.
+    """
+    progress = getattr(getattr(fit_loop, "epoch_loop", None), "batch_progress", None)
+    fetcher = getattr(fit_loop, "_data_fetcher", None)
+    names = ("ready", "started", "processed", "completed")
+    try:
+        counts = {getattr(progress.current, name) for name in names} | {fetcher.fetched}
+        totals = [getattr(progress.total, name) for name in names]
+    except AttributeError:
+        return False
+    if len(counts) != 1 or counts.pop() < microbatches or min(totals) < microbatches or getattr(fetcher, "batches", []):
+        return False
+    for tracker in (progress.current, progress.total):
+        for name in names:
+            setattr(tracker, name, getattr(tracker, name) - microbatches)
+    fetcher.fetched -= microbatches
+    return True

@@ -13,7 +13,15 @@ from lit_seqpack.data._budget import apply_document_budget, document_budget, pla
 from lit_seqpack.data._knobs import check_knobs, check_parallel_knobs
 from lit_seqpack.data._layout import read_layout
 from lit_seqpack.data._loader import ResumableDataLoader
-from lit_seqpack.data._resume import LOADER_STATE, PLAN_STATE, check_resume, check_start, layout_state, plan_settings
+from lit_seqpack.data._resume import (
+    LOADER_STATE,
+    PLAN_STATE,
+    check_resume,
+    check_start,
+    layout_state,
+    plan_settings,
+    rewind_fit_loop,
+)
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout
 from lit_seqpack.data.lengths import cached_lengths_and_loss_tokens, compute_lengths_and_loss_tokens
@@ -318,6 +326,7 @@ class SeqPackDataModule(LightningDataModule):
             trainer_position=loop.epoch_loop.batch_progress.current.ready,
             saved=saved,
             accumulate=self._layout[2],
+            rewind=lambda microbatches: rewind_fit_loop(loop, microbatches),
         )
 
     def train_dataloader(self) -> StatefulDataLoader:

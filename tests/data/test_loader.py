@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from lit_seqpack import PackedBatchSampler
 from lit_seqpack.data._loader import ResumableDataLoader, loader_workers, sampler_state_of
-from lit_seqpack.data._resume import check_start
+from lit_seqpack.data._resume import check_start, rewind_fit_loop
 from lit_seqpack.data.microbatch import PlannedDataset
 
 LENGTHS = [5, 3, 7, 2, 6, 4, 8, 1, 5, 3, 2, 7, 6, 4, 3, 5]
@@ -75,5 +77,30 @@ def test_check_start_follows_the_trainer_and_checks_the_checkpoint() -> None:
     for saved in ((1, 2), (1, 7), (2, 0)):
         with pytest.raises(RuntimeError, match="the checkpoint's loader stopped at"):
             check_start(trainer_epoch=1, trainer_position=4, saved=saved, **kw)
-    with pytest.raises(RuntimeError, match=r"inside a gradient-accumulation window .*optimizer step 2"):
-        check_start(trainer_epoch=0, trainer_position=5, saved=(0, 5), **kw)
+    moved = []
+    rewind = lambda n: moved.append(n) or True  # noqa: E731
+    assert check_start(trainer_epoch=0, trainer_position=5, saved=(0, 5), rewind=rewind, **kw) == (0, 4)
+    assert moved == [1]  # inside a window: back to the start of the step
+    for rewind in (None, lambda n: False):
+        with pytest.raises(RuntimeError, match=r"inside a gradient-accumulation window .*optimizer step 2"):
+            check_start(trainer_epoch=0, trainer_position=5, saved=(0, 5), rewind=rewind, **kw)
+
+
+def _fit_loop(done: int, fetched: int, prefetched: list | None = None) -> SimpleNamespace:
+    def counts(n: int) -> SimpleNamespace:
+        return SimpleNamespace(ready=n, started=n, processed=n, completed=n)
+
+    progress = SimpleNamespace(current=counts(done), total=counts(done + 10))
+    fetcher = SimpleNamespace(fetched=fetched, batches=prefetched or [])
+    return SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress), _data_fetcher=fetcher)
+
+
+def test_rewind_fit_loop_moves_every_counter_back_or_refuses_an_unknown_state() -> None:
+    loop = _fit_loop(5, 5)
+    assert rewind_fit_loop(loop, 1)
+    assert vars(loop.epoch_loop.batch_progress.current) == dict.fromkeys(
+        ("ready", "started", "processed", "completed"), 4
+    )
+    assert loop.epoch_loop.batch_progress.total.completed == 14 and loop._data_fetcher.fetched == 4
+    for odd in (_fit_loop(5, 6), _fit_loop(5, 5, prefetched=[{}]), _fit_loop(0, 0), SimpleNamespace()):
+        assert not rewind_fit_loop(odd, 1)
