@@ -82,7 +82,7 @@ class SeqPackDataModule(LightningDataModule):
         batch_size: samples per microbatch (padded mode only).
         val_fraction: share of the samples held out for validation (0 disables validation).
         test_fraction: share of the samples held out for ``lit-seqpack test`` / ``trainer.test`` (0: none).
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes (may differ between a checkpoint and its resume).
         pad_token_id: the id written on padding positions.
         seed: seed of the shuffles and of the validation split (the same on every rank).
         shuffle: reshuffle the training samples every epoch.
@@ -367,19 +367,21 @@ class SeqPackDataModule(LightningDataModule):
 
     def _plan_settings(self) -> dict[str, Any]:
         world, _, accumulate = self._layout
-        return plan_settings(self.plan_config(world_size=world, accumulate_grad_batches=accumulate))
+        settings = plan_settings(self.plan_config(world_size=world, accumulate_grad_batches=accumulate))
+        return settings | {"pad_to_multiple_of": self.hparams.pad_to_multiple_of}  # the lengths the planner sees
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Refuse to resume on other data, another layout or (mid-epoch) other plan settings; restore the loader.
 
         Only ``fit`` resumes training; ``validate`` and ``test`` from a checkpoint ignore this state.
 
-        The training loader's state is applied whenever it arrives. DDP restores the checkpoint before the loader
-        is built (unless ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``, which builds it
-        first, Lightning #20550); FSDP, ModelParallel and DeepSpeed restore it after. A state that arrives first is
-        applied to the next training loader built; one that arrives late is loaded into the live loader, whose
-        iterator only starts at its first batch. Either way the first training batch checks that the sampler
-        starts where the Trainer's loop counter stands (:func:`~lit_seqpack.data._resume.check_start`).
+        The training loader's state is applied whenever it arrives. DDP restores the DataModule before the loader
+        is built, FSDP, ModelParallel and DeepSpeed after it (and Lightning's own copy of the loader state is
+        dropped when ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``, Lightning #20550). A
+        state that arrives first is applied to the next training loader built; one that arrives late is loaded
+        into the live loader, whose iterator only starts at its first batch. Either way the first training batch
+        starts where the Trainer's loop counter stands, checked against the checkpoint's loader position
+        (:func:`~lit_seqpack.data._resume.check_start`).
         """
         trainer = self.trainer
         if trainer is not None and trainer.state.fn is not None and trainer.state.fn != "fit":

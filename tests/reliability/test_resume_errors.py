@@ -32,7 +32,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     ("knob", "old", "new"),
     [("seed", 0, 1), ("algorithm", "first_fit_decreasing", "best_fit_decreasing"), ("window", None, 32),
-     ("shuffle", True, False)],
+     ("shuffle", True, False), ("pad_to_multiple_of", 1, 8)],
 )  # fmt: skip
 @pytest.mark.parametrize("strategy", ["single", "late"])
 def test_a_changed_plan_setting_is_refused_at_restore_naming_it(
