@@ -223,15 +223,22 @@ def rewind_fit_loop(fit_loop: Any, microbatches: int) -> bool:
     """Move a restarted Lightning fit loop back by ``microbatches`` trained microbatches of the current epoch.
 
     Called at the first batch after a restore, when Lightning's batch progress and its data fetcher agree on the
-    microbatches done (``ready == started == processed == completed == fetched``); anything else (another
-    Lightning version, a prefetching fetcher) returns ``False`` and the caller refuses the checkpoint.
+    microbatches done (``ready == started == processed == completed == fetched``, nothing prefetched) and the
+    fetcher is Lightning's default one; anything else (another Lightning version, a ``training_step`` that takes
+    ``dataloader_iter``) returns ``False`` and the caller refuses the checkpoint.
 
     Args:
         fit_loop: ``trainer.fit_loop``.
         microbatches: how many to move back.
     """
+    try:
+        from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+    except ImportError:  # another Lightning: refuse rather than guess
+        return False
     progress = getattr(getattr(fit_loop, "epoch_loop", None), "batch_progress", None)
     fetcher = getattr(fit_loop, "_data_fetcher", None)
+    if type(fetcher) is not _PrefetchDataFetcher:  # e.g. a training_step(dataloader_iter) fetches batches itself
+        return False
     names = ("ready", "started", "processed", "completed")
     try:
         counts = {getattr(progress.current, name) for name in names} | {fetcher.fetched}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher, _PrefetchDataFetcher
 
 from lit_seqpack import PackedBatchSampler
 from lit_seqpack.data._loader import ResumableDataLoader, loader_workers, sampler_state_of
@@ -91,7 +92,8 @@ def _fit_loop(done: int, fetched: int, prefetched: list | None = None) -> Simple
         return SimpleNamespace(ready=n, started=n, processed=n, completed=n)
 
     progress = SimpleNamespace(current=counts(done), total=counts(done + 10))
-    fetcher = SimpleNamespace(fetched=fetched, batches=prefetched or [])
+    fetcher = _PrefetchDataFetcher()
+    fetcher.fetched, fetcher.batches = fetched, prefetched or []
     return SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress), _data_fetcher=fetcher)
 
 
@@ -102,5 +104,7 @@ def test_rewind_fit_loop_moves_every_counter_back_or_refuses_an_unknown_state() 
         ("ready", "started", "processed", "completed"), 4
     )
     assert loop.epoch_loop.batch_progress.total.completed == 14 and loop._data_fetcher.fetched == 4
-    for odd in (_fit_loop(5, 6), _fit_loop(5, 5, prefetched=[{}]), _fit_loop(0, 0), SimpleNamespace()):
+    other_fetcher = _fit_loop(5, 5)
+    other_fetcher._data_fetcher = _DataLoaderIterDataFetcher()
+    for odd in (_fit_loop(5, 6), _fit_loop(5, 5, prefetched=[{}]), _fit_loop(0, 0), other_fetcher, SimpleNamespace()):
         assert not rewind_fit_loop(odd, 1)
