@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -129,6 +129,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         self._counted_loss = np.maximum(self._lengths - 1, 0) if self._loss_tokens is None else self._loss_tokens
         self._world_defaulted = world_defaulted
         self._epoch, self._position, self._resume = 0, 0, False
+        self._start_source: Callable[[int, int], tuple[int, int]] | None = None
         self._plan: Plan | None = None
         self._verified_epoch: int | None = None
         self._reported_len: tuple[int, int] | None = None
@@ -175,6 +176,16 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         if int(epoch) != self._epoch:
             self._epoch, self._position, self._resume = int(epoch), 0, False
 
+    def set_start_source(self, source: Callable[[int, int], tuple[int, int]] | None) -> None:
+        """Let a training loop decide where each iteration starts (``None``: the sampler's own epoch and position).
+
+        Args:
+            source: called at the first ``next()`` of every iteration with ``(epoch, start)``, the epoch and the
+                microbatch the sampler would start from; returns the ``(epoch, microbatch)`` to start from, or
+                raises.
+        """
+        self._start_source = source
+
     def __len__(self) -> int:
         count = self.plan.microbatches_per_rank
         self._reported_len = (self._epoch, count)
@@ -185,6 +196,14 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         total = plan.microbatches_per_rank
         start = min(self._position, total) if self._resume else 0
         self._resume = False
+        if self._start_source is not None:
+            epoch, start = self._start_source(self._epoch, start)
+            if epoch != self._epoch:
+                self.set_epoch(epoch)
+                plan = self._plan_for(epoch)
+                total = plan.microbatches_per_rank
+            if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= total:
+                raise ValueError(f"the start source returned microbatch {start!r}, not one in [0, {total}]")
         self._check_plan(plan)
         self._position = start
         config = self.config

@@ -12,7 +12,16 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from lit_seqpack.data._budget import apply_document_budget, document_budget, planned_lengths
 from lit_seqpack.data._knobs import check_knobs, check_parallel_knobs
 from lit_seqpack.data._layout import read_layout
-from lit_seqpack.data._resume import LOADER_STATE, check_resume, layout_state
+from lit_seqpack.data._loader import ResumableDataLoader
+from lit_seqpack.data._resume import (
+    LOADER_STATE,
+    PLAN_STATE,
+    check_resume,
+    check_start,
+    layout_state,
+    plan_settings,
+    rewind_fit_loop,
+)
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout, TensorParallelCollator
 from lit_seqpack.data.lengths import cached_lengths_and_loss_tokens, compute_lengths_and_loss_tokens
@@ -76,7 +85,7 @@ class SeqPackDataModule(LightningDataModule):
         batch_size: samples per microbatch (padded mode only).
         val_fraction: share of the samples held out for validation (0 disables validation).
         test_fraction: share of the samples held out for ``lit-seqpack test`` / ``trainer.test`` (0: none).
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes (may differ between a checkpoint and its resume).
         pad_token_id: the id written on padding positions.
         seed: seed of the shuffles and of the validation split (the same on every rank).
         shuffle: reshuffle the training samples every epoch.
@@ -144,6 +153,7 @@ class SeqPackDataModule(LightningDataModule):
         self._train_loader: StatefulDataLoader | None = None
         self._pending_loader_state: dict[str, Any] | None = None
         self._fabric: tuple[Any, int] | None = None
+        self._resume_point: tuple[int, int] | None = None  # (epoch, microbatch) of the restored loader state
 
     @property
     def document_multiple(self) -> int:
@@ -317,7 +327,8 @@ class SeqPackDataModule(LightningDataModule):
                 # skips the loader state when resuming from an end-of-epoch checkpoint (Lightning #21938):
                 # set the epoch here so the first epoch after a resume is planned for the right epoch.
                 sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
-        loader = StatefulDataLoader(
+            sampler.set_start_source(self._training_start)
+        loader = ResumableDataLoader(
             PlannedDataset(data),
             batch_sampler=sampler,
             collate_fn=self._collator(),
@@ -329,6 +340,21 @@ class SeqPackDataModule(LightningDataModule):
                 loader.load_state_dict(self._pending_loader_state)
                 self._pending_loader_state = None
         return loader
+
+    def _training_start(self, epoch: int, start: int) -> tuple[int, int]:
+        """Where an iteration of the training sampler starts: the Trainer's epoch and batch counter (fit only)."""
+        trainer = self.trainer
+        if not getattr(trainer, "training", False):  # outside fit (or a stand-in trainer): the sampler's own
+            return epoch, start
+        loop = trainer.fit_loop
+        saved, self._resume_point = self._resume_point, None
+        return check_start(
+            trainer_epoch=loop.epoch_progress.current.processed,
+            trainer_position=loop.epoch_loop.batch_progress.current.ready,
+            saved=saved,
+            accumulate=self._layout[2],
+            rewind=lambda microbatches: rewind_fit_loop(loop, microbatches),
+        )
 
     def train_dataloader(self) -> StatefulDataLoader:
         """The training loader: a stateful DataLoader over this rank's planned microbatches."""
@@ -348,6 +374,7 @@ class SeqPackDataModule(LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """What a resume must agree with (the data and the distributed layout), and the training loader's state."""
         state = self._layout_state()
+        state[PLAN_STATE] = self._plan_settings()
         if self._train_loader is not None:
             state[LOADER_STATE] = self._train_loader.state_dict()
         return state
@@ -365,16 +392,29 @@ class SeqPackDataModule(LightningDataModule):
             max_tokens=self.hparams.max_tokens,
         )
 
+    def _plan_settings(self) -> dict[str, Any]:
+        world, _, accumulate = self._layout
+        settings = plan_settings(self.plan_config(world_size=world, accumulate_grad_batches=accumulate))
+        return settings | {"pad_to_multiple_of": self.hparams.pad_to_multiple_of}  # the lengths the planner sees
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Refuse to resume on other data or another layout (the plan would no longer match).
+        """Refuse to resume on other data, another layout or (mid-epoch) other plan settings; restore the loader.
 
         Only ``fit`` resumes training; ``validate`` and ``test`` from a checkpoint ignore this state.
-        The training loader's state is applied to the next training loader built. Lightning restores it too, but
-        drops it when ``configure_optimizers`` read ``trainer.estimated_stepping_batches`` (a cosine schedule does):
-        that builds the loader before the checkpoint is read (Lightning #20550), and the resumed epoch would then
-        start over from its first microbatch, training some samples twice and others not at all.
+
+        The training loader's state is applied whenever it arrives. DDP restores the DataModule before the loader
+        is built, FSDP, ModelParallel and DeepSpeed after it (and Lightning's own copy of the loader state is
+        dropped when ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``, Lightning #20550). A
+        state that arrives first is applied to the next training loader built; one that arrives late is loaded
+        into the live loader, whose iterator only starts at its first batch. Either way the first training batch
+        starts where the Trainer's loop counter stands, checked against the checkpoint's loader position
+        (:func:`~lit_seqpack.data._resume.check_start`).
         """
         trainer = self.trainer
         if trainer is not None and trainer.state.fn is not None and trainer.state.fn != "fit":
             return  # validate / test only read the weights: any data layout may evaluate a checkpoint
-        self._pending_loader_state = check_resume(state_dict, self._layout_state())
+        loader_state, self._resume_point = check_resume(state_dict, self._layout_state(), self._plan_settings())
+        if loader_state is not None and self._train_loader is not None:
+            self._train_loader.load_state_dict(loader_state)  # restored after the loader was built
+        else:
+            self._pending_loader_state = loader_state
