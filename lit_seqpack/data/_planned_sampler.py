@@ -147,6 +147,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         self._world_defaulted = world_defaulted
         self._epoch, self._position, self._resume = 0, 0, False
         self._lazy: LazyPlan | None = None
+        self._start_source: Callable[[int, int], tuple[int, int]] | None = None
         self._plan: Plan | None = None
         self._verified_epoch: int | None = None
         self._reported_len: tuple[int, int] | None = None
@@ -195,12 +196,33 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         """The epoch the next iteration will plan."""
         return self._epoch
 
+    @property
+    def batch_size(self) -> int:
+        """Samples per microbatch as batch-size readers see it: ``batch_size`` (padded) or 1 (packing, dynamic).
+
+        Lightning's DeepSpeed strategy reads ``loader.batch_sampler.batch_size`` for DeepSpeed's
+        ``train_micro_batch_size_per_gpu`` (used for its throughput logs and ``train_batch_size`` bookkeeping, not
+        for the gradient). A packed microbatch is one row and a dynamic one a variable number of rows, so the unit
+        is one microbatch per rank per forward: 1.
+        """
+        return int(self.config.batch_size) if self.config.mode == "padded" else 1
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch of the next iteration; a new epoch starts from its first microbatch."""
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         if int(epoch) != self._epoch:
             self._epoch, self._position, self._resume = int(epoch), 0, False
+
+    def set_start_source(self, source: Callable[[int, int], tuple[int, int]] | None) -> None:
+        """Let a training loop decide where each iteration starts (``None``: the sampler's own epoch and position).
+
+        Args:
+            source: called at the first ``next()`` of every iteration with ``(epoch, start)``, the epoch and the
+                microbatch the sampler would start from; returns the ``(epoch, microbatch)`` to start from, or
+                raises.
+        """
+        self._start_source = source
 
     def __len__(self) -> int:
         count = self.lazy_plan.microbatches_per_rank
@@ -212,6 +234,14 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         total = plan.microbatches_per_rank
         start = min(self._position, total) if self._resume else 0
         self._resume = False
+        if self._start_source is not None:
+            epoch, start = self._start_source(self._epoch, start)
+            if epoch != self._epoch:
+                self.set_epoch(epoch)
+                plan = self._plan_for(epoch)
+                total = plan.microbatches_per_rank
+            if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= total:
+                raise ValueError(f"the start source returned microbatch {start!r}, not one in [0, {total}]")
         self._check_plan(plan)
         self._position = start
         config = self.config

@@ -14,9 +14,18 @@ from lit_seqpack.data._budget import apply_document_budget, document_budget, pla
 from lit_seqpack.data._hashing import content_digest
 from lit_seqpack.data._knobs import check_knobs, check_parallel_knobs
 from lit_seqpack.data._layout import read_layout
-from lit_seqpack.data._resume import LOADER_STATE, check_resume, layout_state
+from lit_seqpack.data._loader import ResumableDataLoader
+from lit_seqpack.data._resume import (
+    LOADER_STATE,
+    PLAN_STATE,
+    check_resume,
+    check_start,
+    layout_state,
+    plan_settings,
+    rewind_fit_loop,
+)
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout
+from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout, TensorParallelCollator
 from lit_seqpack.data.lengths import cached_lengths_and_loss_tokens, compute_lengths_and_loss_tokens
 from lit_seqpack.data.microbatch import PlannedDataset
 from lit_seqpack.data.overlong import OverlongReport
@@ -68,11 +77,14 @@ class SeqPackDataModule(LightningDataModule):
         context_parallel_size: ranks that split every sequence (context parallelism, packing only). Every
             document is then padded to ``lcm(pad_to_multiple_of, 2 x cp x tp)``, the planner plans on those
             lengths and each rank receives its shard (:mod:`lit_seqpack.data.context_parallel`).
-        tensor_parallel_size: tensor-parallel ranks with sequence parallelism (packing only): packed rows are
-            padded to a multiple of it (of ``2 x cp x tp`` per document with context parallelism).
-            The ``cp x tp`` ranks of one data-parallel rank get the same microbatches; global ranks are laid out
-            tensor-parallel innermost, then context-parallel, then data-parallel
-            (:class:`~lit_seqpack.data.context_parallel.ParallelLayout`), and the plan is made for
+        tensor_parallel_size: tensor-parallel ranks with sequence parallelism: rows are padded to a multiple of
+            it (packed rows, or the ``L`` of dynamic and padded blocks; every document to a multiple of
+            ``2 x cp x tp`` with context parallelism); documents of any length are fine.
+            The ``cp x tp`` ranks of one data-parallel rank get the same microbatches. Under a strategy with a
+            device mesh (``ModelParallelStrategy``) the data-parallel size and rank are the mesh's, and the mesh's
+            tensor/context-parallel sizes must equal these two settings (``ValueError`` naming both otherwise);
+            without a mesh, global ranks are laid out tensor-parallel innermost, then context-parallel, then
+            data-parallel (:class:`~lit_seqpack.data.context_parallel.ParallelLayout`), and the plan is made for
             ``trainer.world_size / (cp x tp)`` data-parallel ranks.
         microbatch_order: ``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`).
         cost_quadratic: ``b`` of the per-document cost ``L + b*L^2`` that ranks are balanced on; ``"auto"``:
@@ -82,7 +94,7 @@ class SeqPackDataModule(LightningDataModule):
         batch_size: samples per microbatch (padded mode only).
         val_fraction: share of the samples held out for validation (0 disables validation).
         test_fraction: share of the samples held out for ``lit-seqpack test`` / ``trainer.test`` (0: none).
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes (may differ between a checkpoint and its resume).
         pad_token_id: the id written on padding positions.
         seed: seed of the shuffles and of the validation split (the same on every rank).
         shuffle: reshuffle the training samples every epoch.
@@ -160,6 +172,8 @@ class SeqPackDataModule(LightningDataModule):
         self._train_sampler: PlannedBatchSampler | None = None
         self._train_loader: StatefulDataLoader | None = None
         self._pending_loader_state: dict[str, Any] | None = None
+        self._fabric: tuple[Any, int] | None = None
+        self._resume_point: tuple[int, int] | None = None  # (epoch, microbatch) of the restored loader state
 
     @property
     def document_multiple(self) -> int:
@@ -209,9 +223,29 @@ class SeqPackDataModule(LightningDataModule):
             self._full_lengths, self._full_loss_tokens = _int32(lengths), _int32(loss_tokens)
         return self._full_lengths, self._full_loss_tokens
 
+    def attach_fabric(self, fabric: Any, *, accumulate_grad_batches: int = 1) -> None:
+        """Plan for a Lightning Fabric loop: world size, rank (or device mesh) from ``fabric``, and its accumulation.
+
+        Outside a Trainer nothing else tells the DataModule how many microbatches an optimizer step holds; a plan
+        made for another accumulation than the loop's would normalise the exact loss over the wrong step. Check
+        the loop with :class:`~lit_seqpack.model.fabric.FabricAccumulation` (see ``examples/fabric_loop.py``).
+
+        Args:
+            fabric: the launched ``lightning.fabric.Fabric``.
+            accumulate_grad_batches: microbatches per rank per optimizer step of the loop.
+        """
+        if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int):
+            raise ValueError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
+        self._fabric = (fabric, accumulate_grad_batches)
+
     def setup(self, stage: str | None = None) -> None:
         """Read world size, rank and accumulation from the Trainer; apply the over-long policy; split."""
-        self._layout, self._cp_rank = read_layout(self.trainer, self._parallel)
+        fabric, accumulate = self._fabric if self._fabric is not None else (None, 1)
+        self._layout, self._cp_rank = read_layout(
+            self.trainer, self._parallel, fabric=fabric, accumulate_grad_batches=accumulate
+        )
         if self._splits:
             return
         hp = self.hparams
@@ -279,10 +313,11 @@ class SeqPackDataModule(LightningDataModule):
             cost_quadratic=hp.cost_quadratic,
         )
 
-    def _collator(self) -> PackedCollator | PaddedCollator | ContextParallelCollator:
-        hp = self.hparams
+    def _collator(self) -> PackedCollator | PaddedCollator | ContextParallelCollator | TensorParallelCollator:
+        hp, tp = self.hparams, self._parallel.tensor_parallel_size
         if hp.mode != "packing":
-            return PaddedCollator(pad_token_id=hp.pad_token_id, pad_to_multiple_of=hp.sequence_length_round)
+            padded = PaddedCollator(pad_token_id=hp.pad_token_id, pad_to_multiple_of=self.row_multiple)
+            return padded if tp == 1 else TensorParallelCollator(collator=padded, tensor_parallel_size=tp)
         collator = PackedCollator(
             pad_token_id=hp.pad_token_id,
             pad_to_multiple_of=self.row_multiple,
@@ -290,6 +325,8 @@ class SeqPackDataModule(LightningDataModule):
         )
         if self._parallel.model_parallel_size == 1:
             return collator
+        if self._parallel.context_parallel_size == 1:  # sequence parallelism splits the row, not each document
+            return TensorParallelCollator(collator=collator, tensor_parallel_size=tp)
         return ContextParallelCollator(
             collator=collator,
             context_parallel_size=self._parallel.context_parallel_size,
@@ -319,7 +356,8 @@ class SeqPackDataModule(LightningDataModule):
                 # skips the loader state when resuming from an end-of-epoch checkpoint (Lightning #21938):
                 # set the epoch here so the first epoch after a resume is planned for the right epoch.
                 sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
-        loader = StatefulDataLoader(
+            sampler.set_start_source(self._training_start)
+        loader = ResumableDataLoader(
             PlannedDataset(data),
             batch_sampler=sampler,
             collate_fn=self._collator(),
@@ -331,6 +369,21 @@ class SeqPackDataModule(LightningDataModule):
                 loader.load_state_dict(self._pending_loader_state)
                 self._pending_loader_state = None
         return loader
+
+    def _training_start(self, epoch: int, start: int) -> tuple[int, int]:
+        """Where an iteration of the training sampler starts: the Trainer's epoch and batch counter (fit only)."""
+        trainer = self.trainer
+        if not getattr(trainer, "training", False):  # outside fit (or a stand-in trainer): the sampler's own
+            return epoch, start
+        loop = trainer.fit_loop
+        saved, self._resume_point = self._resume_point, None
+        return check_start(
+            trainer_epoch=loop.epoch_progress.current.processed,
+            trainer_position=loop.epoch_loop.batch_progress.current.ready,
+            saved=saved,
+            accumulate=self._layout[2],
+            rewind=lambda microbatches: rewind_fit_loop(loop, microbatches),
+        )
 
     def train_dataloader(self) -> StatefulDataLoader:
         """The training loader: a stateful DataLoader over this rank's planned microbatches."""
@@ -350,6 +403,7 @@ class SeqPackDataModule(LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """What a resume must agree with (the data and the distributed layout), and the training loader's state."""
         state = self._layout_state()
+        state[PLAN_STATE] = self._plan_settings()
         if self._train_loader is not None:
             state[LOADER_STATE] = self._train_loader.state_dict()
         return state
@@ -367,16 +421,29 @@ class SeqPackDataModule(LightningDataModule):
             max_tokens=self.hparams.max_tokens,
         )
 
+    def _plan_settings(self) -> dict[str, Any]:
+        world, _, accumulate = self._layout
+        settings = plan_settings(self.plan_config(world_size=world, accumulate_grad_batches=accumulate))
+        return settings | {"pad_to_multiple_of": self.hparams.pad_to_multiple_of}  # the lengths the planner sees
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Refuse to resume on other data or another layout (the plan would no longer match).
+        """Refuse to resume on other data, another layout or (mid-epoch) other plan settings; restore the loader.
 
         Only ``fit`` resumes training; ``validate`` and ``test`` from a checkpoint ignore this state.
-        The training loader's state is applied to the next training loader built. Lightning restores it too, but
-        drops it when ``configure_optimizers`` read ``trainer.estimated_stepping_batches`` (a cosine schedule does):
-        that builds the loader before the checkpoint is read (Lightning #20550), and the resumed epoch would then
-        start over from its first microbatch, training some samples twice and others not at all.
+
+        The training loader's state is applied whenever it arrives. DDP restores the DataModule before the loader
+        is built, FSDP, ModelParallel and DeepSpeed after it (and Lightning's own copy of the loader state is
+        dropped when ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``, Lightning #20550). A
+        state that arrives first is applied to the next training loader built; one that arrives late is loaded
+        into the live loader, whose iterator only starts at its first batch. Either way the first training batch
+        starts where the Trainer's loop counter stands, checked against the checkpoint's loader position
+        (:func:`~lit_seqpack.data._resume.check_start`).
         """
         trainer = self.trainer
         if trainer is not None and trainer.state.fn is not None and trainer.state.fn != "fit":
             return  # validate / test only read the weights: any data layout may evaluate a checkpoint
-        self._pending_loader_state = check_resume(state_dict, self._layout_state())
+        loader_state, self._resume_point = check_resume(state_dict, self._layout_state(), self._plan_settings())
+        if loader_state is not None and self._train_loader is not None:
+            self._train_loader.load_state_dict(loader_state)  # restored after the loader was built
+        else:
+            self._pending_loader_state = loader_state

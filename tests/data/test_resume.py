@@ -36,10 +36,11 @@ def test_layout_state_before_setup():
     assert state["num_train_samples"] == 0 and state["train_lengths"] is None
 
 
-def test_check_resume_returns_the_loader_state():
-    saved = _state() | {LOADER_STATE: {"step": 3}}
-    assert check_resume(saved, _state()) == {"step": 3}
-    assert check_resume(_state(), _state()) is None
+def test_check_resume_returns_the_loader_state_and_its_position():
+    loader = {"_index_sampler_state": {"epoch": 1, "position": 3}, "_num_yielded": 3}
+    saved = _state() | {LOADER_STATE: loader}
+    assert check_resume(saved, _state()) == (loader, (1, 3))
+    assert check_resume(_state(), _state()) == (None, None)
     assert LOADER_STATE in saved  # the checkpoint's dict is left alone
 
 

@@ -1,0 +1,110 @@
+"""``ResumableDataLoader``: the sampler's position survives a changed worker count and a state loaded after ``iter``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher, _PrefetchDataFetcher
+
+from lit_seqpack import PackedBatchSampler
+from lit_seqpack.data._loader import ResumableDataLoader, loader_workers, sampler_state_of
+from lit_seqpack.data._resume import check_start, rewind_fit_loop
+from lit_seqpack.data.microbatch import PlannedDataset
+
+LENGTHS = [5, 3, 7, 2, 6, 4, 8, 1, 5, 3, 2, 7, 6, 4, 3, 5]
+
+
+def indices(samples):
+    return [sample["i"] for sample in samples]
+
+
+def loader(num_workers: int) -> ResumableDataLoader:
+    sampler = PackedBatchSampler(LENGTHS, max_tokens=10, seed=3)
+    data = PlannedDataset([{"i": i} for i in range(len(LENGTHS))])
+    return ResumableDataLoader(data, batch_sampler=sampler, collate_fn=indices, num_workers=num_workers)
+
+
+def plan(first: ResumableDataLoader) -> list[list[int]]:
+    return first.batch_sampler.plan.rank_microbatches(0)
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(0, 0), (0, 2), (2, 0), (2, 1), (1, 1)])
+def test_a_changed_worker_count_resumes_from_the_sampler_position(saved: int, resumed: int) -> None:
+    first = loader(saved)
+    batches = iter(first)
+    done = [next(batches) for _ in range(3)]
+    state = first.state_dict()
+    assert loader_workers(state) == saved and sampler_state_of(state)["position"] == 3
+    second = loader(resumed)
+    second.load_state_dict(state)
+    assert done + list(second) == plan(first)
+
+
+def test_a_state_loaded_after_iter_is_used_by_that_iterator() -> None:
+    first = loader(0)
+    batches = iter(first)
+    done = [next(batches), next(batches)]
+    state = first.state_dict()
+    second = loader(2)
+    pending = iter(second)  # as Lightning's estimated_stepping_batches does before an FSDP restore
+    second.load_state_dict(state)
+    assert done + list(pending) == plan(first)
+
+
+def test_a_state_loaded_after_batches_were_drawn_makes_the_stale_iterator_raise() -> None:
+    first = loader(0)
+    batches = iter(first)
+    next(batches)
+    first.load_state_dict(first.state_dict())
+    with pytest.raises(RuntimeError, match=r"Call iter\(loader\) again"):
+        next(batches)
+    assert len(list(first)) == len(plan(first)) - 1  # a new iterator continues from the loaded state
+
+
+def test_a_state_without_a_sampler_position_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a StatefulDataLoader state"):
+        loader(0).load_state_dict({"something": 1})
+    with pytest.raises(ValueError, match="no batch sampler state"):
+        sampler_state_of({"_index_sampler_state": None})
+
+
+def test_check_start_follows_the_trainer_and_checks_the_checkpoint() -> None:
+    kw = {"accumulate": 2}
+    assert check_start(trainer_epoch=1, trainer_position=4, saved=(1, 4), **kw) == (1, 4)
+    assert check_start(trainer_epoch=1, trainer_position=4, saved=(1, 5), **kw) == (1, 4)  # microbatch in flight
+    assert check_start(trainer_epoch=2, trainer_position=0, saved=(1, 4), **kw) == (2, 0)  # epoch cut by max_steps
+    assert check_start(trainer_epoch=1, trainer_position=4, saved=None, **kw) == (1, 4)
+    for saved in ((1, 2), (1, 7), (2, 0)):
+        with pytest.raises(RuntimeError, match="the checkpoint's loader stopped at"):
+            check_start(trainer_epoch=1, trainer_position=4, saved=saved, **kw)
+    moved = []
+    rewind = lambda n: moved.append(n) or True  # noqa: E731
+    assert check_start(trainer_epoch=0, trainer_position=5, saved=(0, 5), rewind=rewind, **kw) == (0, 4)
+    assert moved == [1]  # inside a window: back to the start of the step
+    for rewind in (None, lambda n: False):
+        with pytest.raises(RuntimeError, match=r"inside a gradient-accumulation window .*optimizer step 2"):
+            check_start(trainer_epoch=0, trainer_position=5, saved=(0, 5), rewind=rewind, **kw)
+
+
+def _fit_loop(done: int, fetched: int, prefetched: list | None = None) -> SimpleNamespace:
+    def counts(n: int) -> SimpleNamespace:
+        return SimpleNamespace(ready=n, started=n, processed=n, completed=n)
+
+    progress = SimpleNamespace(current=counts(done), total=counts(done + 10))
+    fetcher = _PrefetchDataFetcher()
+    fetcher.fetched, fetcher.batches = fetched, prefetched or []
+    return SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress), _data_fetcher=fetcher)
+
+
+def test_rewind_fit_loop_moves_every_counter_back_or_refuses_an_unknown_state() -> None:
+    loop = _fit_loop(5, 5)
+    assert rewind_fit_loop(loop, 1)
+    assert vars(loop.epoch_loop.batch_progress.current) == dict.fromkeys(
+        ("ready", "started", "processed", "completed"), 4
+    )
+    assert loop.epoch_loop.batch_progress.total.completed == 14 and loop._data_fetcher.fetched == 4
+    other_fetcher = _fit_loop(5, 5)
+    other_fetcher._data_fetcher = _DataLoaderIterDataFetcher()
+    for odd in (_fit_loop(5, 6), _fit_loop(5, 5, prefetched=[{}]), _fit_loop(0, 0), other_fetcher, SimpleNamespace()):
+        assert not rewind_fit_loop(odd, 1)
