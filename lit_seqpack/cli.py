@@ -6,7 +6,8 @@ What it adds to a plain ``LightningCLI``:
 - ``trainer.use_distributed_sampler`` defaults to ``False``: the planner assigns every rank its own
   microbatches, and Lightning's ``DistributedSampler`` would re-split them and make ranks hang;
 - ``data.vocab_size`` is linked to ``model.init_args.vocab_size`` when the model takes a ``vocab_size``
-  (:class:`~lit_seqpack.model.lm.ReferenceLM`), so the vocabulary is written once, in the data section;
+  (:class:`~lit_seqpack.model.lm.ReferenceLM`), so the vocabulary is written once, in the data section; it
+  counts every id of the data (``input_ids`` and ``labels``) and ``data.pad_token_id``;
 - models whose vocabulary lives elsewhere (:class:`~lit_seqpack.model.lm.HFCausalLM`'s ``config`` dict or
   checkpoint) are checked after instantiation: a vocabulary smaller than the data's fails with a clear message;
 - only ``fit``, ``validate`` and ``test`` (the mixin trains and evaluates; it has no ``predict_step``);
@@ -29,6 +30,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_seqpack.data.datamodule import SeqPackDataModule
+from lit_seqpack.data.validation import model_vocab_size
 
 __all__ = ["DEFAULT_MODEL", "SUBCOMMANDS", "TRAINER_DEFAULTS", "SeqPackCLI", "check_vocab", "model_vocab_size"]
 
@@ -53,23 +55,6 @@ _DESCRIPTION = (
 
 TRAINER_DEFAULTS: dict[str, Any] = {"use_distributed_sampler": False}
 """Trainer defaults the samplers need (a config may still override them, and then the DataModule refuses)."""
-
-
-def model_vocab_size(model: LightningModule) -> int | None:
-    """The number of token ids ``model`` can embed, or ``None`` when it does not say.
-
-    Looked up, in order: the ``config.vocab_size`` of the wrapped network ``model.model`` (the reference decoder
-    and transformers models both have one), then the hyperparameter ``vocab_size``, then the ``vocab_size`` of a
-    ``config`` hyperparameter (:class:`~lit_seqpack.model.lm.HFCausalLM` built from a config dict).
-    """
-    inner_config = getattr(getattr(model, "model", None), "config", None)
-    value = getattr(inner_config, "vocab_size", None)
-    hparams = getattr(model, "hparams", None) or {}
-    if value is None:
-        value = hparams.get("vocab_size")
-    if value is None and isinstance(hparams.get("config"), Mapping):
-        value = hparams["config"].get("vocab_size")
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def check_vocab(model: LightningModule, data_vocab_size: int) -> None:

@@ -15,12 +15,15 @@ from lit_seqpack.data._layout import read_layout
 from lit_seqpack.data._resume import LOADER_STATE, check_resume, layout_state
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout
-from lit_seqpack.data.lengths import cached_lengths_and_loss_tokens, compute_lengths_and_loss_tokens
+from lit_seqpack.data.lengths import cached_scan
 from lit_seqpack.data.microbatch import PlannedDataset
 from lit_seqpack.data.overlong import OverlongReport
 from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
+from lit_seqpack.data.sources import TokenizedDataset
 from lit_seqpack.data.sources_factory import build_dataset
 from lit_seqpack.data.splits import IndexView, Split, split_indices
+from lit_seqpack.data.synthetic import SyntheticInstructionDataset
+from lit_seqpack.data.validation import DataScan, check_vocab_range, model_vocab_size, scan_dataset
 from lit_seqpack.planning.plan import PlanConfig
 
 if TYPE_CHECKING:
@@ -131,8 +134,7 @@ class SeqPackDataModule(LightningDataModule):
                 max_tokens, mode=mode, pad_to_multiple_of=pad_to_multiple_of, document_multiple=self.document_multiple
             )
         self._dataset = dataset
-        self._full_lengths: np.ndarray | None = None
-        self._full_loss_tokens: np.ndarray | None = None
+        self._data_scan: DataScan | None = None
         self.overlong_report: OverlongReport | None = None
         self._splits: dict[str, Split] = {}
         self._layout: tuple[int, int, int] = (1, 0, 1)  # data-parallel world size and rank, accumulation
@@ -164,30 +166,35 @@ class SeqPackDataModule(LightningDataModule):
 
     @property
     def vocab_size(self) -> int:
-        """Vocabulary size the data needs (linked to the model's ``vocab_size`` by the CLI)."""
+        """Vocabulary size the data needs, ``pad_token_id`` included (linked to the model's by the CLI)."""
         data = self.dataset
         for owner in (data, getattr(data, "config", None)):
             value = getattr(owner, "vocab_size", None)
-            if isinstance(value, int):
-                return value
-        tokens = getattr(data, "tokens", None)
-        if tokens is not None:
-            return int(np.max(tokens)) + 1
-        return max(int(max(data[i]["input_ids"])) for i in range(len(data))) + 1
+            if isinstance(value, int) and not isinstance(value, bool):
+                return max(value, self.hparams.pad_token_id + 1)
+        return max(self._scan().max_id, self.hparams.pad_token_id) + 1
 
     def prepare_data(self) -> None:
-        """Compute (and cache, with ``cache_dir``) the lengths once, on one process per node."""
-        self._lengths()
+        """Validate the samples and compute (and cache, with ``cache_dir``) the lengths once per process."""
+        self._scan()
+
+    def _scan(self) -> DataScan:
+        """Every sample validated once (:mod:`~lit_seqpack.data.validation`), with its lengths and loss tokens."""
+        if self._data_scan is None:
+            data, cache_dir = self.dataset, self.hparams.cache_dir
+            exact = isinstance(data, (TokenizedDataset, SyntheticInstructionDataset))  # lengths free, never cached
+            self._data_scan = scan_dataset(data) if cache_dir is None or exact else cached_scan(data, cache_dir)
+        return self._data_scan
 
     def _lengths(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._full_lengths is None:
-            data, cache_dir = self.dataset, self.hparams.cache_dir
-            if cache_dir is None:
-                lengths, loss_tokens = compute_lengths_and_loss_tokens(data)
-            else:
-                lengths, loss_tokens = cached_lengths_and_loss_tokens(data, cache_dir)
-            self._full_lengths, self._full_loss_tokens = lengths, loss_tokens
-        return self._full_lengths, self._full_loss_tokens
+        scan = self._scan()
+        return scan.lengths, scan.loss_tokens
+
+    def _check_model_vocab(self) -> None:
+        """Fail at setup when a data id or the pad id is outside the vocabulary of the Trainer's model."""
+        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        vocab = None if model is None else model_vocab_size(model)
+        check_vocab_range(self._scan(), vocab_size=vocab, pad_token_id=self.hparams.pad_token_id)
 
     def setup(self, stage: str | None = None) -> None:
         """Read world size, rank and accumulation from the Trainer; apply the over-long policy; split."""
@@ -198,6 +205,7 @@ class SeqPackDataModule(LightningDataModule):
         if len(self.dataset) == 0:
             raise ValueError("the dataset is empty: there is nothing to train on")
         lengths, loss_tokens = self._lengths()
+        self._check_model_vocab()
         empty = np.flatnonzero(lengths == 0)
         if empty.size:
             raise ValueError(
