@@ -191,3 +191,17 @@ def test_columnar_validation_is_vectorised_and_names_the_row() -> None:
     with pytest.raises(ValueError, match=r"token id 60000 \(big.parquet, sample 123456 \(input_ids\)\)"):
         check_vocab_range(scan, vocab_size=50_000, pad_token_id=0)
     check_vocab_range(DataScan(np.ones(1), np.zeros(1), 5, "x"), vocab_size=None, pad_token_id=99)  # unknown: ok
+
+
+@pytest.mark.parametrize("key", ["input_ids", "labels"])
+def test_the_mixin_checks_the_vocabulary_at_the_model_boundary(key: str) -> None:
+    """A loader that no DataModule validated: the model step names the id instead of IndexError in the embedding."""
+    batch = PackedCollator()([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    batch[key][0, 1] = 100
+    model = _tiny_lm(64)
+    with pytest.raises(
+        ValueError, match=rf"the batch's {key} holds id 100 but ReferenceLM has vocab_size=64.*at least 101"
+    ):
+        model.seqpack_step(batch, "train")
+    batch[key][0, 1] = 63
+    model.seqpack_step(batch, "train")  # in range: trains
