@@ -10,17 +10,17 @@ from lightning.pytorch import LightningDataModule
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lit_seqpack.data._budget import apply_document_budget, document_budget, planned_lengths
-from lit_seqpack.data._knobs import check_knobs, check_parallel_knobs
+from lit_seqpack.data._knobs import check_knobs, check_parallel_knobs, check_setting_types
 from lit_seqpack.data._layout import read_layout
 from lit_seqpack.data._resume import LOADER_STATE, check_resume, layout_state
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout
 from lit_seqpack.data.lengths import cached_scan
 from lit_seqpack.data.microbatch import PlannedDataset
-from lit_seqpack.data.overlong import OverlongReport
+from lit_seqpack.data.overlong import OVERLONG_POLICIES, OverlongReport
 from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
 from lit_seqpack.data.sources import TokenizedDataset
-from lit_seqpack.data.sources_factory import build_dataset
+from lit_seqpack.data.sources_factory import SOURCES, build_dataset
 from lit_seqpack.data.splits import IndexView, Split, split_indices
 from lit_seqpack.data.synthetic import SyntheticInstructionDataset
 from lit_seqpack.data.validation import DataScan, check_vocab_range, model_vocab_size, scan_dataset
@@ -115,6 +115,16 @@ class SeqPackDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["dataset"])
+        check_setting_types(
+            source=source,
+            sources=SOURCES,
+            overlong=overlong,
+            policies=OVERLONG_POLICIES,
+            shuffle=shuffle,
+            pad_token_id=pad_token_id,
+            strings={"path?": path, "tokenizer?": tokenizer, "text_field": text_field, "cache_dir?": cache_dir},
+            fractions={"val_fraction": val_fraction, "test_fraction": test_fraction},
+        )
         check_knobs(
             mode=mode,
             modes=_SAMPLERS,

@@ -205,3 +205,34 @@ def test_the_mixin_checks_the_vocabulary_at_the_model_boundary(key: str) -> None
         model.seqpack_step(batch, "train")
     batch[key][0, 1] = 63
     model.seqpack_step(batch, "train")  # in range: trains
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"shuffle": "false"}, TypeError, "shuffle='false' must be a bool"),
+        ({"shuffle": "no"}, TypeError, "shuffle='no' must be a bool"),
+        ({"shuffle": 1}, TypeError, "shuffle=1 must be a bool"),
+        ({"source": "csv"}, ValueError, "source='csv' must be one of"),
+        ({"overlong": "skip"}, ValueError, "overlong='skip' must be one of"),
+        ({"pad_token_id": -1}, ValueError, "pad_token_id=-1 must be an int >= 0"),
+        ({"pad_token_id": True}, ValueError, "pad_token_id=True must be an int >= 0"),
+        ({"val_fraction": "0.1"}, TypeError, "val_fraction='0.1' must be a number"),
+        ({"text_field": 1}, TypeError, "text_field=1 must be a str"),
+        ({"cache_dir": 3}, TypeError, "cache_dir=3 must be a str or None"),
+    ],
+)
+def test_settings_of_the_wrong_type_fail_at_construction(kwargs: dict, error: type, message: str) -> None:
+    """Regression: shuffle="false", "no" or 1 was accepted and planned as shuffle=True."""
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SeqPackDataModule(**kwargs)
+
+
+@pytest.mark.parametrize("knob", ["shuffle", "verify_plan"])
+def test_sampler_flags_must_be_bools(knob: str) -> None:
+    from lit_seqpack import DynamicBatchSampler, PackedBatchSampler
+
+    for sampler in (PackedBatchSampler, DynamicBatchSampler):
+        with pytest.raises((TypeError, ValueError), match=f"{knob}"):
+            sampler([3, 4], max_tokens=8, **{knob: "no"})
+    assert SeqPackDataModule(shuffle=False).plan_config(world_size=1, accumulate_grad_batches=1).shuffle is False
