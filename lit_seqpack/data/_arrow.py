@@ -34,8 +34,12 @@ def require(module: str) -> ModuleType:
 def parquet_table(path: Path, columns: tuple[str, ...]) -> Any:
     """Read the wanted columns (those present) of a Parquet file as a ``pyarrow.Table``."""
     pq = require("pyarrow.parquet")
-    names = pq.read_schema(path).names
-    return pq.read_table(path, columns=[c for c in columns if c in names])
+    pa = require("pyarrow")
+    try:
+        names = pq.read_schema(path).names
+        return pq.read_table(path, columns=[c for c in columns if c in names])
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(f"{path}: not a readable Parquet file ({type(err).__name__}: {err})") from None
 
 
 def hf_disk_table(path: Path, split: str | None) -> Any:

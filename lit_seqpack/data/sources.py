@@ -178,14 +178,46 @@ def _detect_format(path: Path) -> str:
 
 
 def _jsonl_records(path: Path) -> Iterable[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
+    for number, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}, line {number}", json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}, line {number}: invalid JSON ({err.msg})") from err
+        except RecursionError:
+            raise ValueError(
+                f"{path}, line {number}: JSON nested too deeply to parse (a sample is one flat object)"
+            ) from None
+
+
+_NOT_UTF8 = {
+    b"\x1f\x8b": "it is gzip-compressed: decompress it first (gunzip)",
+    b"\xff\xfe": "it is UTF-16 (little-endian BOM): re-encode it as UTF-8",
+    b"\xfe\xff": "it is UTF-16 (big-endian BOM): re-encode it as UTF-8",
+}
+
+
+def text_lines(path: Path) -> Iterable[tuple[int, str]]:
+    """``(line number, text)`` of a UTF-8 file (a leading BOM is dropped); other encodings fail naming the line.
+
+    Raises:
+        ValueError: naming the file, the line and the byte that is not UTF-8 (and gzip or UTF-16 when it is).
+    """
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if number == 1:
+                hint = next((why for magic, why in _NOT_UTF8.items() if raw.startswith(magic)), None)
+                if hint is not None:
+                    raise ValueError(f"{path}: not UTF-8 text, {hint}")
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
             try:
-                yield f"{path}, line {number}", json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}, line {number}: invalid JSON ({err.msg})") from err
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}, line {number}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}); "
+                    "JSONL and text files must be UTF-8"
+                ) from None
 
 
 def _pack(
