@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lit_seqpack.data._budget import apply_document_budget, document_budget, planned_lengths
@@ -33,6 +34,8 @@ __all__ = ["SeqPackDataModule"]
 
 
 Mode = Literal["packing", "dynamic", "padded"]
+DEFAULT_MAX_TOKENS = 2048
+"""``max_tokens="auto"`` in packing and dynamic mode (``None`` in padded mode)."""
 _SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
 
 
@@ -53,7 +56,9 @@ class SeqPackDataModule(LightningDataModule):
         text_field: the JSONL field holding raw text (``source="text"``).
         mode: ``"packing"``, ``"dynamic"`` or ``"padded"`` (the baseline); one field, so packing and
             dynamic batching can never both be on.
-        max_tokens: token budget of a microbatch (packing and dynamic; ``None`` in padded mode).
+        max_tokens: token budget of a microbatch (packing and dynamic). ``"auto"`` (the default) is 2048 in
+            packing and dynamic mode and ``None`` in padded mode (no cap, as a plain DataLoader); an int in padded
+            mode caps every sample at it (``overlong``).
         algorithm: packing algorithm (``lit_seqpack.PACKING_ALGORITHMS``; packing only).
         window: consecutive shuffled samples planned together (``None``: the whole epoch).
         sequence_length_round: rows are padded to a multiple of this (the packed row, or the longest
@@ -93,7 +98,7 @@ class SeqPackDataModule(LightningDataModule):
         tokenizer: str | None = None,
         text_field: str = "text",
         mode: Mode = "packing",
-        max_tokens: int | None = 2048,
+        max_tokens: int | Literal["auto"] | None = "auto",
         algorithm: str = "first_fit_decreasing",
         window: int | None = None,
         sequence_length_round: int = 1,
@@ -115,6 +120,8 @@ class SeqPackDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["dataset"])
+        if isinstance(max_tokens, str) and max_tokens == "auto":
+            max_tokens = self.hparams.max_tokens = None if mode == "padded" else DEFAULT_MAX_TOKENS
         check_setting_types(
             source=source,
             sources=SOURCES,
@@ -326,10 +333,24 @@ class SeqPackDataModule(LightningDataModule):
         return self._loader("train")
 
     def val_dataloader(self) -> StatefulDataLoader | list:
-        """The validation loader (same mode, no shuffle, no accumulation), or none without ``val_fraction``."""
+        """The validation loader (same mode, no shuffle, no accumulation), or none without ``val_fraction``.
+
+        A validation split without a single loss token (every label -100) would log ``val/loss = nan``: it is
+        skipped with a warning instead.
+        """
         if not self._splits:
             self.setup("validate")
-        return self._loader("val") if "val" in self._splits else []
+        if "val" not in self._splits:
+            return []
+        val = self._splits["val"]
+        if int(val.loss_tokens.sum()) == 0:
+            rank_zero_warn(
+                f"lit_seqpack: the validation split ({len(val.lengths)} samples) has no loss token (every label is "
+                "-100 after the first token of each sample), so val/loss would be NaN; validation is skipped. Raise "
+                "val_fraction or check the labels / loss_mask of the data"
+            )
+            return []
+        return self._loader("val")
 
     def test_dataloader(self) -> StatefulDataLoader:
         """The test loader (same mode, no shuffle, no accumulation); needs ``test_fraction > 0``."""

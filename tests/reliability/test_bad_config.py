@@ -62,3 +62,38 @@ def test_a_misspelt_key_behind_an_interpolation_names_the_typo(tmp_path: Path) -
     (tmp_path / "demo.yaml").write_text(json.dumps(shipped))
     with pytest.raises(ValueError, match="is 'max_token' a typo of 'max_tokens'"):
         SeqPackCLI(args=["fit", "--config", str(tmp_path / "demo.yaml")])
+
+
+def test_padded_mode_has_no_token_cap_unless_one_is_given() -> None:
+    """Regression: padded mode capped samples at the default max_tokens=2048 although the README said null."""
+    from lit_seqpack import SeqPackDataModule
+
+    records = [{"input_ids": list(range(1, 3001))}, {"input_ids": [1, 2]}]
+    dm = SeqPackDataModule(dataset=records, mode="padded", batch_size=2)
+    assert dm.hparams.max_tokens is None and [b["input_ids"].shape[1] for b in dm.train_dataloader()] == [3000]
+    assert SeqPackDataModule().hparams.max_tokens == SeqPackDataModule(mode="dynamic").hparams.max_tokens == 2048
+    with pytest.raises(ValueError, match=r"1 of 2 samples are longer than max_tokens=2048"):
+        SeqPackDataModule(dataset=records, mode="padded", batch_size=2, max_tokens=2048).setup("fit")
+
+
+def test_a_validation_split_without_loss_tokens_is_skipped_with_a_warning(tmp_path: Path) -> None:
+    """Regression: it logged val/loss = nan."""
+    import lightning as L
+
+    from lit_seqpack import ReferenceLM, SeqPackDataModule
+    from lit_seqpack.data.splits import split_indices
+
+    records = [{"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4]} for _ in range(10)]
+    (held_out,) = split_indices(10, 0.1, seed=0)[1].tolist()
+    records[held_out] = {"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}
+    dm = SeqPackDataModule(dataset=records, max_tokens=16, val_fraction=0.1, seed=0)
+    dm.setup("fit")
+    assert int(dm.splits["val"].loss_tokens.sum()) == 0  # the held-out sample is the masked one
+    model = ReferenceLM(vocab_size=8, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, intermediate_size=32)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, max_steps=2,
+                        enable_checkpointing=False, default_root_dir=tmp_path)  # fmt: skip
+    with pytest.warns(
+        UserWarning, match=r"the validation split \(1 samples\) has no loss token.*validation is skipped"
+    ):
+        trainer.fit(model, datamodule=dm)
+    assert "val/loss" not in trainer.callback_metrics
