@@ -236,3 +236,35 @@ def test_sampler_flags_must_be_bools(knob: str) -> None:
         with pytest.raises((TypeError, ValueError), match=f"{knob}"):
             sampler([3, 4], max_tokens=8, **{knob: "no"})
     assert SeqPackDataModule(shuffle=False).plan_config(world_size=1, accumulate_grad_batches=1).shuffle is False
+
+
+def _random_records(seed: int, count: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    records = []
+    for _ in range(count):
+        ids = rng.integers(0, 500, rng.integers(1, 20)).tolist()
+        kind = rng.integers(0, 3)
+        if kind == 0:
+            records.append({"input_ids": ids})
+        elif kind == 1:
+            records.append({"input_ids": ids, "labels": [v if rng.random() < 0.6 else -100 for v in ids]})
+        else:
+            records.append({"input_ids": ids, "loss_mask": [int(rng.random() < 0.5) for _ in ids]})
+    return records
+
+
+@pytest.mark.parametrize("form", ["list", "tensor", "array"])
+def test_the_vectorised_scan_agrees_with_the_per_sample_rules(form: str) -> None:
+    import torch
+
+    records = _random_records(form == "tensor", 5000)  # more than one chunk
+    convert = {"list": lambda v: v, "tensor": torch.tensor, "array": np.array}[form]
+    converted = [{k: convert(v) for k, v in r.items()} for r in records]
+    expected = TokenizedDataset.from_records(records)  # validate_record, one record at a time
+    scan = scan_dataset(converted)
+    assert scan.lengths.tolist() == expected.lengths.tolist()
+    assert scan.loss_tokens.tolist() == expected.loss_tokens.tolist()
+    assert scan.max_id == max(int(expected.tokens.max()), int(expected.labels.max()))
+    converted[4321] = {"input_ids": convert([3, -1])}  # a bad sample deep in the second chunk
+    with pytest.raises(ValueError, match=r"dataset\[4321\]: 'input_ids' has negative id -1 at position 1"):
+        scan_dataset(converted)
