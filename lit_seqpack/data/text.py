@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from lit_seqpack.data._knobs import check_flag
 from lit_seqpack.data.sources import TokenizedDataset, text_lines
 
 __all__ = ["TextDataset"]
@@ -54,8 +55,10 @@ class TextDataset(TokenizedDataset):
         text_field: str = "text",
         batch_size: int = 1024,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+        add_eos = check_flag("add_eos", add_eos)
+        add_special_tokens = check_flag("add_special_tokens", add_special_tokens)
         tok = load_tokenizer(tokenizer)
         eos = getattr(tok, "eos_token_id", None)
         if add_eos and eos is None:
