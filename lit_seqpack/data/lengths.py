@@ -3,9 +3,15 @@
 The planner needs, for every sample, its token count and its number of loss tokens (positions after
 the first whose label is not -100; ``length - 1`` without labels). A dataset may offer both as
 ``lengths`` / ``loss_tokens`` array attributes (every dataset of this package does); otherwise the
-dataset is read once. :func:`cached_lengths` stores the arrays in ``cache_dir`` under a digest of the
-dataset's ``fingerprint`` (or an explicit ``key``), so the DataModule computes them once in
-``prepare_data`` and every rank reads them back in ``setup``.
+dataset is read once, and validated on the way (:func:`~lit_seqpack.data.validation.scan_dataset`).
+
+:func:`cached_lengths` stores the arrays of a dataset without both attributes in ``cache_dir`` under a digest
+of its ``fingerprint`` (or an explicit ``key``) and the number of samples. A cache can never override arrays a
+dataset offers; on load it is checked against the data (size, value ranges, identity, and the lengths and loss
+tokens of a deterministic sample of 16 records), and recomputed with a warning when unreadable or inconsistent.
+It is written atomically: a unique ``mkstemp`` file (``O_EXCL``, no symlink followed) in the cache folder,
+fsynced, then ``os.replace``; the temporary file is removed on failure, and one a killed writer left is removed
+by the next writer after an hour.
 """
 
 from __future__ import annotations
