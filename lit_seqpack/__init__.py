@@ -49,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "varlen_attention": "lit_seqpack.model.attention",
     "available_backends": "lit_seqpack.model.attention",
     "PackedSequenceMixin": "lit_seqpack.model.mixin",
+    "FabricAccumulation": "lit_seqpack.model.fabric",
     "check_packing_equivalence": "lit_seqpack.model.hf",
     # metrics and callbacks
     "PaddingRatio": "lit_seqpack.metrics",
@@ -60,6 +61,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "DynamicBatchSampler",
+    "FabricAccumulation",
     "HFCausalLM",
     "LossOutput",
     "MicrobatchMeta",

@@ -29,11 +29,16 @@ def _run(script: str, *args: str, cwd: Path, timeout: int = 300) -> str:
     return result.stdout + result.stderr
 
 
-def test_every_example_is_tested():
-    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["compare_modes.py", "hf_model.py", "own_model.py"]
+def test_every_example_is_tested():  # fabric_loop.py: tests/test_fabric_loop.py
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == [
+        "compare_modes.py",
+        "fabric_loop.py",
+        "hf_model.py",
+        "own_model.py",
+    ]
 
 
-@pytest.mark.parametrize("script", ["own_model.py", "hf_model.py", "compare_modes.py"])
+@pytest.mark.parametrize("script", ["own_model.py", "hf_model.py", "compare_modes.py", "fabric_loop.py"])
 def test_help(script, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [script, "--help"])
     with pytest.raises(SystemExit) as exit_info:

@@ -110,13 +110,13 @@ def check_knobs(
 
 
 def check_parallel_knobs(layout: ParallelLayout, mode: str, max_tokens: int | None, row_multiple: int) -> None:
-    """Context and tensor parallelism split packed rows: packing only, with a budget their multiples divide."""
+    """Context parallelism splits packed rows (packing only); both need a budget their row multiple divides."""
     if layout.model_parallel_size == 1:
         return
-    if mode != "packing":
+    if mode != "packing" and layout.context_parallel_size > 1:
         raise ValueError(
-            f"context_parallel_size={layout.context_parallel_size} and tensor_parallel_size="
-            f"{layout.tensor_parallel_size} need mode='packing', got mode={mode!r}"
+            f"context_parallel_size={layout.context_parallel_size} needs mode='packing', got mode={mode!r} "
+            f"(tensor_parallel_size={layout.tensor_parallel_size} alone works in every mode)"
         )
     if isinstance(max_tokens, int) and max_tokens % row_multiple:
         raise ValueError(

@@ -159,6 +159,17 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         """The plan of the current epoch (computed once per epoch and cached)."""
         return self._plan_for(self._epoch)
 
+    @property
+    def batch_size(self) -> int:
+        """Samples per microbatch as batch-size readers see it: ``batch_size`` (padded) or 1 (packing, dynamic).
+
+        Lightning's DeepSpeed strategy reads ``loader.batch_sampler.batch_size`` for DeepSpeed's
+        ``train_micro_batch_size_per_gpu`` (used for its throughput logs and ``train_batch_size`` bookkeeping, not
+        for the gradient). A packed microbatch is one row and a dynamic one a variable number of rows, so the unit
+        is one microbatch per rank per forward: 1.
+        """
+        return int(self.config.batch_size) if self.config.mode == "padded" else 1
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch of the next iteration; a new epoch starts from its first microbatch."""
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:

@@ -37,6 +37,7 @@ from lit_seqpack.data.labels import IGNORE_INDEX, shift_labels
 __all__ = [
     "ContextParallelCollator",
     "ParallelLayout",
+    "TensorParallelCollator",
     "context_parallel_index",
     "gather_packed_batches",
     "shard_packed_batch",
@@ -313,5 +314,36 @@ class ContextParallelCollator:
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         batch = shard_packed_batch(self.collator(samples), self.context_parallel_size, self.context_parallel_rank)
+        batch["tensor_parallel_size"] = self.tensor_parallel_size
+        return batch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorParallelCollator:
+    """A collator whose batches record ``tensor_parallel_size`` (tensor parallelism without context parallelism).
+
+    Sequence parallelism splits the whole row (or ``L``) into ``tp`` equal parts, never a document, so the wrapped
+    collator only pads rows to a multiple of ``tp`` (``ParallelLayout.row_multiple``) and documents keep any
+    length. The model side reads ``tensor_parallel_size`` to check the trainer's world size.
+
+    Args:
+        collator: the packed or padded collator of the microbatch (rows padded to a multiple of ``tp``).
+        tensor_parallel_size: tensor-parallel ranks (``tp``).
+    """
+
+    collator: Any
+    tensor_parallel_size: int
+
+    def __post_init__(self) -> None:
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        batch = self.collator(samples)
+        width = batch["input_ids"].shape[-1]
+        if width % self.tensor_parallel_size:
+            raise ValueError(
+                f"the collated row has {width} tokens, not a multiple of tensor_parallel_size="
+                f"{self.tensor_parallel_size}: collate with pad_to_multiple_of a multiple of it"
+            )
         batch["tensor_parallel_size"] = self.tensor_parallel_size
         return batch

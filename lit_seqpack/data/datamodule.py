@@ -15,7 +15,7 @@ from lit_seqpack.data._knobs import check_knobs, check_parallel_knobs, check_set
 from lit_seqpack.data._layout import read_layout
 from lit_seqpack.data._resume import LOADER_STATE, check_resume, layout_state
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout
+from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout, TensorParallelCollator
 from lit_seqpack.data.lengths import cached_scan
 from lit_seqpack.data.microbatch import PlannedDataset
 from lit_seqpack.data.overlong import OVERLONG_POLICIES, OverlongReport
@@ -68,11 +68,14 @@ class SeqPackDataModule(LightningDataModule):
         context_parallel_size: ranks that split every sequence (context parallelism, packing only). Every
             document is then padded to ``lcm(pad_to_multiple_of, 2 x cp x tp)``, the planner plans on those
             lengths and each rank receives its shard (:mod:`lit_seqpack.data.context_parallel`).
-        tensor_parallel_size: tensor-parallel ranks with sequence parallelism (packing only): packed rows are
-            padded to a multiple of it (of ``2 x cp x tp`` per document with context parallelism).
-            The ``cp x tp`` ranks of one data-parallel rank get the same microbatches; global ranks are laid out
-            tensor-parallel innermost, then context-parallel, then data-parallel
-            (:class:`~lit_seqpack.data.context_parallel.ParallelLayout`), and the plan is made for
+        tensor_parallel_size: tensor-parallel ranks with sequence parallelism: rows are padded to a multiple of
+            it (packed rows, or the ``L`` of dynamic and padded blocks; every document to a multiple of
+            ``2 x cp x tp`` with context parallelism); documents of any length are fine.
+            The ``cp x tp`` ranks of one data-parallel rank get the same microbatches. Under a strategy with a
+            device mesh (``ModelParallelStrategy``) the data-parallel size and rank are the mesh's, and the mesh's
+            tensor/context-parallel sizes must equal these two settings (``ValueError`` naming both otherwise);
+            without a mesh, global ranks are laid out tensor-parallel innermost, then context-parallel, then
+            data-parallel (:class:`~lit_seqpack.data.context_parallel.ParallelLayout`), and the plan is made for
             ``trainer.world_size / (cp x tp)`` data-parallel ranks.
         microbatch_order: ``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`).
         cost_quadratic: ``b`` of the per-document cost ``L + b*L^2`` that ranks are balanced on.
@@ -159,6 +162,7 @@ class SeqPackDataModule(LightningDataModule):
         self._train_sampler: PlannedBatchSampler | None = None
         self._train_loader: StatefulDataLoader | None = None
         self._pending_loader_state: dict[str, Any] | None = None
+        self._fabric: tuple[Any, int] | None = None
 
     @property
     def document_multiple(self) -> int:
@@ -213,9 +217,29 @@ class SeqPackDataModule(LightningDataModule):
         vocab = None if model is None else model_vocab_size(model)
         check_vocab_range(self._scan(), vocab_size=vocab, pad_token_id=self.hparams.pad_token_id)
 
+    def attach_fabric(self, fabric: Any, *, accumulate_grad_batches: int = 1) -> None:
+        """Plan for a Lightning Fabric loop: world size, rank (or device mesh) from ``fabric``, and its accumulation.
+
+        Outside a Trainer nothing else tells the DataModule how many microbatches an optimizer step holds; a plan
+        made for another accumulation than the loop's would normalise the exact loss over the wrong step. Check
+        the loop with :class:`~lit_seqpack.model.fabric.FabricAccumulation` (see ``examples/fabric_loop.py``).
+
+        Args:
+            fabric: the launched ``lightning.fabric.Fabric``.
+            accumulate_grad_batches: microbatches per rank per optimizer step of the loop.
+        """
+        if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int):
+            raise ValueError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
+        self._fabric = (fabric, accumulate_grad_batches)
+
     def setup(self, stage: str | None = None) -> None:
         """Read world size, rank and accumulation from the Trainer; apply the over-long policy; split."""
-        self._layout, self._cp_rank = read_layout(self.trainer, self._parallel)
+        fabric, accumulate = self._fabric if self._fabric is not None else (None, 1)
+        self._layout, self._cp_rank = read_layout(
+            self.trainer, self._parallel, fabric=fabric, accumulate_grad_batches=accumulate
+        )
         if self._splits:
             return
         hp = self.hparams
@@ -279,10 +303,11 @@ class SeqPackDataModule(LightningDataModule):
             cost_quadratic=hp.cost_quadratic,
         )
 
-    def _collator(self) -> PackedCollator | PaddedCollator | ContextParallelCollator:
-        hp = self.hparams
+    def _collator(self) -> PackedCollator | PaddedCollator | ContextParallelCollator | TensorParallelCollator:
+        hp, tp = self.hparams, self._parallel.tensor_parallel_size
         if hp.mode != "packing":
-            return PaddedCollator(pad_token_id=hp.pad_token_id, pad_to_multiple_of=hp.sequence_length_round)
+            padded = PaddedCollator(pad_token_id=hp.pad_token_id, pad_to_multiple_of=self.row_multiple)
+            return padded if tp == 1 else TensorParallelCollator(collator=padded, tensor_parallel_size=tp)
         collator = PackedCollator(
             pad_token_id=hp.pad_token_id,
             pad_to_multiple_of=self.row_multiple,
@@ -290,6 +315,8 @@ class SeqPackDataModule(LightningDataModule):
         )
         if self._parallel.model_parallel_size == 1:
             return collator
+        if self._parallel.context_parallel_size == 1:  # sequence parallelism splits the row, not each document
+            return TensorParallelCollator(collator=collator, tensor_parallel_size=tp)
         return ContextParallelCollator(
             collator=collator,
             context_parallel_size=self._parallel.context_parallel_size,

@@ -56,15 +56,69 @@ def _check_optim(lr: float, weight_decay: float, warmup_steps: int, min_lr_ratio
         raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {schedule!r}")
 
 
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _clean_name(name: str) -> str:
+    """A parameter's name without the prefixes FSDP1, activation checkpointing and ``torch.compile`` insert.
+
+    Example:
+        >>> _clean_name("model.layers.0._fsdp_wrapped_module.attn.q_proj.weight")
+        'model.layers.0.attn.q_proj.weight'
+    """
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _flattening_strategy(module: Any) -> str | None:
+    """The strategy's name if ``configure_optimizers`` sees flat or partitioned parameters (FSDP1, DeepSpeed)."""
+    owner = getattr(module, "_trainer", None) or getattr(module, "_fabric", None)
+    strategy = getattr(owner, "strategy", None)
+    from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeed
+    from lightning.fabric.strategies import FSDPStrategy as FabricFSDP
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    flat = isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, FabricFSDP, FabricDeepSpeed))
+    return type(strategy).__name__ if flat else None
+
+
 class _OptimizerMixin:
-    """AdamW (no decay on biases and norms) with warmup and cosine decay, read from ``self.hparams``."""
+    """AdamW (no decay on biases and norms) with warmup and cosine decay, read from ``self.hparams``.
+
+    The decay group holds the parameters that are at least 2-D *before* any sharding: FSDP1 (``FSDPStrategy``) and
+    DeepSpeed ZeRO-3 show ``configure_optimizers`` flat 1-D shards, so the unsharded dimensions are recorded in
+    ``setup`` (which Lightning calls before the strategy wraps the model) and looked up by parameter name. FSDP2
+    (``ModelParallelStrategy``) parameters are DTensors, whose ``ndim`` is the full tensor's.
+    """
+
+    def setup(self, stage: str) -> None:
+        """Record every parameter's unsharded ``ndim`` (override with ``super().setup(stage)``)."""
+        super().setup(stage)  # type: ignore[misc]
+        named = self.named_parameters()  # type: ignore[attr-defined]
+        self._seqpack_param_ndims = {_clean_name(name): p.ndim for name, p in named}
+
+    def _decays(self, name: str, param: torch.Tensor) -> bool:
+        recorded = getattr(self, "_seqpack_param_ndims", {}).get(_clean_name(name))
+        if recorded is not None:
+            return recorded >= 2
+        flattening = _flattening_strategy(self)
+        if flattening is not None and not _is_dtensor(param):
+            raise ValueError(
+                f"configure_optimizers under {flattening} sees parameter {name!r} flattened (shape "
+                f"{tuple(param.shape)}), so its weight-decay group cannot be read from its shape, and no unsharded "
+                "shape was recorded for it: the shapes are recorded in setup(); call super().setup(stage) in an "
+                "override, and create parameters before setup (not in configure_model)"
+            )
+        return param.ndim >= 2
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         hp = self.hparams  # type: ignore[attr-defined]
-        params = [p for p in self.parameters() if p.requires_grad]  # type: ignore[attr-defined]
+        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]  # type: ignore[attr-defined]
+        decays = [self._decays(name, p) for name, p in named]
         groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+            {"params": [p for (_, p), d in zip(named, decays, strict=True) if d], "weight_decay": hp.weight_decay},
+            {"params": [p for (_, p), d in zip(named, decays, strict=True) if not d], "weight_decay": 0.0},
         ]
         optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.lr, betas=(0.9, 0.95))
         total = None
@@ -74,6 +128,12 @@ class _OptimizerMixin:
         kwargs = {"warmup_steps": hp.warmup_steps, "total_steps": total, "min_lr_ratio": hp.min_lr_ratio}
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, **kwargs))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _is_dtensor(param: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
 
 
 class ReferenceLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lit_seqpack.data._layout import mesh_layout, strategy_mesh
 from lit_seqpack.data.validation import model_vocab_size
 from lit_seqpack.model.cp_attention import context_parallel_scope
 from lit_seqpack.model.loss import LossOutput, exact_loss, token_cross_entropy
@@ -65,7 +66,7 @@ from lit_seqpack.model.loss import LossOutput, exact_loss, token_cross_entropy
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-__all__ = ["VOCAB_CHECKED_BATCHES", "PackedSequenceMixin", "is_packed_batch"]
+__all__ = ["VOCAB_CHECKED_BATCHES", "PackedSequenceMixin", "check_batch_layout", "is_packed_batch"]
 
 _STAGE_PREFIX = {"train": "train", "validate": "val", "test": "test"}
 _VERIFIED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -195,7 +196,7 @@ class PackedSequenceMixin:
             return logits.sum() * 0.0
         if stage == "train":
             if output.step_units is not None:
-                _check_step_layout(batch, self._seqpack_trainer())
+                _check_step_layout(batch, self._seqpack_trainer(), getattr(self, "_fabric", None))
             loss = exact_loss(output, batch)
         else:
             loss = output.loss_sum / max(output.num_units, 1)
@@ -231,19 +232,60 @@ class PackedSequenceMixin:
             )
 
 
-def _check_step_layout(batch: Mapping[str, Any], trainer: Trainer | None) -> None:
-    """Fail when the batch was planned for another world size or accumulation than the trainer runs."""
-    if trainer is None:
+def _check_step_layout(batch: Mapping[str, Any], trainer: Trainer | None, fabric: Any = None) -> None:
+    """Fail when the batch was planned for another layout or accumulation than the trainer (or Fabric) runs.
+
+    The data-parallel size is the strategy's device mesh's when it has one (``ModelParallelStrategy``), since
+    ``trainer.world_size`` counts tensor-parallel ranks too. Under Fabric only the world size is checked here (the
+    accumulation is the loop's: :class:`~lit_seqpack.model.fabric.FabricAccumulation` checks it).
+    """
+    owner = trainer if trainer is not None else fabric
+    if owner is None:
         return
-    model_parallel = int(batch.get("context_parallel_size", 1)) * int(batch.get("tensor_parallel_size", 1))
-    planned = (int(batch.get("world_size", 1)) * model_parallel, int(batch.get("accumulate_grad_batches", 1)))
-    actual = (int(trainer.world_size), int(trainer.accumulate_grad_batches))
-    if planned != actual:
+    accumulate = int(trainer.accumulate_grad_batches) if trainer is not None else None
+    strategy = getattr(owner, "strategy", None)
+    if accumulate is not None and accumulate > 1 and getattr(strategy, "handles_gradient_accumulation", False):
+        raise ValueError(
+            f"accumulate_grad_batches={accumulate} under {type(strategy).__name__}, which accumulates gradients "
+            "itself (DeepSpeed divides the loss by gradient_accumulation_steps in its backward, on top of "
+            "Lightning's division): the exact loss is not verified there. Use accumulate_grad_batches=1 with a "
+            "larger max_tokens, or DDP / FSDP"
+        )
+    check_batch_layout(batch, world_size=int(owner.world_size), accumulate_grad_batches=accumulate, strategy=strategy)
+
+
+def check_batch_layout(
+    batch: Mapping[str, Any], *, world_size: int, accumulate_grad_batches: int | None, strategy: Any = None
+) -> None:
+    """Raise ``ValueError`` unless ``batch`` was planned for this world size, accumulation and device mesh.
+
+    Args:
+        batch: a training batch of the lit_seqpack contract (its ``world_size`` counts data-parallel ranks).
+        world_size: every process of the run (data x context x tensor parallel).
+        accumulate_grad_batches: microbatches per rank per optimizer step (``None``: not checked).
+        strategy: the strategy, whose ``device_mesh`` (if any) gives the data-parallel size.
+    """
+    cp, tp = int(batch.get("context_parallel_size", 1)), int(batch.get("tensor_parallel_size", 1))
+    dp, planned_accumulate = int(batch.get("world_size", 1)), int(batch.get("accumulate_grad_batches", 1))
+    mesh = strategy_mesh(strategy)
+    if mesh is not None:
+        layout = mesh_layout(mesh)
+        actual = (layout.data_parallel_size, layout.context_parallel_size, layout.tensor_parallel_size)
+        if (dp, cp, tp) != actual:
+            raise ValueError(
+                f"the batch was planned for data x context x tensor parallel = {dp} x {cp} x {tp} ranks but the "
+                f"strategy's device mesh is {actual[0]} x {actual[1]} x {actual[2]}; the exact loss would scale the "
+                "gradient by the wrong factor. Give SeqPackDataModule the mesh's tensor_parallel_size and "
+                "context_parallel_size (its data-parallel size is read from the mesh)"
+            )
+    planned = (dp * cp * tp, planned_accumulate)
+    actual_world = (world_size, planned_accumulate if accumulate_grad_batches is None else accumulate_grad_batches)
+    if planned != actual_world:
         raise ValueError(
             f"the batch was planned for world_size={planned[0]}, accumulate_grad_batches={planned[1]} but the "
-            f"trainer runs world_size={actual[0]}, accumulate_grad_batches={actual[1]}; the exact loss would scale "
-            "the gradient by the wrong factor. Build the plan (PlanConfig / the lit_seqpack batch sampler) with the "
-            "trainer's values. Batches without plan metadata (a plain DataLoader) declare 1 and 1; for those, "
-            "override seqpack_loss to return step_units=None (a local mean). With context or tensor parallelism the "
-            "planned world size counts data x context x tensor parallel ranks."
+            f"trainer runs world_size={actual_world[0]}, accumulate_grad_batches={actual_world[1]}; the exact loss "
+            "would scale the gradient by the wrong factor. Build the plan (PlanConfig / the lit_seqpack batch "
+            "sampler) with the trainer's values. Batches without plan metadata (a plain DataLoader) declare 1 and 1;"
+            " for those, override seqpack_loss to return step_units=None (a local mean). With context or tensor "
+            "parallelism the planned world size counts data x context x tensor parallel ranks."
         )

@@ -179,7 +179,7 @@ def test_tensor_parallel_alone_pads_rows_not_documents():
     assert dm.document_multiple == 1 and dm.row_multiple == 6
     for batch in batches:
         assert batch["input_ids"].shape[1] % 6 == 0 and "cu_seqlens_unpadded" not in batch
-        assert batch["tensor_parallel_size"] == 2 and batch["context_parallel_size"] == 1
+        assert batch["tensor_parallel_size"] == 2 and batch.get("context_parallel_size", 1) == 1
     assert dm.state_dict()["tensor_parallel_size"] == 2 and dm.state_dict()["world_size"] == 1
 
 
@@ -188,7 +188,7 @@ def test_tensor_parallel_alone_pads_rows_not_documents():
     [
         ({"context_parallel_size": 0}, "context_parallel_size must be an int >= 1"),
         ({"tensor_parallel_size": 1.5}, "tensor_parallel_size"),
-        ({"context_parallel_size": 2, "mode": "dynamic"}, "need mode='packing'"),
+        ({"context_parallel_size": 2, "mode": "dynamic"}, "needs mode='packing'"),
         ({"context_parallel_size": 4, "max_tokens": 100}, "max_tokens=100 must be a multiple of 8"),
     ],
 )

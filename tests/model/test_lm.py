@@ -132,3 +132,20 @@ def test_an_unpickled_hf_module_registers_the_attention_function_again() -> None
     assert ATTENTION_NAME in AttentionInterface()
     batch = PackedCollator()(_samples())
     assert check_packing_equivalence(module, batch, atol=1e-5).passed
+
+
+def test_decay_groups_use_the_shapes_recorded_before_sharding() -> None:
+    """FSDP1 shows configure_optimizers flat 1-D shards under wrapper-prefixed names: the record from setup decides."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    module = ReferenceLM(**TINY, lr_schedule="constant")
+    module.setup("fit")
+    flat_weight, flat_norm = torch.zeros(5), torch.zeros(3)
+    assert module._decays("model.layers.0._fsdp_wrapped_module.attn.q_proj.weight", flat_weight)
+    assert not module._decays("model.layers.0._fsdp_wrapped_module.attn_norm.weight", flat_norm)
+    unrecorded = ReferenceLM(**TINY, lr_schedule="constant")  # a setup override that forgot super().setup
+    unrecorded.trainer = SimpleNamespace(strategy=FSDPStrategy())
+    with pytest.raises(ValueError, match=r"under FSDPStrategy sees parameter .* super\(\).setup\(stage\)"):
+        unrecorded.configure_optimizers()
