@@ -97,3 +97,11 @@ def test_a_validation_split_without_loss_tokens_is_skipped_with_a_warning(tmp_pa
     ):
         trainer.fit(model, datamodule=dm)
     assert "val/loss" not in trainer.callback_metrics
+
+
+def test_an_interpolation_of_a_key_that_no_file_sets_says_which(tmp_path: Path) -> None:
+    config = _config(tmp_path, {"synthetic": SYNTH, "max_tokens": 64})
+    text = config.read_text().replace("${data.max_tokens}", "${data.budget}")
+    config.write_text(text)
+    with pytest.raises(ValueError, match=r"interpolation in model.init_args.max_seq_len failed: .*set data.budget"):
+        SeqPackCLI(args=["fit", "--config", str(config)])
