@@ -95,8 +95,31 @@ class PlannedDataset:
         return Microbatch(
             (self.dataset[i] for i in indices),
             meta=getattr(indices, "meta", None),
-            indices=[source_index(self.dataset, int(i)) for i in indices],
+            indices=SourceIndices(self.dataset, indices),
         )
+
+
+class SourceIndices(Sequence[int]):
+    """The original dataset indices of a microbatch's samples, resolved only when asked (in an error message).
+
+    Args:
+        dataset: the (possibly split, dropped or truncated) dataset the indices point into.
+        indices: positions in ``dataset``.
+    """
+
+    def __init__(self, dataset: Any, indices: Sequence[int]) -> None:
+        self._dataset, self._indices = dataset, list(indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, position: Any) -> Any:
+        if isinstance(position, slice):
+            return [source_index(self._dataset, int(i)) for i in self._indices[position]]
+        return source_index(self._dataset, int(self._indices[position]))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # never ship the dataset: the resolved indices are small
+        return (list, (list(self),))
 
 
 def source_index(dataset: Any, index: int) -> int:

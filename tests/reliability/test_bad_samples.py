@@ -276,3 +276,17 @@ def test_text_dataset_flags_must_be_bools(knob: str) -> None:
 
     with pytest.raises(TypeError, match=rf"{knob}='false' must be a bool"):
         TextDataset(["a"], tokenizer=lambda texts, **_: {"input_ids": [[1] for _ in texts]}, **{knob: "false"})
+
+
+def test_collator_errors_map_positions_through_drop_and_split_views() -> None:
+    records = [{"input_ids": [1] * n} for n in (3, 30, 4, 5, 40, 6)]
+    dm = SeqPackDataModule(dataset=records, max_tokens=16, overlong="drop", shuffle=False)
+    dm.setup("fit")
+    for sample in records:
+        sample["labels"] = None  # corrupted after setup
+    with pytest.raises(ValueError, match=r"sample 0 of the microbatch \(dataset index (0|2|3|5)\)"):
+        list(dm.train_dataloader())
+    from lit_seqpack.data.microbatch import source_index
+
+    view = dm.splits["train"].dataset
+    assert [source_index(view, i) for i in range(len(view))] == [0, 2, 3, 5]  # 30 and 40 were dropped
