@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from lit_seqpack.data._files import text_lines
 from lit_seqpack.data._knobs import check_flag
-from lit_seqpack.data.sources import TokenizedDataset, text_lines
+from lit_seqpack.data.sources import TokenizedDataset
 
 __all__ = ["TextDataset"]
 
