@@ -32,7 +32,7 @@ _EXPORTS: dict[str, str] = {
     "PaddedCollator": "lit_seqpack.data.collate",
     "SeqPackDataModule": "lit_seqpack.data.datamodule",
     "SeqPackCLI": "lit_seqpack.cli",
-    "PackingLeakError": "lit_seqpack.model.hf",
+    "PackingLeakError": "lit_seqpack.model.isolation",
     "prepare_hf_model": "lit_seqpack.model.hf",
     "LossOutput": "lit_seqpack.model.loss",
     "HFCausalLM": "lit_seqpack.model.lm",
@@ -50,7 +50,7 @@ _EXPORTS: dict[str, str] = {
     "available_backends": "lit_seqpack.model.attention",
     "PackedSequenceMixin": "lit_seqpack.model.mixin",
     "FabricAccumulation": "lit_seqpack.model.fabric",
-    "check_packing_equivalence": "lit_seqpack.model.hf",
+    "check_packing_equivalence": "lit_seqpack.model.isolation",
     # metrics and callbacks
     "PaddingRatio": "lit_seqpack.metrics",
     "TokensPerSecond": "lit_seqpack.metrics",
@@ -119,7 +119,8 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
     from lit_seqpack.data.text import TextDataset
     from lit_seqpack.metrics import PackingEfficiency, PaddingRatio, RankImbalance, TokensPerSecond
     from lit_seqpack.model.attention import available_backends, varlen_attention
-    from lit_seqpack.model.hf import PackingLeakError, check_packing_equivalence, prepare_hf_model
+    from lit_seqpack.model.hf import prepare_hf_model
+    from lit_seqpack.model.isolation import PackingLeakError, check_packing_equivalence
     from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
     from lit_seqpack.model.loss import LossOutput
     from lit_seqpack.model.mixin import PackedSequenceMixin

@@ -5,6 +5,7 @@
     lit-seqpack fit --config configs/demo.yaml               # train (LightningCLI: fit, validate, test)
     lit-seqpack fit --config configs/demo.yaml --ckpt_path outputs/demo/checkpoints/last.ckpt   # resume
     lit-seqpack inspect --config configs/demo.yaml --plot plan.png   # compare every mode, no training
+    lit-seqpack export --ckpt_path last.ckpt --output_dir hf_model   # an HFCausalLM as a Hugging Face folder
 
 ``inspect`` reads the ``data`` section of the same YAML (``--data.*`` overrides it) and the layout of its
 ``trainer`` section (``--world_size`` and ``--accumulate_grad_batches`` override it), plans one epoch of the
@@ -169,7 +170,8 @@ def inspect_command(argv: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of ``lit-seqpack``: ``inspect`` here, ``fit`` / ``validate`` / ``test`` through ``SeqPackCLI``.
+    """Entry point of ``lit-seqpack``: ``inspect`` and ``export`` here, ``fit`` / ``validate`` / ``test`` through
+    ``SeqPackCLI``.
 
     Args:
         argv: the arguments after the program name (default ``sys.argv[1:]``).
@@ -177,6 +179,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["inspect"]:
         print(inspect_command(args[1:]))
+        return
+    if args[:1] == ["export"]:
+        from lit_seqpack.export import export_command
+
+        print(export_command(args[1:]))
         return
     from lit_seqpack.cli import SeqPackCLI
 

@@ -57,7 +57,8 @@ _DESCRIPTION = (
     "Train, validate and test language models on packed or dynamically batched sequences "
     "(lit-seqpack SUBCOMMAND --help for the options of each). "
     "Also: 'lit-seqpack inspect --config CONFIG.yaml [--plot FILE.png]' compares every batching mode "
-    "and packing algorithm on the config's data without training."
+    "and packing algorithm on the config's data without training; "
+    "'lit-seqpack export --ckpt_path CKPT --output_dir DIR' writes a trained HFCausalLM as a Hugging Face folder."
 )
 
 TRAINER_DEFAULTS: dict[str, Any] = {"use_distributed_sampler": False}

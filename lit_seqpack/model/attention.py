@@ -34,19 +34,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import inspect
 import math
-import numbers
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from lit_seqpack._imports import FLASH_ATTN_AVAILABLE, FLASH_ATTN_INSTALL_HINT
+from lit_seqpack.model._attention_checks import check_extras, check_inputs, segment_lengths
+from lit_seqpack.model._attention_kernels import BackendUnavailableError, flash_attn_call, torch_varlen_call
+from lit_seqpack.model._attention_math import dense_varlen, sdpa_varlen
+from lit_seqpack.model._attention_reference import reference_flash_attn_varlen_func, reference_varlen_attention
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
+    "autocast_inputs",
     "available_backends",
     "override_backend",
     "reference_flash_attn_varlen_func",
@@ -62,13 +64,10 @@ BACKENDS: tuple[str, ...] = ("flash_attn", "torch_varlen", "sdpa")
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _OVERRIDES: dict[str, Callable[..., torch.Tensor]] = {}
 _FORCED: list[str] = []
+_ROUTES_ACTIVE = [0]  # open route_varlen_attention blocks: a plain global that torch.compile guards on
 _ROUTE: contextvars.ContextVar[Callable[..., torch.Tensor] | None] = contextvars.ContextVar(
     "lit_seqpack_varlen_route", default=None
 )
-
-
-class BackendUnavailableError(RuntimeError):
-    """An explicitly requested attention backend cannot run here; the message says why and how to fix it."""
 
 
 @functools.cache
@@ -128,13 +127,27 @@ def available_backends(device: torch.device | str | None = None, dtype: torch.dt
     return [name for name in BACKENDS if _unavailable_reason(name, device, dtype) is None]
 
 
-def _resolve(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+_FEATURES: dict[str, frozenset[str]] = {
+    "flash_attn": frozenset({"window", "softcap"}),
+    "torch_varlen": frozenset({"window"}),
+    "sdpa": frozenset({"window", "softcap", "sinks"}),
+}
+"""What each backend can honour beyond plain (causal) attention."""
+
+
+def _resolve(backend: str, device: torch.device, dtype: torch.dtype, features: frozenset[str] = frozenset()) -> str:
     if backend == "auto" and _FORCED:
         backend = _FORCED[-1]
     if backend == "auto":
-        return next(name for name in BACKENDS if _unavailable_reason(name, device, dtype) is None)
+        usable = (name for name in BACKENDS if features <= _FEATURES[name])
+        return next(name for name in usable if _unavailable_reason(name, device, dtype) is None)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    missing = sorted(features - _FEATURES[backend])
+    if missing:
+        raise BackendUnavailableError(
+            f"attention backend {backend!r} cannot honour {', '.join(missing)}; backend='sdpa' computes it exactly"
+        )
     if _unavailable_reason(backend, device, dtype) is not None:
         reason = _unavailable_reason(backend, device, dtype, explain=True)
         raise BackendUnavailableError(f"attention backend {backend!r} is unavailable: {reason}")
@@ -185,45 +198,62 @@ def route_varlen_attention(handler: Callable[..., torch.Tensor]) -> Iterator[Non
     backward, e.g. activation checkpointing, which runs after the block).
     """
     token = _ROUTE.set(handler)
+    _ROUTES_ACTIVE[0] += 1
     try:
         yield
     finally:
+        _ROUTES_ACTIVE[0] -= 1
         _ROUTE.reset(token)
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a [total_tokens, heads, head_dim] tensor, got {getattr(t, 'shape', t)}")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(f"k and v must be [{q.shape[0]}, kv_heads, {q.shape[2]}] like q, got {k.shape} and {v.shape}")
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
-    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on {q.device}")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(
-            f"cu_seqlens must be a 1-D tensor [num_segments + 1], got {getattr(cu_seqlens, 'shape', None)}"
-        )
-    if cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens must be int32 (FlashAttention's dtype), got {cu_seqlens.dtype}")
-    if cu_seqlens.device != q.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 1:
-        raise ValueError(f"max_seqlen must be a positive Python int (not a tensor: no device sync), got {max_seqlen!r}")
+def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``q``, ``k``, ``v`` in autocast's dtype when autocast is on for their device, else unchanged.
+
+    Under autocast, transformers' RoPE returns float32 queries and keys while the values come out of a bfloat16
+    projection. SDPA under autocast casts its three inputs to the autocast dtype, and transformers' flash-attention
+    path casts them to it too (``get_target_dtype``); every backend here does the same, so a packed row computes
+    what the stock model computes under the same autocast. Outside autocast the dtypes must already agree.
+
+    Example:
+        >>> q, v = torch.zeros(3, 2, 4), torch.zeros(3, 2, 4, dtype=torch.bfloat16)
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     [t.dtype for t in autocast_inputs(q, q, v)]
+        [torch.bfloat16, torch.bfloat16, torch.bfloat16]
+    """
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v))
 
 
-def _segment_lengths(cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int) -> list[int]:
-    """Check cu_seqlens' values and return the segment lengths (reads the tensor on the host)."""
-    bounds = cu_seqlens.tolist()
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
-    if bounds[0] != 0 or bounds[-1] != total_tokens:
-        raise ValueError(f"cu_seqlens must start at 0 and end at total_tokens={total_tokens}, got {bounds}")
-    if min(lengths) < 0:
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
-    if max(lengths) > max_seqlen:
-        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest segment ({max(lengths)})")
-    return lengths
+def _sdpa_backend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float,
+    window: tuple[int, int] | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """The ``"sdpa"`` backend: SDPA per document in eager mode, one block-diagonal SDPA under ``torch.compile``.
+
+    The per-document loop reads ``cu_seqlens`` on the host and splits by its lengths, so traced it would graph-break
+    and guard on every segment length (one recompilation per new document count: 28-48 in 10 steps). Under
+    ``torch.compile`` the row is computed at once with a mask built on the device (:func:`dense_varlen`): no
+    graph break, no guard on the layout, the same function (exact), at ``T^2`` instead of ``sum(n_i^2)`` cost.
+    """
+    if torch.compiler.is_compiling():
+        return dense_varlen(q, k, v, cu_seqlens, causal, scale, window, softcap, sinks)
+    lengths = segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
+    return sdpa_varlen(q, k, v, lengths, causal, scale, window, softcap, sinks)
+
+
+def _kernel(name: str) -> Callable[..., torch.Tensor]:
+    return _OVERRIDES.get(name) or _LOADERS[name]()[0]  # type: ignore[return-value]
 
 
 def varlen_attention(
@@ -235,6 +265,9 @@ def varlen_attention(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention inside each segment of a packed row.
@@ -248,148 +281,51 @@ def varlen_attention(
         max_seqlen: the longest segment, a Python int (no device sync).
         causal: mask future tokens inside each segment.
         softmax_scale: score scale; default ``head_dim ** -0.5``.
-        backend: ``"auto"`` or one of :data:`BACKENDS`.
+        window: ``(left, right)``, FlashAttention's local window: query ``i`` sees keys ``i - left ..
+            i + right`` of its segment (``-1``: unbounded; ``causal`` caps ``right`` at 0). transformers'
+            ``sliding_window=W`` is ``(W - 1, 0)``. A window at least as long as a segment changes nothing there.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma2).
+        sinks: ``[heads]`` float sink logits, one extra softmax column per query head that no value reads
+            (GPT-OSS ``s_aux``).
+        backend: ``"auto"`` or one of :data:`BACKENDS`. ``"auto"`` skips backends that cannot honour the
+            requested ``window``/``softcap``/``sinks`` (flash_attn: window and softcap; torch_varlen: window;
+            sdpa: all three); an explicit backend that cannot raises.
+
+    Under autocast, ``q``/``k``/``v`` are first cast to the autocast dtype (see :func:`autocast_inputs`).
 
     Returns:
         ``[total_tokens, heads, head_dim]``.
 
     Raises:
-        ValueError: bad shapes, dtypes or boundaries (the values of ``cu_seqlens`` are checked whenever they are
-            on the host or the backend reads them anyway, so a CUDA kernel call never pays for a sync).
-        BackendUnavailableError: an explicit ``backend`` cannot run here; the message says how to fix it.
+        ValueError: bad shapes, dtypes, boundaries, window, softcap or sinks (the values of ``cu_seqlens`` are
+            checked whenever they are on the host or the backend reads them anyway, so a CUDA kernel call never
+            pays for a sync).
+        BackendUnavailableError: an explicit ``backend`` cannot run here or cannot honour a requested feature; the
+            message names it and says how to fix it.
     """
-    handler = _ROUTE.get()
+    q, k, v = autocast_inputs(q, k, v)
+    handler = _ROUTE.get() if _ROUTES_ACTIVE[0] else None  # no ContextVar read (a graph break) outside a route
     if handler is not None:  # see route_varlen_attention
+        extra = {
+            key: val for key, val in (("window", window), ("softcap", softcap), ("sinks", sinks)) if val is not None
+        }
         token = _ROUTE.set(None)
         try:
-            return handler(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale, backend=backend)
+            return handler(
+                q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale, backend=backend, **extra
+            )
         finally:
             _ROUTE.reset(token)
-    _check_inputs(q, k, v, cu_seqlens, max_seqlen)
+    check_inputs(q, k, v, cu_seqlens, max_seqlen)
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    name = _resolve(backend, q.device, q.dtype)
-    max_seqlen = int(max_seqlen)
+    window, features = check_extras(q, window, softcap, sinks, causal)
+    name = _resolve(backend, q.device, q.dtype, features)
     if name == "sdpa":
-        return _sdpa_varlen(q, k, v, _segment_lengths(cu_seqlens, q.shape[0], max_seqlen), causal, scale)
+        return _sdpa_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, window, softcap, sinks)
     if cu_seqlens.device.type == "cpu":
-        _segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
+        segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
     if name == "flash_attn":
-        kernel = _OVERRIDES.get(name) or _load_flash_attn()[0]
-        return kernel(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal
-        )
-    return _torch_varlen(q, k, v, cu_seqlens, max_seqlen, causal, scale)
-
-
-def _sdpa_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], causal: bool, scale: float
-) -> torch.Tensor:
-    gqa = q.shape[1] != k.shape[1]
-    # [1, heads, tokens, head_dim] views split along tokens. The leading batch dimension matters: SDPA sends
-    # 3-D inputs to its unfused math path and 4-D ones to the fused (flash) CPU kernel, about 2x faster.
-    chunks = zip(*(x.transpose(0, 1)[None].split(lengths, dim=2) for x in (q, k, v)), strict=True)
-    outs = [
-        F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=gqa)
-        for (qd, kd, vd), length in zip(chunks, lengths, strict=True)
-        if length > 0
-    ]
-    return torch.cat(outs, dim=2)[0].transpose(0, 1).contiguous()
-
-
-@functools.cache
-def _parameters(kernel: Callable[..., torch.Tensor]) -> frozenset[str]:
-    return frozenset(inspect.signature(kernel).parameters)
-
-
-def _torch_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    causal: bool,
-    scale: float,
-) -> torch.Tensor:
-    kernel = _OVERRIDES.get("torch_varlen") or _load_torch_varlen()[0]
-    params = _parameters(kernel)
-    kwargs: dict[str, object] = {}
-    if "window_size" in params:  # torch >= 2.11: causal is the window (-1, 0)
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
-    elif "is_causal" in params:  # torch 2.9 / 2.10
-        kwargs["is_causal"] = causal
-    else:
-        raise BackendUnavailableError(f"unrecognised varlen_attn signature {sorted(params)}; use backend='sdpa'")
-    if "scale" in params:
-        kwargs["scale"] = scale
-    else:  # the kernel applies head_dim ** -0.5 itself
-        q = q * (scale * math.sqrt(q.shape[-1]))
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
-
-
-def reference_varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    *,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-) -> torch.Tensor:
-    """Naive dense masked attention with :func:`varlen_attention`'s signature: the ground truth of the tests.
-
-    Builds the full ``[total_tokens, total_tokens]`` block-diagonal mask and computes in the inputs' dtype (pass
-    float64 for a high-precision reference). Quadratic in the row length: for tests only.
-
-    Example:
-        >>> q = torch.randn(5, 2, 4, dtype=torch.float64)
-        >>> cu = torch.tensor([0, 2, 5], dtype=torch.int32)
-        >>> out = reference_varlen_attention(q, q, q, cu, 3)
-        >>> torch.allclose(out[:2], reference_varlen_attention(q[:2], q[:2], q[:2], cu[:2], 2))
-        True
-    """
-    _check_inputs(q, k, v, cu_seqlens, max_seqlen)
-    lengths = _segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    segment = torch.repeat_interleave(
-        torch.arange(len(lengths), device=q.device), torch.tensor(lengths, device=q.device)
-    )
-    allowed = segment[:, None] == segment[None, :]
-    if causal:
-        allowed = allowed.tril()
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v)
-
-
-def reference_flash_attn_varlen_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-) -> torch.Tensor:
-    """A CPU stand-in with ``flash_attn.flash_attn_varlen_func``'s signature (self-attention, no dropout).
-
-    Use it with :func:`override_backend` to test code that routes through the ``"flash_attn"`` backend.
-    """
-    if dropout_p != 0.0:
-        raise ValueError(f"the reference kernel has no dropout, got dropout_p={dropout_p}")
-    if not torch.equal(cu_seqlens_q, cu_seqlens_k) or max_seqlen_q != max_seqlen_k:
-        raise ValueError("the reference kernel only does self-attention (cu_seqlens_q == cu_seqlens_k)")
-    return reference_varlen_attention(q, k, v, cu_seqlens_q, max_seqlen_q, causal=causal, softmax_scale=softmax_scale)
+        return flash_attn_call(_kernel("flash_attn"), q, k, v, cu_seqlens, max_seqlen, causal, scale, window, softcap)
+    return torch_varlen_call(_kernel("torch_varlen"), q, k, v, cu_seqlens, max_seqlen, causal, scale, window)

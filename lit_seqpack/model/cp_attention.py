@@ -212,7 +212,14 @@ def context_parallel(group: Any) -> Iterator[None]:
         causal: bool,
         softmax_scale: float | None,
         backend: str,
+        **extras: Any,
     ) -> torch.Tensor:
+        if extras:  # window / softcap / sinks: the all-gather chunks below compute plain causal attention
+            named = ", ".join(f"{key}={_describe(value)}" for key, value in sorted(extras.items()))
+            raise NotImplementedError(
+                f"context-parallel attention does not support {named} (sliding windows, softcaps and attention "
+                "sinks); train this model with context_parallel_size=1"
+            )
         if backend not in ("auto", "sdpa") and backend not in _WARNED:
             _WARNED.add(backend)
             log.warning("context-parallel attention computes each chunk with SDPA; backend=%r is not used", backend)
@@ -222,6 +229,10 @@ def context_parallel(group: Any) -> Iterator[None]:
 
     with route_varlen_attention(handler):
         yield
+
+
+def _describe(value: Any) -> str:
+    return f"tensor{list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
 
 
 def context_parallel_group(context_parallel_size: int, tensor_parallel_size: int = 1) -> Any:

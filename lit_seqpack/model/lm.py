@@ -11,19 +11,29 @@ build them from YAML), ``save_hyperparameters`` and AdamW with an optional linea
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 
 from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model, register_attention
-from lit_seqpack.model.mixin import PackedSequenceMixin
+from lit_seqpack.model.hf_load import (
+    apply_peft,
+    attention_dropout_settings,
+    export_hf_model,
+    load_hf_model,
+    weight_dtype_warning,
+)
+from lit_seqpack.model.mixin import _VERIFIED, PackedSequenceMixin
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
 
 __all__ = ["HFCausalLM", "ReferenceLM", "warmup_cosine"]
 
 Schedule = Literal["constant", "cosine"]
+WeightDtype = Literal["float32", "bfloat16", "float16", "auto"]
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int | None, min_lr_ratio: float) -> float:
@@ -220,10 +230,33 @@ class ReferenceLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
 class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
     """A transformers causal LM trained packed through lit_seqpack's varlen attention (no download here).
 
+    The model is in train mode after loading (``from_pretrained`` returns eval mode, and Lightning keeps
+    submodule modes, so dropout would silently stay off). Its weights are float32 unless ``dtype`` says otherwise
+    (transformers 5 loads a checkpoint in its own dtype; float32 master weights suit every Lightning precision);
+    half-precision weights under a precision that would update them silently (``32-true``, ``*-mixed``) get a
+    loud warning at ``fit``. In YAML::
+
+        model:
+          class_path: lit_seqpack.HFCausalLM
+          init_args:
+            model_name_or_path: /models/llama-1b
+            model_kwargs: {revision: main}                  # more from_pretrained keywords
+            config_overrides: {attention_dropout: 0.0}      # config attributes set before building
+            peft_config: {r: 8, lora_alpha: 16, target_modules: [q_proj, v_proj]}   # LoRA (pip install peft)
+
+    :meth:`export_hf` (and ``lit-seqpack export``) writes the trained model as a Hugging Face folder with the
+    adapters merged and the stock attention restored.
+
     Args:
         model_name_or_path: a checkpoint for ``AutoModelForCausalLM.from_pretrained`` (a local path offline).
         config: instead, the keyword arguments of a config for a randomly initialised model, with its
             ``model_type`` (default ``"llama"``), e.g. ``{"vocab_size": 64, "hidden_size": 32, ...}``.
+        model_kwargs: more ``from_pretrained`` / ``from_config`` keywords (``revision``, ``trust_remote_code``,
+            ``attn_implementation``: the implementation restored on export, ...); not ``dtype``, use ``dtype``.
+        config_overrides: config attributes set before the model is built; an unknown name raises.
+        dtype: the weights' dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` (the checkpoint's).
+        peft_config: PEFT adapters, a ``peft.get_peft_config`` dict (``peft_type`` defaults to ``"LORA"``,
+            ``task_type`` to ``"CAUSAL_LM"``); only the adapters train.
         lr: peak learning rate of AdamW.
         weight_decay: AdamW weight decay (not applied to biases and norm weights).
         warmup_steps: linear warmup optimizer steps.
@@ -238,6 +271,10 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         *,
         model_name_or_path: str | None = None,
         config: dict[str, Any] | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        config_overrides: dict[str, Any] | None = None,
+        dtype: WeightDtype = "float32",
+        peft_config: dict[str, Any] | None = None,
         lr: float = 3e-4,
         weight_decay: float = 0.1,
         warmup_steps: int = 0,
@@ -254,21 +291,41 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
             )
         _check_optim(lr, weight_decay, warmup_steps, min_lr_ratio, lr_schedule)
         self.save_hyperparameters()
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        if model_name_or_path is not None:
-            model = AutoModelForCausalLM.from_pretrained(model_name_or_path)
-        else:
-            kwargs = dict(config or {})
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kwargs.pop("model_type", "llama"), **kwargs))
-        self.model = prepare_hf_model(model)
+        model = load_hf_model(
+            model_name_or_path=model_name_or_path,
+            config=config,
+            model_kwargs=model_kwargs,
+            config_overrides=config_overrides,
+            dtype=dtype,
+        )
+        model = prepare_hf_model(model)
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable()
+        self.model = apply_peft(model, peft_config) if peft_config is not None else model
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a process that unpickles this module (ddp_spawn, DataLoader workers) must know the attention function
         register_attention()
         super().__setstate__(state)
+
+    def on_fit_start(self) -> None:
+        """Warn loudly when half-precision weights would be updated under a precision that does not say so."""
+        message = weight_dtype_warning(self.model, str(self.trainer.precision))
+        if message is not None:
+            rank_zero_warn(message)
+
+    def seqpack_verify_packing(self, batch: Any) -> None:
+        """Refuse attention dropout on packed rows naming the config key, then run the isolation probe."""
+        first = self.training and True not in _VERIFIED.get(self, ())  # once, with the train-mode probe
+        settings = attention_dropout_settings(self.model) if first else []
+        if settings:
+            keys = ", ".join(f"{key}={value}" for key, value in settings)
+            overrides = ", ".join(f"{key}: 0.0" for key, _ in settings)
+            raise ValueError(
+                f"{type(self.model).__name__} has attention dropout ({keys}), which packed rows do not support: "
+                f"set config_overrides: {{{overrides}}} or train with mode: dynamic"
+            )
+        super().seqpack_verify_packing(batch)
 
     def seqpack_model_inputs(self, batch: Any) -> dict[str, Any]:
         """transformers keywords: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``, ``use_cache=False``."""
@@ -277,3 +334,31 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
     def forward(self, **inputs: Any) -> Any:
         """The wrapped model's output (a ``CausalLMOutput``; the mixin reads its ``logits``)."""
         return self.model(**inputs)
+
+    def export_hf(self, path: str | Path, *, dtype: str | None = None, tokenizer: str | None = None) -> Path:
+        """Write the trained model as a Hugging Face folder (``AutoModelForCausalLM.from_pretrained`` loads it).
+
+        PEFT adapters are merged into the weights and the model's original attention implementation is restored
+        in the saved config. See :func:`~lit_seqpack.model.hf_load.export_hf_model`.
+
+        Args:
+            path: the output folder.
+            dtype: the saved weights' dtype (``"bfloat16"``, ...; default: as trained).
+            tokenizer: a tokenizer to save alongside (a path or name for ``AutoTokenizer``); by default the one
+                in the ``model_name_or_path`` folder, if it has one.
+        """
+        out = export_hf_model(self.model, path, dtype=dtype)
+        source = tokenizer or _local_tokenizer(self.hparams.model_name_or_path)
+        if source is not None:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(source).save_pretrained(out)
+        return out
+
+
+def _local_tokenizer(model_name_or_path: str | None) -> str | None:
+    """``model_name_or_path`` when it is a local folder with tokenizer files, else ``None``."""
+    if model_name_or_path is None or not Path(model_name_or_path).is_dir():
+        return None
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return model_name_or_path if any((Path(model_name_or_path) / n).exists() for n in names) else None

@@ -33,9 +33,11 @@ vocabulary and the setting to change, instead of ``IndexError: index out of rang
 embedding or ``Target 100 is out of bounds`` in the loss. ``SeqPackDataModule`` checks every sample at setup
 already; this is the boundary check for any other loader. Override ``seqpack_check_vocab`` to change it.
 
-**Isolation.** The first packed batch a module sees (per process) triggers a probe: a two-document packed row is
-compared with each document run alone; a model whose attention crosses document boundaries raises
-:class:`~lit_seqpack.model.hf.PackingLeakError` instead of training silently wrong.
+**Isolation.** The first packed batch a module sees per process and per train/eval mode triggers a structural
+probe (:func:`~lit_seqpack.model.isolation.probe_packing_isolation`): the gradient of each document's logits with
+respect to the other documents' input embeddings must be exactly zero; a model that mixes documents (attention
+without the boundaries, a convolution or state-space layer) raises
+:class:`~lit_seqpack.model.isolation.PackingLeakError`, naming the layer, instead of training silently wrong.
 
 **Logging.** ``train/loss`` is the microbatch's token mean (unscaled) logged with ``batch_size=num_loss_tokens``;
 ``val/loss`` and ``test/loss`` are logged per epoch with ``batch_size=num_loss_tokens`` and ``sync_dist=True``,
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
 __all__ = ["VOCAB_CHECKED_BATCHES", "PackedSequenceMixin", "check_batch_layout", "is_packed_batch"]
 
 _STAGE_PREFIX = {"train": "train", "validate": "val", "test": "test"}
-_VERIFIED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, set[bool]] = weakref.WeakKeyDictionary()
 _VOCAB_CHECKS: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 
 VOCAB_CHECKED_BATCHES = 8
@@ -164,17 +166,21 @@ class PackedSequenceMixin:
                 )
 
     def seqpack_verify_packing(self, batch: Mapping[str, Any]) -> None:
-        """Raise :class:`~lit_seqpack.model.hf.PackingLeakError` if the model attends across documents.
+        """Raise :class:`~lit_seqpack.model.isolation.PackingLeakError` if the model mixes documents of a row.
 
-        Runs once per module and process, on the first packed batch: a two-document row built from the batch's
-        device is compared with each document alone (eval mode, no grad). Override with ``pass`` to skip it.
+        Runs once per module, process and mode (train, eval), on the first packed batch: three documents drawn
+        from the batch's tokens are packed in one row, in the module's mode and the active precision, and the
+        gradient of each one's logits on the others' embeddings must be exactly zero
+        (:func:`~lit_seqpack.model.isolation.probe_packing_isolation`). Override with ``pass`` to skip it.
         """
-        if self in _VERIFIED:
+        modes = _VERIFIED.setdefault(self, set())  # type: ignore[arg-type]
+        training = bool(self.training)  # type: ignore[attr-defined]
+        if training in modes:
             return
-        from lit_seqpack.model.hf import probe_packing_isolation
+        from lit_seqpack.model.isolation import probe_packing_isolation
 
         probe_packing_isolation(self, batch)
-        _VERIFIED.add(self)  # type: ignore[arg-type]
+        modes.add(training)
 
     # ----------------------------------------------------------------------------------------------- steps
     def seqpack_step(self, batch: Mapping[str, Any], stage: str) -> torch.Tensor:

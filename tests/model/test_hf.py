@@ -98,7 +98,11 @@ def test_hf_model_inputs_maps_the_contract() -> None:
     assert packed["use_cache"] is False and packed["lit_seqpack_backend"] == "sdpa"
     assert "attention_mask" not in packed  # never an all-ones mask with a packed row
     padded = hf_model_inputs(documents_batch(random_documents(), packed=False))
-    assert "cu_seq_lens_q" not in padded and padded["lit_seqpack_padding_mask"].shape == (4, max(LENGTHS))
+    assert "cu_seq_lens_q" not in padded and padded["attention_mask"].shape == (4, max(LENGTHS))
+    assert padded["lit_seqpack_right_padded"] is True
+    left = documents_batch(random_documents(), packed=False)
+    left["attention_mask"] = left["attention_mask"].flip(1)
+    assert "lit_seqpack_right_padded" not in hf_model_inputs(left)
 
 
 @pytest.mark.parametrize("pad", [0, 4])
@@ -168,7 +172,7 @@ def test_first_step_check_detects_the_plain_hf_path() -> None:
     """position_ids only, default use_cache: HF attends across documents; the mixin refuses to train."""
     module = PlainHFModule(tiny_llama())
     module.train()
-    with pytest.raises(PackingLeakError, match="attends across documents"):
+    with pytest.raises(PackingLeakError, match=r"does not keep the documents .* \(LlamaAttention\)"):
         module.training_step(documents_batch(random_documents()), 0)
     assert module.training and all(m.training for m in module.modules())  # the probe restored train mode
 
@@ -188,9 +192,9 @@ def test_unsupported_attention_settings_raise() -> None:
     with pytest.raises(ValueError, match="dropout"):
         model(**hf_model_inputs(documents_batch(random_documents())))
     q = torch.zeros(1, 4, 6, 8)
-    with pytest.raises(ValueError, match="sliding_window"):
-        hf_varlen_attention(model.model.layers[0].self_attn, q, q, q, None, sliding_window=4)
     cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="own attention mask"):
+        hf_varlen_attention(model.model.layers[0].self_attn, q, q, q, q, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
     with pytest.raises(ValueError, match="cu_seq_lens_k"):
         hf_varlen_attention(model.model.layers[0].self_attn, q, q, q, None, cu_seq_lens_q=cu, max_length_q=6)
 

@@ -191,7 +191,7 @@ def test_an_eval_batch_without_loss_tokens_is_still_logged_with_zero_weight(monk
 
 
 def test_a_model_attending_across_documents_is_refused_at_the_first_packed_step() -> None:
-    with pytest.raises(PackingLeakError, match="TinyLM attends across documents"):
+    with pytest.raises(PackingLeakError, match="TinyLM does not keep the documents of a packed row apart"):
         TinyLM(leak=True).training_step(documents_batch(_docs()), 0)
     # padded batches cannot leak: causal attention never reads the right padding
     TinyLM(leak=True).training_step(documents_batch(_docs(), packed=False), 0)
@@ -201,7 +201,7 @@ def test_the_probe_runs_once_per_module() -> None:
     model = TinyLM()
     model.training_step(documents_batch(_docs()), 0)
     probe_calls = len(model.calls) - 1
-    assert probe_calls == 3  # each document alone, then both packed
+    assert probe_calls == 1  # one packed row of three documents, then gradients
     model.calls.clear()
     model.training_step(documents_batch(_docs()), 1)
     assert len(model.calls) == 1

@@ -332,7 +332,7 @@ def test_an_hf_model_whose_attention_ignores_packed_boundaries_is_refused_in_the
     pytest.importorskip("transformers")
     module = StockHFModule()
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    with pytest.raises(PackingLeakError, match="StockHFModule attends across documents in a packed row"):
+    with pytest.raises(PackingLeakError, match="StockHFModule does not keep the documents of a packed row apart"):
         _trainer(tmp_path, max_steps=2).fit(module, datamodule=SeqPackDataModule(synthetic=SYNTH, max_tokens=64))
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())  # not one step was trained
 

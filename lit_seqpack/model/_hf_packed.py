@@ -1,0 +1,95 @@
+"""What a transformers attention call may carry on a packed row, and how it maps onto ``varlen_attention``.
+
+:func:`attention_extras` turns transformers' ``sliding_window`` / ``softcap`` / ``s_aux`` keywords into
+:func:`~lit_seqpack.model.attention.varlen_attention`'s ``window`` / ``softcap`` / ``sinks``;
+:func:`reject_unsupported` raises, naming the setting, for everything a packed row cannot honour (attention dropout,
+a mask or bias the model built itself, keywords without a varlen mapping, non-causal layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+ATTENTION_NAME = "lit_seqpack_varlen"
+"""The name of lit_seqpack's attention function in transformers' ``AttentionInterface``."""
+
+_REFUSED_KWARGS = ("position_bias", "sinks", "indices", "block_indices")
+"""Attention-function keywords of some transformers models that change the result and have no varlen mapping."""
+
+
+def attention_extras(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``window``/``softcap``/``sinks`` of :func:`varlen_attention` from transformers' keywords.
+
+    ``sliding_window=W`` (a query sees the ``W`` latest keys, itself included: ``sliding_window_overlay`` builds
+    ``kv_idx > q_idx - W``) is ``window=(W - 1, 0)``; ``softcap`` is passed on; ``s_aux`` (GPT-OSS sinks) becomes
+    ``sinks``. A layer that the config declares sliding but that passes no ``sliding_window`` (its window would live
+    in the mask only, which packed rows do not build) raises, as does a window that differs from the config's.
+    """
+    sliding_window, expected = kwargs.get("sliding_window"), configured_window(module)
+    if expected is not None and sliding_window != expected:
+        name = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+        raise ValueError(
+            f"{name} is a sliding-window layer (config sliding_window={expected}) but passes "
+            f"sliding_window={sliding_window!r} to its attention function; its stock mask uses the config's window, "
+            "so a packed row would compute another function: train this model with mode: dynamic"
+        )
+    extras: dict[str, Any] = {}
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"{type(module).__name__}: sliding_window must be a positive int, got {sliding_window!r}")
+        extras["window"] = (sliding_window - 1, 0)
+    if kwargs.get("softcap") is not None:
+        extras["softcap"] = float(kwargs["softcap"])
+    if kwargs.get("s_aux") is not None:
+        extras["sinks"] = kwargs["s_aux"]
+    return extras
+
+
+def configured_window(module: torch.nn.Module) -> int | None:
+    """The window the config gives ``module``'s layer (``None``: full attention).
+
+    With ``layer_types`` a ``"sliding_attention"`` layer has ``config.sliding_window`` and a ``"full_attention"``
+    layer none; any other type (chunked attention, ...) is refused on packed rows. Without ``layer_types``, the
+    config's ``sliding_window`` (unless ``use_sliding_window`` is false) applies to every layer (Mistral).
+    """
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and isinstance(index, int) and index < len(layer_types):
+        kind = layer_types[index]
+        if kind not in ("full_attention", "sliding_attention"):
+            raise ValueError(
+                f"{type(module).__name__} layer {index} is a {kind!r} layer, which {ATTENTION_NAME!r} cannot "
+                "compute on a packed row; train this model with mode: dynamic"
+            )
+        return window if kind == "sliding_attention" else None
+    if layer_types or not getattr(config, "use_sliding_window", True):
+        return None
+    return window if isinstance(window, int) else None
+
+
+def reject_unsupported(
+    module: torch.nn.Module, attention_mask: torch.Tensor | None, dropout: float, kwargs: Mapping[str, Any]
+) -> None:
+    name = type(module).__name__
+    if dropout > 0.0:
+        raise ValueError(
+            f"attention dropout is not supported on packed rows by {ATTENTION_NAME!r}, got {dropout} ({name}); "
+            "set the model's attention dropout to 0"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"{name} passes its own attention mask or bias on a packed row ({ATTENTION_NAME!r} builds none there), "
+            "which varlen attention cannot honour; train this model with mode: dynamic"
+        )
+    for key in _REFUSED_KWARGS:
+        if kwargs.get(key) is not None:
+            raise ValueError(
+                f"{name} passes {key}= to its attention function, which {ATTENTION_NAME!r} cannot honour on a packed "
+                "row; train this model with mode: dynamic"
+            )
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        raise ValueError(f"{ATTENTION_NAME!r} supports causal attention only ({name} is not causal)")

@@ -1,0 +1,83 @@
+"""torch.compile over packed rows: no graph break and no recompilation per document count (CPU, backend="eager")."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from lit_seqpack.model.attention import reference_varlen_attention, varlen_attention
+
+
+def layouts(steps: int = 10, seed: int = 0) -> list[list[int]]:
+    """Rows of 2 to 7 documents of 3 to 29 tokens: a new document count and row length almost every step."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 30, (2 + step % 6,), generator=gen).tolist() for step in range(steps)]
+
+
+def cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.fixture
+def fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("extras", [{}, {"window": (4, 0)}, {"softcap": 0.5}])
+def test_compiled_varlen_attention_is_one_graph_for_every_layout(fresh_dynamo: Any, extras: dict[str, Any]) -> None:
+    fn = torch.compile(lambda q, k, v, c, m: varlen_attention(q, k, v, c, m, backend="sdpa", **extras),
+                       backend="eager", fullgraph=True)  # fmt: skip
+    for lengths in layouts():
+        gen = torch.Generator().manual_seed(len(lengths))
+        q, k, v = (torch.randn(sum(lengths), 4, 8, generator=gen) for _ in range(3))
+        out = fn(q, k, v, cu(lengths), max(lengths))
+        ref = reference_varlen_attention(q, k, v, cu(lengths), max(lengths), **extras)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert fresh_dynamo["stats"]["unique_graphs"] <= 2  # the first layout, then one dynamic-shape graph
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_compiled_hf_model_on_packed_rows(fresh_dynamo: Any, model_type: str) -> None:
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_seqpack.model.hf import documents_batch, hf_model_inputs, prepare_hf_model
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  sliding_window=8 if model_type == "mistral" else None)  # fmt: skip
+    model = prepare_hf_model(AutoModelForCausalLM.from_config(config))
+    compiled = torch.compile(copy.deepcopy(model), backend="eager")
+    gen = torch.Generator().manual_seed(1)
+    for lengths in layouts():
+        batch = documents_batch([torch.randint(1, 64, (n,), generator=gen) for n in lengths])
+        out = compiled(**hf_model_inputs(batch, backend="sdpa")).logits
+        with torch.no_grad():
+            expected = model(**hf_model_inputs(batch, backend="sdpa")).logits
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    assert not fresh_dynamo["graph_break"], dict(fresh_dynamo["graph_break"])
+    assert fresh_dynamo["stats"]["unique_graphs"] <= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])
+def test_compiled_cuda_kernels_do_not_recompile_per_document_count(fresh_dynamo: Any, backend: str) -> None:
+    from lit_seqpack.model.attention import available_backends
+
+    if not torch.cuda.is_available() or backend not in available_backends("cuda", torch.bfloat16):
+        pytest.skip(f"needs a CUDA device with {backend}")
+    fn = torch.compile(lambda q, k, v, c, m: varlen_attention(q, k, v, c, m, backend=backend), fullgraph=True)
+    for lengths in layouts(steps=12):
+        q, k, v = (torch.randn(sum(lengths), 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out = fn(q, k, v, cu(lengths).cuda(), max(lengths))
+        ref = varlen_attention(q, k, v, cu(lengths).cuda(), max(lengths), backend="sdpa")
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert not fresh_dynamo["graph_break"] and fresh_dynamo["stats"]["unique_graphs"] <= 3
