@@ -2,11 +2,15 @@
 
 What it adds to a plain ``LightningCLI``:
 
-- every subcommand parser runs in omegaconf mode (``${...}`` interpolation in YAML and on the command line);
+- every subcommand parser runs in omegaconf mode: ``${...}`` in a YAML file is resolved when the file is loaded
+  (against that file), and ``${...}`` given on the command line (``--trainer.default_root_dir '${oc.env:HOME}'``)
+  against the whole merged config (settings typed as strings: paths, names; jsonargparse checks an int or a
+  bool before any resolution); a ``${data.max_tokens}`` that a misspelt key leaves unresolved names the typo;
 - ``trainer.use_distributed_sampler`` defaults to ``False``: the planner assigns every rank its own
   microbatches, and Lightning's ``DistributedSampler`` would re-split them and make ranks hang;
 - ``data.vocab_size`` is linked to ``model.init_args.vocab_size`` when the model takes a ``vocab_size``
-  (:class:`~lit_seqpack.model.lm.ReferenceLM`), so the vocabulary is written once, in the data section;
+  (:class:`~lit_seqpack.model.lm.ReferenceLM`), so the vocabulary is written once, in the data section; it
+  counts every id of the data (``input_ids`` and ``labels``) and ``data.pad_token_id``;
 - models whose vocabulary lives elsewhere (:class:`~lit_seqpack.model.lm.HFCausalLM`'s ``config`` dict or
   checkpoint) are checked after instantiation: a vocabulary smaller than the data's fails with a clear message;
 - only ``fit``, ``validate`` and ``test`` (the mixin trains and evaluates; it has no ``predict_step``);
@@ -19,16 +23,21 @@ The ``inspect`` subcommand (plan statistics without training) is dispatched by :
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
+import re
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_seqpack.data.datamodule import SeqPackDataModule
+from lit_seqpack.data.validation import model_vocab_size
 
 __all__ = ["DEFAULT_MODEL", "SUBCOMMANDS", "TRAINER_DEFAULTS", "SeqPackCLI", "check_vocab", "model_vocab_size"]
 
@@ -54,23 +63,6 @@ _DESCRIPTION = (
 
 TRAINER_DEFAULTS: dict[str, Any] = {"use_distributed_sampler": False}
 """Trainer defaults the samplers need (a config may still override them, and then the DataModule refuses)."""
-
-
-def model_vocab_size(model: LightningModule) -> int | None:
-    """The number of token ids ``model`` can embed, or ``None`` when it does not say.
-
-    Looked up, in order: the ``config.vocab_size`` of the wrapped network ``model.model`` (the reference decoder
-    and transformers models both have one), then the hyperparameter ``vocab_size``, then the ``vocab_size`` of a
-    ``config`` hyperparameter (:class:`~lit_seqpack.model.lm.HFCausalLM` built from a config dict).
-    """
-    inner_config = getattr(getattr(model, "model", None), "config", None)
-    value = getattr(inner_config, "vocab_size", None)
-    hparams = getattr(model, "hparams", None) or {}
-    if value is None:
-        value = hparams.get("vocab_size")
-    if value is None and isinstance(hparams.get("config"), Mapping):
-        value = hparams["config"].get("vocab_size")
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def check_vocab(model: LightningModule, data_vocab_size: int) -> None:
@@ -154,6 +146,27 @@ class SeqPackCLI(LightningCLI):
         """``fit``, ``validate`` and ``test``, with the Trainer arguments the CLI fills itself."""
         return {name: set(skip) for name, skip in SUBCOMMANDS.items()}
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse; resolve the ``${...}`` left in the subcommand's merged config; name the key behind a failed one.
+
+        jsonargparse's omegaconf mode resolves interpolation inside each YAML file as it is loaded, but leaves a
+        ``${...}`` given on the command line as a plain string (``--trainer.default_root_dir '${oc.env:HOME}'`` made
+        a folder of that name): it is resolved here, against the whole config of the subcommand.
+        """
+        from omegaconf.errors import InterpolationResolutionError
+
+        try:
+            super().parse_arguments(parser, args)
+        except InterpolationResolutionError as err:
+            raise ValueError(explain_interpolation_error(err, sys.argv[1:] if args is None else args)) from None
+        subcommand = self.config.get("subcommand")
+        if subcommand is None:  # run=False: one parser, no subcommand
+            if "${" in str(self.config):
+                self.config = _resolve_interpolation(parser, self.config)
+        elif "${" in str(self.config[subcommand]):
+            subparser = self._subcommand_parsers[subcommand]
+            self.config[subcommand] = _resolve_interpolation(subparser, self.config[subcommand])
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Add ``torch_num_threads``; link the data's vocabulary to the model's (once the DataModule exists)."""
         parser.add_argument(
@@ -207,6 +220,70 @@ class SeqPackCLI(LightningCLI):
 
 
 _VOCAB_KEY = "vocab_size"
+
+
+def _resolve_interpolation(parser: LightningArgumentParser, cfg: Any) -> Any:
+    """``cfg`` with every ``${...}`` resolved by omegaconf against the whole config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    dumped = parser.dump(cfg, skip_validation=True, skip_link_targets=False)
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(yaml.safe_load(dumped)), resolve=True)
+    except InterpolationResolutionError as err:
+        raise ValueError(f"cannot resolve the interpolation in {err.full_key}: {err.msg}") from None
+    return parser.parse_object(resolved)
+
+
+def explain_interpolation_error(err: Exception, args: Any) -> str:
+    """A message for a ``${a.b}`` that a YAML file cannot resolve, naming the unknown key it sets instead (a typo).
+
+    Args:
+        err: omegaconf's error (``Interpolation key 'data.max_tokens' not found``).
+        args: the command line, to find the ``--config`` files.
+    """
+    text = str(err).splitlines()[0]
+    match = re.search(r"Interpolation key '([^']+)' not found", text)
+    where = getattr(err, "full_key", None)
+    message = f"the config's interpolation in {where or 'a value'} failed: {text}"
+    if match is None:
+        return message
+    missing = match.group(1)
+    parent, _, leaf = missing.rpartition(".")
+    for path in _config_files(args):
+        section: Any = _load_yaml(path)
+        for part in parent.split(".") if parent else []:
+            section = section.get(part) if isinstance(section, Mapping) else None
+            if isinstance(section, Mapping) and "init_args" in section and part != "init_args":
+                section = section if leaf in section else section.get("init_args", section)
+        if isinstance(section, Mapping):
+            close = difflib.get_close_matches(leaf, [str(k) for k in section], n=1)
+            if close:
+                return (
+                    f"{path}: {where or 'a value'} refers to ${{{missing}}}, but the file sets "
+                    f"{parent + '.' if parent else ''}{close[0]}, not {leaf}: is {close[0]!r} a typo of {leaf!r}?"
+                )
+    return f"{message}; set {missing} in the config (or fix the name in the ${{...}})"
+
+
+def _config_files(args: Any) -> list[str]:
+    if not isinstance(args, (list, tuple)):
+        return []
+    files = []
+    for i, arg in enumerate(args):
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            files.append(str(args[i + 1]))
+        elif isinstance(arg, str) and arg.startswith("--config="):
+            files.append(arg.split("=", 1)[1])
+    return files
+
+
+def _load_yaml(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return yaml.safe_load(handle)
+    except (OSError, yaml.YAMLError):
+        return None
 
 
 def _parameters(cls: type) -> Mapping[str, inspect.Parameter]:

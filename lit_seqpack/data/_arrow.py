@@ -34,12 +34,16 @@ def require(module: str) -> ModuleType:
 def parquet_table(path: Path, columns: tuple[str, ...]) -> Any:
     """Read the wanted columns (those present) of a Parquet file as a ``pyarrow.Table``."""
     pq = require("pyarrow.parquet")
-    names = pq.read_schema(path).names
-    return pq.read_table(path, columns=[c for c in columns if c in names])
+    pa = require("pyarrow")
+    try:
+        names = pq.read_schema(path).names
+        return pq.read_table(path, columns=[c for c in columns if c in names])
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(f"{path}: not a readable Parquet file ({type(err).__name__}: {err})") from None
 
 
 def hf_disk_table(path: Path, split: str | None) -> Any:
-    """Load a ``save_to_disk`` directory and return its ``input_ids``/``labels`` columns as a ``pyarrow.Table``."""
+    """Load a ``save_to_disk`` directory; return its ``input_ids``/``labels``/``loss_mask`` columns as a Table."""
     datasets = require("datasets")
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
@@ -48,17 +52,20 @@ def hf_disk_table(path: Path, split: str | None) -> Any:
         loaded = loaded[split]
     elif split is not None:
         raise ValueError(f"split={split!r} was given but {path} holds a single Dataset, not a DatasetDict")
-    columns = [c for c in ("input_ids", "labels") if c in loaded.column_names]
+    columns = [c for c in ("input_ids", "labels", "loss_mask") if c in loaded.column_names]
     if "input_ids" not in columns:
         raise ValueError(f"{path}: no 'input_ids' column (columns: {loaded.column_names})")
     return loaded.select_columns(columns).with_format("arrow")[:]
 
 
 def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Validate a table with an ``input_ids`` column (and optional ``labels``) and flatten it.
+    """Validate a table with an ``input_ids`` column (and optional ``labels`` / ``loss_mask``) and flatten it.
+
+    ``loss_mask`` (0/1 or bool per token, 1 = train on it) becomes labels, as in JSONL; a row may have labels or
+    a loss mask, not both. Rows whose ``labels`` and ``loss_mask`` are null train on every token.
 
     Returns:
-        ``(tokens, offsets, labels)``; rows whose ``labels`` are null get a copy of their ids.
+        ``(tokens, offsets, labels)``; ``labels`` is ``None`` when the table has neither column.
     """
     if "input_ids" not in table.column_names:
         raise ValueError(f"{where}: no 'input_ids' column (columns: {table.column_names})")
@@ -69,16 +76,31 @@ def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.
     if (lengths == 0).any():
         raise ValueError(f"{where}, row {int(np.argmax(lengths == 0))}: 'input_ids' is empty")
     _check_values(tokens, tokens < 0, offsets, "input_ids", where, "ids must be >= 0")
-    if "labels" not in table.column_names:
+    present = [key for key in ("labels", "loss_mask") if key in table.column_names]
+    if not present:
         return tokens, offsets, None
-    values, label_lengths, valid = _list_column(table.column("labels"), "labels", where, allow_null=True)
-    mismatch = valid & (label_lengths != lengths)
-    if mismatch.any():
-        row = int(np.argmax(mismatch))
-        counts = f"{int(label_lengths[row])} entries but 'input_ids' has {int(lengths[row])}"
-        raise ValueError(f"{where}, row {row}: 'labels' has {counts}")
     labels = tokens.copy()
-    labels[np.repeat(valid, lengths)] = values
+    with_labels = np.zeros(len(lengths), dtype=bool)
+    for key in present:
+        values, value_lengths, valid = _list_column(table.column(key), key, where, allow_null=True)
+        mismatch = valid & (value_lengths != lengths)
+        if mismatch.any():
+            row = int(np.argmax(mismatch))
+            counts = f"{int(value_lengths[row])} entries but 'input_ids' has {int(lengths[row])}"
+            raise ValueError(f"{where}, row {row}: '{key}' has {counts}")
+        both = valid & with_labels
+        if both.any():
+            raise ValueError(f"{where}, row {int(np.argmax(both))}: give either 'labels' or 'loss_mask', not both")
+        with_labels |= valid
+        positions = np.repeat(valid, lengths)
+        if key == "labels":
+            labels[positions] = values
+            continue
+        bad = (values != 0) & (values != 1)
+        if bad.any():
+            row = _row_of(int(np.flatnonzero(positions)[int(np.argmax(bad))]), offsets)
+            raise ValueError(f"{where}, row {row}: 'loss_mask' must hold only 0 and 1, got {int(values[bad][0])}")
+        labels[positions] = np.where(values == 1, tokens[positions], IGNORE_INDEX)
     _check_values(
         labels, (labels < 0) & (labels != IGNORE_INDEX), offsets, "labels", where, "labels are ids >= 0 or -100"
     )
@@ -90,7 +112,9 @@ def _list_column(column: Any, key: str, where: str, *, allow_null: bool) -> tupl
     pa = require("pyarrow")
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     list_type = pa.types.is_list(array.type) or pa.types.is_large_list(array.type)
-    if not list_type or not pa.types.is_integer(array.type.value_type):
+    value_type = array.type.value_type if list_type else None
+    mask_type = key == "loss_mask" and value_type is not None and pa.types.is_boolean(value_type)
+    if not list_type or not (pa.types.is_integer(value_type) or mask_type):
         raise ValueError(f"{where}: column '{key}' must hold lists of ints, its type is {array.type}")
     valid = np.asarray(array.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
     if not allow_null and not valid.all():

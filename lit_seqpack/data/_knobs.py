@@ -9,10 +9,67 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from lit_seqpack.data.context_parallel import ParallelLayout
 
-__all__ = ["check_knobs", "check_parallel_knobs"]
+__all__ = ["check_flag", "check_knobs", "check_parallel_knobs", "check_setting_types"]
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` if it is a real bool (``"false"``, ``"no"`` and ``1`` are refused, not read as ``True``).
+
+    Example:
+        >>> check_flag("shuffle", False)
+        False
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} must be a bool (True or False), got {type(value).__name__}")
+    return bool(value)
+
+
+def check_setting_types(
+    *,
+    source: object,
+    sources: Collection[str],
+    overlong: object,
+    policies: Collection[str],
+    shuffle: object,
+    pad_token_id: object,
+    strings: dict[str, object],
+    fractions: dict[str, object],
+) -> None:
+    """Strict types of the DataModule settings that no config object of their own checks.
+
+    Args:
+        source: the data source name.
+        sources: the source names there are.
+        overlong: the over-long policy.
+        policies: the policies there are.
+        shuffle: reshuffle every epoch (a real bool).
+        pad_token_id: the padding id (an int >= 0).
+        strings: settings that must be a ``str`` (or ``None`` where optional), by name; a name ending in ``?``
+            may be ``None``.
+        fractions: settings that must be a real number, by name.
+
+    Raises:
+        ValueError: an unknown enum value or a negative pad id, naming the setting and the value.
+        TypeError: a value of the wrong type, naming the setting and the value.
+    """
+    for name, value, choices in (("source", source, sources), ("overlong", overlong, policies)):
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"{name}={value!r} must be one of {tuple(choices)}")
+    check_flag("shuffle", shuffle)
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
+        raise ValueError(f"pad_token_id={pad_token_id!r} must be an int >= 0")
+    for key, value in strings.items():
+        name, optional = key.rstrip("?"), key.endswith("?")
+        if not (isinstance(value, str) or (optional and value is None)):
+            raise TypeError(f"{name}={value!r} must be a str{' or None' if optional else ''}")
+    for name, value in fractions.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}={value!r} must be a number")
 
 
 def check_knobs(

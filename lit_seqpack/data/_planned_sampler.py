@@ -135,6 +135,8 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         verify_plan: bool,
         world_defaulted: bool,
     ) -> None:
+        if not isinstance(verify_plan, (bool, np.bool_)):
+            raise TypeError(f"verify_plan={verify_plan!r} must be a bool (True or False)")
         self.config, self.rank, self.verify_plan = config, rank, bool(verify_plan)
         self._lengths = compact_counts("lengths", lengths)
         self._loss_tokens = None

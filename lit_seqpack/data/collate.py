@@ -35,19 +35,25 @@ def _check_knob(name: str, value: int | None, *, minimum: int, optional: bool = 
         raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
 
 
-def _int_vector(value: Any, index: int, key: str, *, allow_bool: bool = False) -> torch.Tensor:
-    """``value`` as a 1-D int64 tensor, or a ValueError naming sample ``index`` and ``key``."""
+def _int_vector(value: Any, name: str, key: str, *, allow_bool: bool = False) -> torch.Tensor:
+    """``value`` as a 1-D int64 tensor, or a ValueError naming the sample (``name``) and ``key``."""
+    if value is None:
+        raise ValueError(f"{name}: {key} is None; omit the key to train on every token")
+    if isinstance(value, (list, tuple)) and not allow_bool:
+        kinds = set(map(type, value))  # numpy would silently read [5, True] as [5, 1]
+        if bool in kinds or np.bool_ in kinds:
+            raise ValueError(f"{name}: {key} must hold integers, found a bool (booleans are not token ids)")
     try:
         # numpy converts a list of Python ints about 5x faster than torch.as_tensor does
         tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
     except (TypeError, ValueError, OverflowError, RuntimeError):
-        raise ValueError(f"sample {index}: {key} is not a sequence of integers (got {value!r:.60})") from None
+        raise ValueError(f"{name}: {key} is not a sequence of integers (got {value!r:.60})") from None
     if tensor.dim() != 1:
-        raise ValueError(f"sample {index}: {key} must be 1-D, got shape {tuple(tensor.shape)}")
+        raise ValueError(f"{name}: {key} must be 1-D, got shape {tuple(tensor.shape)}")
     if tensor.numel() == 0:  # numpy types an empty list as float64
         return torch.empty(0, dtype=torch.int64)
     if tensor.is_floating_point() or tensor.is_complex() or (tensor.dtype == torch.bool and not allow_bool):
-        raise ValueError(f"sample {index}: {key} must hold integers, got dtype {tensor.dtype}")
+        raise ValueError(f"{name}: {key} must hold integers, got dtype {tensor.dtype}")
     return tensor.to(torch.int64)
 
 
@@ -57,30 +63,39 @@ def _first_bad(parts: Sequence[torch.Tensor], bad: torch.Tensor) -> int:
     return int(np.searchsorted(ends, int(bad.nonzero()[0, 0]), side="right"))
 
 
+def _sample_name(samples: Sequence[Any], index: int) -> str:
+    """``sample 3`` (the position in the microbatch), with its dataset index when the loader attached them."""
+    indices = getattr(samples, "indices", None)
+    if indices is None or index >= len(indices):
+        return f"sample {index}"
+    return f"sample {index} of the microbatch (dataset index {indices[index]})"
+
+
 def _read_samples(samples: Sequence[Mapping[str, Any]]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Validate the samples; return each document's ids and the concatenated ids and labels (no shift)."""
     ids, labels = [], []
     for index, sample in enumerate(samples):
+        name = _sample_name(samples, index)
         if not isinstance(sample, Mapping) or "input_ids" not in sample:
             found = sorted(sample) if isinstance(sample, Mapping) else type(sample).__name__
-            raise ValueError(f"sample {index}: expected a mapping with 'input_ids', got {found}")
-        doc = _int_vector(sample["input_ids"], index, "input_ids")
+            raise ValueError(f"{name}: expected a mapping with 'input_ids', got {found}")
+        doc = _int_vector(sample["input_ids"], name, "input_ids")
         if len(doc) == 0:
-            raise ValueError(f"sample {index}: input_ids is empty (a document needs at least one token)")
+            raise ValueError(f"{name}: input_ids is empty (a document needs at least one token)")
         if "labels" in sample and "loss_mask" in sample:
-            raise ValueError(f"sample {index}: give either 'labels' or 'loss_mask', not both")
+            raise ValueError(f"{name}: give either 'labels' or 'loss_mask', not both")
         if "labels" in sample:
-            target = _int_vector(sample["labels"], index, "labels")
+            target = _int_vector(sample["labels"], name, "labels")
         elif "loss_mask" in sample:
-            mask = _int_vector(sample["loss_mask"], index, "loss_mask", allow_bool=True)
+            mask = _int_vector(sample["loss_mask"], name, "loss_mask", allow_bool=True)
             if len(mask) == len(doc) and bool(((mask != 0) & (mask != 1)).any()):
-                raise ValueError(f"sample {index}: loss_mask must hold only 0 and 1, got {mask.unique().tolist()}")
+                raise ValueError(f"{name}: loss_mask must hold only 0 and 1, got {mask.unique().tolist()}")
             target = torch.where(mask.bool(), doc, IGNORE_INDEX) if len(mask) == len(doc) else mask
         else:
             target = doc
         if len(target) != len(doc):
             key = "labels" if "labels" in sample else "loss_mask"
-            raise ValueError(f"sample {index}: {key} has {len(target)} entries but input_ids has {len(doc)}")
+            raise ValueError(f"{name}: {key} has {len(target)} entries but input_ids has {len(doc)}")
         ids.append(doc)
         labels.append(target)
     all_ids, all_labels = torch.cat(ids), torch.cat(labels)
@@ -92,7 +107,7 @@ def _read_samples(samples: Sequence[Mapping[str, Any]]) -> tuple[list[torch.Tens
         problems.append((_first_bad(labels, bad_labels), f"labels must be >= 0 or {IGNORE_INDEX}"))
     if problems:
         index, problem = min(problems)
-        raise ValueError(f"sample {index}: {problem}")
+        raise ValueError(f"{_sample_name(samples, index)}: {problem}")
     return ids, all_ids, all_labels
 
 

@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lit_seqpack.data._budget import apply_document_budget, document_budget, planned_lengths
 from lit_seqpack.data._hashing import content_digest
-from lit_seqpack.data._knobs import check_knobs, check_parallel_knobs
+from lit_seqpack.data._knobs import check_knobs, check_parallel_knobs, check_setting_types
 from lit_seqpack.data._layout import read_layout
 from lit_seqpack.data._loader import ResumableDataLoader
 from lit_seqpack.data._resume import (
@@ -26,12 +27,15 @@ from lit_seqpack.data._resume import (
 )
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout, TensorParallelCollator
-from lit_seqpack.data.lengths import cached_lengths_and_loss_tokens, compute_lengths_and_loss_tokens
+from lit_seqpack.data.lengths import cached_scan
 from lit_seqpack.data.microbatch import PlannedDataset
-from lit_seqpack.data.overlong import OverlongReport
+from lit_seqpack.data.overlong import OVERLONG_POLICIES, OverlongReport
 from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
-from lit_seqpack.data.sources_factory import build_dataset
+from lit_seqpack.data.sources import TokenizedDataset
+from lit_seqpack.data.sources_factory import SOURCES, build_dataset
 from lit_seqpack.data.splits import IndexView, Split, split_indices
+from lit_seqpack.data.synthetic import SyntheticInstructionDataset
+from lit_seqpack.data.validation import DataScan, check_vocab_range, model_vocab_size, scan_dataset
 from lit_seqpack.planning.plan import PlanConfig
 
 if TYPE_CHECKING:
@@ -41,6 +45,8 @@ __all__ = ["SeqPackDataModule"]
 
 
 Mode = Literal["packing", "dynamic", "padded"]
+DEFAULT_MAX_TOKENS = 2048
+"""``max_tokens="auto"`` in packing and dynamic mode (``None`` in padded mode)."""
 _SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
 
 
@@ -67,7 +73,9 @@ class SeqPackDataModule(LightningDataModule):
         text_field: the JSONL field holding raw text (``source="text"``).
         mode: ``"packing"``, ``"dynamic"`` or ``"padded"`` (the baseline); one field, so packing and
             dynamic batching can never both be on.
-        max_tokens: token budget of a microbatch (packing and dynamic; ``None`` in padded mode).
+        max_tokens: token budget of a microbatch (packing and dynamic). ``"auto"`` (the default) is 2048 in
+            packing and dynamic mode and ``None`` in padded mode (no cap, as a plain DataLoader); an int in padded
+            mode caps every sample at it (``overlong``).
         algorithm: packing algorithm (``lit_seqpack.PACKING_ALGORITHMS``; packing only).
         window: consecutive shuffled samples planned together (``None``: the whole epoch).
         sequence_length_round: rows are padded to a multiple of this (the packed row, or the longest
@@ -115,7 +123,7 @@ class SeqPackDataModule(LightningDataModule):
         tokenizer: str | None = None,
         text_field: str = "text",
         mode: Mode = "packing",
-        max_tokens: int | None = 2048,
+        max_tokens: int | Literal["auto"] | None = "auto",
         algorithm: str = "first_fit_decreasing",
         window: int | None = None,
         sequence_length_round: int = 1,
@@ -144,6 +152,18 @@ class SeqPackDataModule(LightningDataModule):
         ):
             raise ValueError(f"content_check_samples must be an int >= 0, got {content_check_samples!r}")
         self.save_hyperparameters(ignore=["dataset"])
+        if isinstance(max_tokens, str) and max_tokens == "auto":
+            max_tokens = self.hparams.max_tokens = None if mode == "padded" else DEFAULT_MAX_TOKENS
+        check_setting_types(
+            source=source,
+            sources=SOURCES,
+            overlong=overlong,
+            policies=OVERLONG_POLICIES,
+            shuffle=shuffle,
+            pad_token_id=pad_token_id,
+            strings={"path?": path, "tokenizer?": tokenizer, "text_field": text_field, "cache_dir?": cache_dir},
+            fractions={"val_fraction": val_fraction, "test_fraction": test_fraction},
+        )
         check_knobs(
             mode=mode,
             modes=_SAMPLERS,
@@ -163,8 +183,7 @@ class SeqPackDataModule(LightningDataModule):
                 max_tokens, mode=mode, pad_to_multiple_of=pad_to_multiple_of, document_multiple=self.document_multiple
             )
         self._dataset = dataset
-        self._full_lengths: np.ndarray | None = None
-        self._full_loss_tokens: np.ndarray | None = None
+        self._data_scan: DataScan | None = None
         self.overlong_report: OverlongReport | None = None
         self._splits: dict[str, Split] = {}
         self._layout: tuple[int, int, int] = (1, 0, 1)  # data-parallel world size and rank, accumulation
@@ -198,30 +217,35 @@ class SeqPackDataModule(LightningDataModule):
 
     @property
     def vocab_size(self) -> int:
-        """Vocabulary size the data needs (linked to the model's ``vocab_size`` by the CLI)."""
+        """Vocabulary size the data needs, ``pad_token_id`` included (linked to the model's by the CLI)."""
         data = self.dataset
         for owner in (data, getattr(data, "config", None)):
             value = getattr(owner, "vocab_size", None)
-            if isinstance(value, int):
-                return value
-        tokens = getattr(data, "tokens", None)
-        if tokens is not None:
-            return int(np.max(tokens)) + 1
-        return max(int(max(data[i]["input_ids"])) for i in range(len(data))) + 1
+            if isinstance(value, int) and not isinstance(value, bool):
+                return max(value, self.hparams.pad_token_id + 1)
+        return max(self._scan().max_id, self.hparams.pad_token_id) + 1
 
     def prepare_data(self) -> None:
-        """Compute (and cache, with ``cache_dir``) the lengths once, on one process per node."""
-        self._lengths()
+        """Validate the samples and compute (and cache, with ``cache_dir``) the lengths once per process."""
+        self._scan()
+
+    def _scan(self) -> DataScan:
+        """Every sample validated once (:mod:`~lit_seqpack.data.validation`), with its lengths and loss tokens."""
+        if self._data_scan is None:
+            data, cache_dir = self.dataset, self.hparams.cache_dir
+            exact = isinstance(data, (TokenizedDataset, SyntheticInstructionDataset))  # lengths free, never cached
+            self._data_scan = scan_dataset(data) if cache_dir is None or exact else cached_scan(data, cache_dir)
+        return self._data_scan
 
     def _lengths(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._full_lengths is None:
-            data, cache_dir = self.dataset, self.hparams.cache_dir
-            if cache_dir is None:
-                lengths, loss_tokens = compute_lengths_and_loss_tokens(data)
-            else:
-                lengths, loss_tokens = cached_lengths_and_loss_tokens(data, cache_dir)
-            self._full_lengths, self._full_loss_tokens = _int32(lengths), _int32(loss_tokens)
-        return self._full_lengths, self._full_loss_tokens
+        scan = self._scan()
+        return scan.lengths, scan.loss_tokens
+
+    def _check_model_vocab(self) -> None:
+        """Fail at setup when a data id or the pad id is outside the vocabulary of the Trainer's model."""
+        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        vocab = None if model is None else model_vocab_size(model)
+        check_vocab_range(self._scan(), vocab_size=vocab, pad_token_id=self.hparams.pad_token_id)
 
     def attach_fabric(self, fabric: Any, *, accumulate_grad_batches: int = 1) -> None:
         """Plan for a Lightning Fabric loop: world size, rank (or device mesh) from ``fabric``, and its accumulation.
@@ -252,6 +276,7 @@ class SeqPackDataModule(LightningDataModule):
         if len(self.dataset) == 0:
             raise ValueError("the dataset is empty: there is nothing to train on")
         lengths, loss_tokens = self._lengths()
+        self._check_model_vocab()
         empty = np.flatnonzero(lengths == 0)
         if empty.size:
             raise ValueError(
@@ -271,7 +296,6 @@ class SeqPackDataModule(LightningDataModule):
                 document_multiple=self.document_multiple,
             )
         lengths, loss_tokens = _int32(lengths), _int32(loss_tokens)
-        self._full_lengths = self._full_loss_tokens = None  # the splits hold what planning needs from now on
         if hp.val_fraction == 0 and hp.test_fraction == 0:  # everything trains: no index view, no copies
             self._splits["train"] = Split(data, lengths, loss_tokens)
             return
@@ -390,10 +414,24 @@ class SeqPackDataModule(LightningDataModule):
         return self._loader("train")
 
     def val_dataloader(self) -> StatefulDataLoader | list:
-        """The validation loader (same mode, no shuffle, no accumulation), or none without ``val_fraction``."""
+        """The validation loader (same mode, no shuffle, no accumulation), or none without ``val_fraction``.
+
+        A validation split without a single loss token (every label -100) would log ``val/loss = nan``: it is
+        skipped with a warning instead.
+        """
         if not self._splits:
             self.setup("validate")
-        return self._loader("val") if "val" in self._splits else []
+        if "val" not in self._splits:
+            return []
+        val = self._splits["val"]
+        if int(val.loss_tokens.sum()) == 0:
+            rank_zero_warn(
+                f"lit_seqpack: the validation split ({len(val.lengths)} samples) has no loss token (every label is "
+                "-100 after the first token of each sample), so val/loss would be NaN; validation is skipped. Raise "
+                "val_fraction or check the labels / loss_mask of the data"
+            )
+            return []
+        return self._loader("val")
 
     def test_dataloader(self) -> StatefulDataLoader:
         """The test loader (same mode, no shuffle, no accumulation); needs ``test_fraction > 0``."""

@@ -59,14 +59,17 @@ class Microbatch(list):
         ([3, 1], None)
     """
 
-    __slots__ = ("meta",)
+    __slots__ = ("indices", "meta")
 
-    def __init__(self, items: Iterable[Any] = (), meta: MicrobatchMeta | None = None) -> None:
+    def __init__(
+        self, items: Iterable[Any] = (), meta: MicrobatchMeta | None = None, indices: Sequence[int] | None = None
+    ) -> None:
         super().__init__(items)
         self.meta = meta
+        self.indices = indices  # the dataset indices of fetched samples (named in the collators' errors)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Microbatch, (list(self), self.meta))
+        return (Microbatch, (list(self), self.meta, self.indices))
 
     def __repr__(self) -> str:
         return f"Microbatch({list.__repr__(self)}, meta={self.meta!r})"
@@ -89,4 +92,53 @@ class PlannedDataset:
         return self.dataset[index]
 
     def __getitems__(self, indices: Sequence[int]) -> Microbatch:
-        return Microbatch((self.dataset[i] for i in indices), meta=getattr(indices, "meta", None))
+        return Microbatch(
+            (self.dataset[i] for i in indices),
+            meta=getattr(indices, "meta", None),
+            indices=SourceIndices(self.dataset, indices),
+        )
+
+
+class SourceIndices(Sequence[int]):
+    """The original dataset indices of a microbatch's samples, resolved only when asked (in an error message).
+
+    Args:
+        dataset: the (possibly split, dropped or truncated) dataset the indices point into.
+        indices: positions in ``dataset``.
+    """
+
+    def __init__(self, dataset: Any, indices: Sequence[int]) -> None:
+        self._dataset, self._indices = dataset, list(indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, position: Any) -> Any:
+        if isinstance(position, slice):
+            return [source_index(self._dataset, int(i)) for i in self._indices[position]]
+        return source_index(self._dataset, int(self._indices[position]))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # never ship the dataset: the resolved indices are small
+        return (list, (list(self),))
+
+
+def source_index(dataset: Any, index: int) -> int:
+    """The index in the original dataset of ``dataset[index]``, through split, drop and truncate views.
+
+    Example:
+        >>> from lit_seqpack.data.splits import IndexView
+        >>> source_index(IndexView(list(range(10)), [2, 5, 7]), 1)
+        5
+    """
+    from lit_seqpack.data.overlong import DroppedDataset, TruncatedDataset
+    from lit_seqpack.data.splits import IndexView
+
+    while True:
+        if isinstance(dataset, IndexView):
+            index, dataset = int(dataset.indices[index]), dataset.dataset
+        elif isinstance(dataset, DroppedDataset):
+            index, dataset = int(dataset.original_indices[index]), dataset.dataset
+        elif isinstance(dataset, TruncatedDataset):
+            dataset = dataset.dataset
+        else:
+            return index

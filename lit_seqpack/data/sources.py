@@ -12,17 +12,20 @@ imported only by the loader that needs them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import operator
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from lit_seqpack.data._files import file_fingerprint as _file_fingerprint
+from lit_seqpack.data._files import text_lines
 from lit_seqpack.data.labels import IGNORE_INDEX
 
 __all__ = ["TOKENIZED_FORMATS", "TokenizedDataset", "load_tokenized"]
@@ -44,7 +47,7 @@ class TokenizedDataset:
             ``tokens[offsets[i]:offsets[i + 1]]``.
         labels: the labels, concatenated like ``tokens``, or ``None``.
         source: where the data came from (used in messages).
-        fingerprint: a stable identity of the source for the lengths cache; ``None`` hashes the content.
+        fingerprint: a stable identity of the content; ``None`` hashes the arrays (lazily, when first asked).
 
     Example:
         >>> ds = TokenizedDataset.from_records([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8]}])
@@ -59,7 +62,7 @@ class TokenizedDataset:
         labels: np.ndarray | None = None,
         *,
         source: str = "<memory>",
-        fingerprint: str | None = None,
+        fingerprint: str | Callable[[], str] | None = None,
     ) -> None:
         self.tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
@@ -92,7 +95,9 @@ class TokenizedDataset:
 
     @property
     def fingerprint(self) -> str:
-        """Identity of the data for the lengths cache: path, size and mtime of a file, else a content hash."""
+        """Identity of the content: a hash of the file's bytes (computed once, when asked), else of the arrays."""
+        if callable(self._fingerprint):
+            self._fingerprint = self._fingerprint()
         if self._fingerprint is None:
             digest = hashlib.blake2b(digest_size=20)
             for array in (self.offsets, self.tokens, self.labels if self.labels is not None else np.empty(0)):
@@ -103,22 +108,24 @@ class TokenizedDataset:
     @classmethod
     def from_records(cls, records: Iterable[Mapping[str, Any]], *, source: str = "<memory>") -> TokenizedDataset:
         """Validate and pack in-memory records (mappings with ``input_ids`` and optional ``labels``)."""
-        return _pack(((f"{source}, record {i}", r) for i, r in enumerate(records)), source, None)
+        return _pack(((f"{source}, record {i}", r) for i, r in enumerate(records)), source, None, False)
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike[str]) -> TokenizedDataset:
         """Read a JSONL file: one JSON object per line; whitespace-only lines are skipped."""
         path = Path(path)
-        return _pack(_jsonl_records(path), str(path), _file_fingerprint("jsonl", path))
+        return _pack(_jsonl_records(path), str(path), functools.partial(_file_fingerprint, "jsonl", path), True)
 
     @classmethod
     def from_parquet(cls, path: str | os.PathLike[str]) -> TokenizedDataset:
-        """Read a Parquet file with an ``input_ids`` list-of-int column and an optional ``labels`` column."""
+        """Read a Parquet file: an ``input_ids`` list-of-int column, optional ``labels`` or ``loss_mask`` columns."""
         from lit_seqpack.data._arrow import parquet_table, table_to_arrays
 
         path = Path(path)
-        tokens, offsets, labels = table_to_arrays(parquet_table(path, ("input_ids", "labels")), str(path))
-        return cls(tokens, offsets, labels, source=str(path), fingerprint=_file_fingerprint("parquet", path))
+        tokens, offsets, labels = table_to_arrays(parquet_table(path, ("input_ids", "labels", "loss_mask")), str(path))
+        return cls(
+            tokens, offsets, labels, source=str(path), fingerprint=functools.partial(_file_fingerprint, "parquet", path)
+        )
 
     @classmethod
     def from_hf_disk(cls, path: str | os.PathLike[str], *, split: str | None = None) -> TokenizedDataset:
@@ -128,7 +135,13 @@ class TokenizedDataset:
         path = Path(path)
         where = f"{path}" if split is None else f"{path} [split {split!r}]"
         tokens, offsets, labels = table_to_arrays(hf_disk_table(path, split), where)
-        return cls(tokens, offsets, labels, source=where, fingerprint=_file_fingerprint(f"hf_disk:{split}", path))
+        return cls(
+            tokens,
+            offsets,
+            labels,
+            source=where,
+            fingerprint=functools.partial(_file_fingerprint, f"hf_disk:{split}", path),
+        )
 
 
 def load_tokenized(path: str | os.PathLike[str], format: str = "auto", *, split: str | None = None) -> TokenizedDataset:
@@ -167,21 +180,26 @@ def _detect_format(path: Path) -> str:
 
 
 def _jsonl_records(path: Path) -> Iterable[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}, line {number}", json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}, line {number}: invalid JSON ({err.msg})") from err
+    for number, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}, line {number}", json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}, line {number}: invalid JSON ({err.msg})") from err
+        except RecursionError:
+            raise ValueError(
+                f"{path}, line {number}: JSON nested too deeply to parse (a sample is one flat object)"
+            ) from None
 
 
-def _pack(records: Iterable[tuple[str, Any]], source: str, fingerprint: str | None) -> TokenizedDataset:
+def _pack(
+    records: Iterable[tuple[str, Any]], source: str, fingerprint: Callable[[], str] | None, null_is_absent: bool
+) -> TokenizedDataset:
     ids_parts: list[np.ndarray] = []
     label_parts: list[np.ndarray | None] = []
     for where, record in records:
-        ids, labels = validate_record(record, where)
+        ids, labels = validate_record(record, where, null_is_absent=null_is_absent)
         ids_parts.append(ids)
         label_parts.append(labels)
     if not ids_parts:
@@ -194,8 +212,17 @@ def _pack(records: Iterable[tuple[str, Any]], source: str, fingerprint: str | No
     return TokenizedDataset(tokens, offsets, labels, source=source, fingerprint=fingerprint)
 
 
-def validate_record(record: Any, where: str) -> tuple[np.ndarray, np.ndarray | None]:
+def validate_record(record: Any, where: str, *, null_is_absent: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """Check one record and return its ``input_ids`` and ``labels`` (or ``None``) as int32 arrays.
+
+    The rules are the collators': ``input_ids`` a non-empty flat list of ints ``>= 0`` (no bool, no None),
+    optional ``labels`` (ids or -100) or ``loss_mask`` (0/1 or bools) of the same length, not both.
+
+    Args:
+        record: the sample mapping.
+        where: how messages name it (``"data.jsonl, line 3"``, ``"dataset[150]"``).
+        null_is_absent: a ``None`` ``labels``/``loss_mask`` means the field is absent (a JSON ``null``, like a
+            Parquet null); otherwise ``None`` is refused, as the collators refuse it.
 
     Raises:
         ValueError: naming ``where`` and the problem.
@@ -210,6 +237,10 @@ def validate_record(record: Any, where: str) -> tuple[np.ndarray, np.ndarray | N
     if ids.min() < 0:
         position = int(np.argmax(ids < 0))
         raise ValueError(f"{where}: 'input_ids' has negative id {int(ids[position])} at position {position}")
+    if not null_is_absent:
+        for key in ("labels", "loss_mask"):
+            if key in record and record[key] is None:
+                raise ValueError(f"{where}: '{key}' is None; omit the key to train on every token")
     labels = record.get("labels")
     if record.get("loss_mask") is not None:
         if labels is not None:
@@ -231,8 +262,7 @@ def validate_record(record: Any, where: str) -> tuple[np.ndarray, np.ndarray | N
 
 def _mask_to_labels(ids: np.ndarray, loss_mask: Any, where: str) -> np.ndarray:
     """``loss_mask`` (1 = train on the token, 0 = do not) as labels: the id where 1, -100 where 0."""
-    raw = np.asarray(loss_mask) if isinstance(loss_mask, (list, tuple, np.ndarray, torch.Tensor)) else loss_mask
-    mask = _int_array(raw.astype(np.int64) if getattr(raw, "dtype", None) == np.bool_ else raw, "loss_mask", where)
+    mask = _int_array(loss_mask, "loss_mask", where, allow_bool=True)
     if len(mask) != len(ids):
         raise ValueError(f"{where}: 'loss_mask' has {len(mask)} entries but 'input_ids' has {len(ids)}")
     if ((mask != 0) & (mask != 1)).any():
@@ -240,15 +270,25 @@ def _mask_to_labels(ids: np.ndarray, loss_mask: Any, where: str) -> np.ndarray:
     return np.where(mask == 1, ids, IGNORE_INDEX).astype(np.int32)
 
 
-def _int_array(value: Any, key: str, where: str) -> np.ndarray:
+def _int_array(value: Any, key: str, where: str, *, allow_bool: bool = False) -> np.ndarray:
     if not isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
         raise ValueError(f"{where}: '{key}' must be a list of ints, got {type(value).__name__}")
+    if isinstance(value, (list, tuple)) and not allow_bool:
+        kinds = set(map(type, value))  # C speed; numpy would silently turn [5, True] into [5, 1]
+        if bool in kinds or np.bool_ in kinds:
+            position = next(i for i, v in enumerate(value) if isinstance(v, (bool, np.bool_)))
+            raise ValueError(
+                f"{where}: '{key}' must be a flat list of ints, found bool ({value[position]!r} at position "
+                f"{position}); booleans are not token ids"
+            )
     try:
         array = np.asarray(value)
     except (ValueError, OverflowError) as err:
         raise ValueError(f"{where}: '{key}' must be a flat list of ints ({err})") from err
     if array.size == 0:
         return np.empty(0, dtype=np.int32)
+    if allow_bool and array.dtype == np.bool_:
+        array = array.astype(np.int32)
     if array.ndim != 1 or array.dtype.kind not in "iu":
         kinds = sorted({type(v).__name__ for v in np.ravel(array).tolist() if type(v) is not int})
         found = ", ".join(kinds) if kinds else ("nested lists" if array.ndim != 1 else "ids beyond int64")
@@ -266,10 +306,3 @@ def _loss_tokens(labels: np.ndarray | None, offsets: np.ndarray) -> np.ndarray:
     counted[offsets[:-1]] = False  # the first token of a document never has a target
     cumulative = np.concatenate(([0], np.cumsum(counted, dtype=np.int64)))
     return cumulative[offsets[1:]] - cumulative[offsets[:-1]]
-
-
-def _file_fingerprint(kind: str, path: Path) -> str:
-    """``kind``, absolute path, size and mtime of a file, or of every file under a directory."""
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    stats = [(str(p.relative_to(path)) if path.is_dir() else "", p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    return f"{kind}:{path.resolve()}:{hashlib.sha256(repr(stats).encode()).hexdigest()}"

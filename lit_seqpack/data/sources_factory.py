@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["SOURCES", "build_dataset"]
@@ -47,6 +48,11 @@ def build_dataset(
     if source == "text":
         if tokenizer is None:
             raise ValueError("source='text' needs tokenizer= (the path of a local Hugging Face tokenizer)")
+        if not Path(tokenizer).expanduser().is_dir():
+            raise ValueError(
+                f"tokenizer={tokenizer!r} is not a local folder: source='text' reads a Hugging Face tokenizer saved "
+                "with save_pretrained (no download); pass its folder"
+            )
         from lit_seqpack.data.text import TextDataset
 
         return TextDataset(path, tokenizer, text_field=text_field)

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from lit_seqpack.data._files import text_lines
+from lit_seqpack.data._knobs import check_flag
 from lit_seqpack.data.sources import TokenizedDataset
 
 __all__ = ["TextDataset"]
@@ -54,8 +56,10 @@ class TextDataset(TokenizedDataset):
         text_field: str = "text",
         batch_size: int = 1024,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+        add_eos = check_flag("add_eos", add_eos)
+        add_special_tokens = check_flag("add_special_tokens", add_special_tokens)
         tok = load_tokenizer(tokenizer)
         eos = getattr(tok, "eos_token_id", None)
         if add_eos and eos is None:
@@ -83,13 +87,21 @@ def load_tokenizer(tokenizer: Any) -> Any:
         if not callable(tokenizer):
             raise TypeError(f"tokenizer must be a path or a callable HF tokenizer, got {type(tokenizer).__name__}")
         return tokenizer
+    text = os.path.expanduser(str(tokenizer))
+    if _looks_like_a_path(text) and not Path(text).exists():
+        raise ValueError(f"tokenizer={str(tokenizer)!r} does not exist (a local tokenizer folder was expected)")
     try:
         from transformers import AutoTokenizer
     except ImportError as err:
         raise ImportError(
             "TextDataset with a tokenizer path needs 'transformers': pip install 'lit-seqpack[transformers]'"
         ) from err
-    return AutoTokenizer.from_pretrained(str(tokenizer))
+    return AutoTokenizer.from_pretrained(text)
+
+
+def _looks_like_a_path(text: str) -> bool:
+    """An absolute or explicitly relative path (``/x``, ``./x``, ``../x``, ``~/x``), not a Hub name like ``gpt2``."""
+    return os.path.isabs(text) or text.startswith(("./", "../", ".\\", "..\\")) or text in (".", "..")
 
 
 def _encode(tok: Any, batch: list[str], add_special_tokens: bool) -> list[list[int]]:
@@ -119,27 +131,27 @@ def _read_texts(texts: Sequence[str] | str | os.PathLike[str], text_field: str) 
 
 
 def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}, line {number}: invalid JSON ({err.msg})") from err
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ValueError(f"{path}, line {number}: expected an object with a string field {text_field!r}")
-            yield record[text_field]
+    for number, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}, line {number}: invalid JSON ({err.msg})") from err
+        except RecursionError:
+            raise ValueError(f"{path}, line {number}: JSON nested too deeply to parse") from None
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            raise ValueError(f"{path}, line {number}: expected an object with a string field {text_field!r}")
+        yield record[text_field]
 
 
 def _lines(path: Path) -> Iterator[str]:
     blank = 0
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
-            text = line.rstrip("\r\n")
-            if text.strip():
-                yield text
-            else:
-                blank += 1
+    for _, line in text_lines(path):
+        text = line.rstrip("\r\n")
+        if text.strip():
+            yield text
+        else:
+            blank += 1
     if blank:
         log.info("%s: skipped %d blank lines (one document per non-blank line)", path, blank)

@@ -26,6 +26,13 @@ averages over ranks, so the update is the gradient of the token mean over the st
 The batch's ``world_size`` and ``accumulate_grad_batches`` must therefore be the trainer's: every training step
 checks it and raises ``ValueError`` otherwise (a mismatch would silently scale the gradient).
 
+**Vocabulary.** Every batch on the CPU, and the first :data:`VOCAB_CHECKED_BATCHES` batches per module on an
+accelerator (one ``max`` of ``input_ids`` and of the labels, read in one device sync), are checked against the
+model's ``vocab_size`` (when it exposes one): an id past the embedding raises a ``ValueError`` naming the id, the
+vocabulary and the setting to change, instead of ``IndexError: index out of range in self`` deep in the
+embedding or ``Target 100 is out of bounds`` in the loss. ``SeqPackDataModule`` checks every sample at setup
+already; this is the boundary check for any other loader. Override ``seqpack_check_vocab`` to change it.
+
 **Isolation.** The first packed batch a module sees per process and per train/eval mode triggers a structural
 probe (:func:`~lit_seqpack.model.isolation.probe_packing_isolation`): the gradient of each document's logits with
 respect to the other documents' input embeddings must be exactly zero; a model that mixes documents (attention
@@ -54,16 +61,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lit_seqpack.data._layout import mesh_layout, strategy_mesh
+from lit_seqpack.data.validation import model_vocab_size
 from lit_seqpack.model.cp_attention import context_parallel_scope
 from lit_seqpack.model.loss import LossOutput, exact_loss, token_cross_entropy
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-__all__ = ["PackedSequenceMixin", "check_batch_layout", "is_packed_batch"]
+__all__ = ["VOCAB_CHECKED_BATCHES", "PackedSequenceMixin", "check_batch_layout", "is_packed_batch"]
 
 _STAGE_PREFIX = {"train": "train", "validate": "val", "test": "test"}
 _VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, set[bool]] = weakref.WeakKeyDictionary()
+_VOCAB_CHECKS: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+VOCAB_CHECKED_BATCHES = 8
+"""Batches per module whose ids are checked against the vocabulary on an accelerator (every batch on a CPU)."""
 
 
 def is_packed_batch(batch: Mapping[str, Any]) -> bool:
@@ -127,6 +139,32 @@ class PackedSequenceMixin:
             shifted=shifted,
         )
 
+    def seqpack_check_vocab(self, batch: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` when an id of ``batch`` (inputs or targets) is outside the model's vocabulary.
+
+        Costs one ``max`` per tensor and one read of the two values: on every CPU batch, and on the first
+        :data:`VOCAB_CHECKED_BATCHES` batches on an accelerator (no device sync after those).
+        """
+        vocab = model_vocab_size(self)
+        ids = batch.get("input_ids")
+        if vocab is None or not isinstance(ids, torch.Tensor) or ids.numel() == 0:
+            return
+        if ids.device.type != "cpu":
+            seen = _VOCAB_CHECKS.get(self, 0)  # type: ignore[call-overload]
+            if seen >= VOCAB_CHECKED_BATCHES:
+                return
+            _VOCAB_CHECKS[self] = seen + 1  # type: ignore[index]
+        targets = batch.get("shift_labels") if batch.get("shift_labels") is not None else batch.get("labels")
+        tops = [ids.max()] + ([targets.max()] if isinstance(targets, torch.Tensor) and targets.numel() else [])
+        for key, top in zip(("input_ids", "labels"), torch.stack(tops).tolist(), strict=False):
+            if top >= vocab:
+                raise ValueError(
+                    f"the batch's {key} holds id {int(top)} but {type(self).__name__} has vocab_size={vocab}: it "
+                    "would index past the embedding (or the loss's classes). Raise the model's vocab_size (for "
+                    "ReferenceLM: model.init_args.vocab_size; for HFCausalLM: model.init_args.config.vocab_size) "
+                    f"to at least {int(top) + 1}, or fix the data (padding writes data.pad_token_id)"
+                )
+
     def seqpack_verify_packing(self, batch: Mapping[str, Any]) -> None:
         """Raise :class:`~lit_seqpack.model.isolation.PackingLeakError` if the model mixes documents of a row.
 
@@ -152,6 +190,7 @@ class PackedSequenceMixin:
         """
         if stage not in _STAGE_PREFIX:
             raise ValueError(f"stage must be one of {tuple(_STAGE_PREFIX)}, got {stage!r}")
+        self.seqpack_check_vocab(batch)
         if is_packed_batch(batch):
             self.seqpack_verify_packing(batch)
         with context_parallel_scope(batch):  # a no-op unless the batch is a context-parallel shard

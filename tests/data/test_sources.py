@@ -118,14 +118,17 @@ def test_load_tokenized_rejects_bad_arguments(tmp_path):
         load_tokenized(other)
 
 
-def test_file_fingerprint_changes_with_the_file(tmp_path):
+def test_file_fingerprint_is_a_hash_of_the_content(tmp_path):
     path = _write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2]}])
     first = TokenizedDataset.from_jsonl(path).fingerprint
     assert first == TokenizedDataset.from_jsonl(path).fingerprint
-    assert str(path) in first
-    _write_jsonl(path, [{"input_ids": [1, 2, 3]}])
-    os.utime(path, ns=(1, 1))
-    assert TokenizedDataset.from_jsonl(path).fingerprint != first
+    stat = path.stat()
+    _write_jsonl(path, [{"input_ids": [1, 3]}])  # the same size and mtime, another content
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size and TokenizedDataset.from_jsonl(path).fingerprint != first
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(path.read_bytes())
+    assert TokenizedDataset.from_jsonl(copy).fingerprint == TokenizedDataset.from_jsonl(path).fingerprint
 
 
 def test_memory_fingerprint_is_a_content_hash():

@@ -352,8 +352,9 @@ def test_the_datamodule_trains_every_kept_sample_once_within_budget_and_counts_t
         for mb, batch in zip(loader.batch_sampler, dm.train_dataloader(), strict=True):
             assert batch["input_ids"].numel() <= max_tokens
             trained += [view[i]["index"] for i in mb]
-    validation = dm.val_dataloader()
-    held_out = _original_indices(validation.dataset.dataset) if val_fraction else []
+    validation = dm.val_dataloader()  # [] when the held-out samples have no loss token (val/loss would be NaN)
+    assert validation == [] or validation.dataset.dataset is dm.splits["val"].dataset
+    held_out = _original_indices(dm.splits["val"].dataset) if val_fraction else []
     report = dm.overlong_report
     expected = (len(over), 0) if overlong == "drop" else (0, len(over))
     assert report.num_overlong == len(over) and (report.num_dropped, report.num_truncated) == expected
