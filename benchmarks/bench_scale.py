@@ -17,7 +17,8 @@ Three Markdown tables:
    subprocess each, lengths held as ``uint16``): the batch sampler of the last rank built from the lengths, its
    ``len()``, the first batch, and a resume at mid-epoch (a fresh sampler seeking its window) -- seconds, the
    peak resident memory above the process before (bytes per sample) and the process's whole peak (torch
-   included); ``dm`` rows go through ``SeqPackDataModule`` (a dataset exposing ``lengths``/``loss_tokens``).
+   included); ``dm`` rows go through ``SeqPackDataModule`` on a ``SyntheticInstructionDataset`` of the same length
+   law (built before the measurement; its lengths are known without reading the samples).
 
     .venv/bin/python benchmarks/bench_scale.py                      # all tables (10M sequences, demo model)
     .venv/bin/python benchmarks/bench_scale.py --only rank --rank-sizes 100000000 --rank-worlds 4096
@@ -117,43 +118,34 @@ def _compact_lognormal(sequences: int, high: int, median: int) -> object:
     return out
 
 
-class _LengthsOnly:
-    """A dataset of ``n`` samples that exposes compact ``lengths``/``loss_tokens`` and makes tokens on demand."""
-
-    def __init__(self, lengths: object) -> None:
-        import numpy as np
-
-        self.lengths = lengths
-        self.loss_tokens = np.maximum(lengths, 1) - 1
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
-        return {"input_ids": [1] * int(self.lengths[index])}
-
-
 def rank_child(path: str, sequences: int, max_tokens: int, world: int, accumulate: int) -> dict[str, float]:
     """Runs in a fresh interpreter: one rank's sampler (``path`` "sampler") or DataModule ("dm"), timed and measured."""
     import gc
 
-    from lit_seqpack import PackedBatchSampler, SeqPackDataModule
+    from lit_seqpack import PackedBatchSampler, SeqPackDataModule, SyntheticInstructionDataset
     from lit_seqpack.planning.plan import PlanConfig
 
     high = min(HIGH, max_tokens)
-    lengths = _compact_lognormal(sequences, high, min(MEDIAN, high // 2))
+    median = min(MEDIAN, high // 2)
+
+    def synthetic(n: int) -> SyntheticInstructionDataset:  # the same lognormal law; lengths known without a scan
+        low = min(LOW, high)
+        return SyntheticInstructionDataset(num_samples=n, median_length=median, min_length=low, max_length=high)
+
+    lengths = _compact_lognormal(sequences, high, median) if path == "sampler" else synthetic(sequences)
     config = PlanConfig(max_tokens=max_tokens, world_size=world, accumulate_grad_batches=accumulate)
 
     def build(values: object, plan: PlanConfig) -> PackedBatchSampler:
         if path == "sampler":
             return PackedBatchSampler.from_config(values, plan, rank=plan.world_size - 1, verify_plan=False)
-        data = SeqPackDataModule(dataset=_LengthsOnly(values), max_tokens=max_tokens)
+        data = SeqPackDataModule(dataset=values, max_tokens=max_tokens)
         data.setup("fit")
         data._layout = (plan.world_size, plan.world_size - 1, plan.accumulate_grad_batches)  # as from a Trainer
         data.train_dataloader()
         return data._train_sampler
 
-    next(iter(build(lengths[:10_000], PlanConfig(max_tokens=max_tokens, world_size=1))))  # imports, compiled kernels
+    small = lengths[:10_000] if path == "sampler" else synthetic(10_000)
+    next(iter(build(small, PlanConfig(max_tokens=max_tokens, world_size=1))))  # imports, compiled kernels
     gc.collect()
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
@@ -181,7 +173,7 @@ def rank_child(path: str, sequences: int, max_tokens: int, world: int, accumulat
         "peak_gib": peak / 2**20,
         "window": getattr(getattr(resumed, "lazy_plan", None), "window", sequences),  # older versions: the epoch
         "steps": count // accumulate,
-        "utilization": float(lengths.sum(dtype="int64")) / (count * world * max_tokens),
+        "utilization": float(resumed._lengths.sum(dtype="int64")) / (count * world * max_tokens),
     }
 
 
