@@ -1,6 +1,6 @@
 """Benchmark the global plan: planning time at scale, and quality against a NeMo-RL-style baseline.
 
-Three Markdown tables:
+Four Markdown tables:
 
 1. Time to plan one epoch of ``--size`` sequences (default 1M, lognormal) at ``--world`` ranks x
    ``--accumulate`` accumulation, per mode (median of ``--repeats`` calls after a warm-up).
@@ -14,6 +14,10 @@ Three Markdown tables:
 A window must fill whole optimizer steps (``world x accumulate`` microbatches, the lock-step rule), so a
 window holding fewer tokens than a few steps' budget packs poorly: the ``accumulate 1`` row shows it.
 
+4. Rank balance on the attention-heavy cost ``L + L^2/max_tokens`` per document (what a long-context step
+   costs with varlen attention), for each ``cost_quadratic`` setting: per step max/mean over ranks of that
+   cost (mean and worst over steps), and of the real tokens.
+
 Columns: microbatches over all ranks (empty fillers included), efficiency = real tokens /
 (microbatches x max_tokens), token imbalance = per optimizer step max/mean over ranks of the real tokens
 each rank runs (mean and worst over steps), seconds.
@@ -21,6 +25,7 @@ each rank runs (mean and worst over steps), seconds.
     .venv/bin/python benchmarks/bench_plan.py                 # 1M timing, 200k comparisons
     .venv/bin/python benchmarks/bench_plan.py --max-tokens 8192
     .venv/bin/python benchmarks/bench_plan.py --quick         # 100k timing, 50k comparisons
+    .venv/bin/python benchmarks/bench_plan.py --only balance  # the cost_quadratic table alone
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ def power_law(n: int, rng: np.random.Generator, exponent: float = 1.5) -> np.nda
     return np.clip(np.round(values), LOW, HIGH).astype(np.int64)
 
 
+BALANCE_SETTINGS: tuple[float | str, ...] = (0.0, "auto")  # before (b = 0) and after (b = 1/max_tokens)
 DISTRIBUTIONS: dict[str, Callable[[int, np.random.Generator], np.ndarray]] = {
     "lognormal": lognormal,
     "power_law": power_law,
@@ -174,6 +180,48 @@ def comparison_table(args: argparse.Namespace) -> None:
             print(fmt(label, dist, ours(lengths, config)))
 
 
+def attention_imbalance(lengths: np.ndarray, config: PlanConfig, context: int) -> tuple[float, float, float]:
+    """Mean and worst over steps of max/mean of each rank's ``sum(L + L^2/context)``, and mean token max/mean."""
+    plan = build_plan(lengths, config, epoch=0)
+    cost = lengths.astype(np.float64) + lengths.astype(np.float64) ** 2 / context
+    work = np.zeros((plan.num_steps, config.world_size))
+    tokens = np.zeros_like(work)
+    for position in range(plan.microbatches_per_rank):
+        for rank in range(config.world_size):
+            indices, step, _ = plan.microbatch(rank, position)
+            work[step, rank] += cost[indices].sum()
+            tokens[step, rank] += lengths[indices].sum()
+    ratios = work.max(axis=1) / work.mean(axis=1)
+    return float(ratios.mean()), float(ratios.max()), float((tokens.max(axis=1) / tokens.mean(axis=1)).mean())
+
+
+def balance_table(args: argparse.Namespace) -> None:
+    print(
+        f"\n### Rank balance on the attention-heavy cost L + L^2/max_tokens ({args.compare_size:,} lognormal "
+        f"sequences, {args.world} ranks)\n"
+    )
+    print("| mode | max_tokens | accumulate | cost_quadratic | cost max/mean | worst step | tokens max/mean |")
+    print("|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(args.seed)
+    for max_tokens in (4096, 8192, 32768):
+        median = max_tokens // 8
+        lengths = np.clip(np.round(rng.lognormal(np.log(median), 1.0, args.compare_size)), LOW, max_tokens)
+        lengths = lengths.astype(np.int64)
+        for mode in ("packing", "dynamic"):
+            for accumulate in (1, args.accumulate):
+                for setting in BALANCE_SETTINGS:
+                    config = PlanConfig(
+                        mode=mode,
+                        max_tokens=max_tokens,
+                        world_size=args.world,
+                        accumulate_grad_batches=accumulate,
+                        cost_quadratic=setting,
+                    )
+                    mean, worst, tokens = attention_imbalance(lengths, config, max_tokens)
+                    cells = [mode, max_tokens, accumulate, setting, f"{mean:.4f}", f"{worst:.3f}", f"{tokens:.4f}"]
+                    print("| " + " | ".join(map(str, cells)) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=1_000_000, help="sequences in the timing table")
@@ -185,14 +233,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="100k timing, 50k comparisons")
+    parser.add_argument("--only", choices=["timing", "window", "comparison", "balance"], default=None)
     args = parser.parse_args()
     if args.quick:
         args.size, args.compare_size = 100_000, 50_000
     print(f"python {platform.python_version()}, numpy {np.__version__}, {os.cpu_count()} CPUs, {platform.machine()}")
     build_plan(lognormal(10_000, np.random.default_rng(1)), PlanConfig(max_tokens=4096), epoch=0)  # numba warm-up
-    timing_table(args)
-    window_table(args)
-    comparison_table(args)
+    tables = {"timing": timing_table, "window": window_table, "comparison": comparison_table}
+    tables["balance"] = balance_table
+    for name, table in tables.items():
+        if args.only in (None, name):
+            table(args)
 
 
 if __name__ == "__main__":

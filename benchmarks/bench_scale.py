@@ -1,6 +1,6 @@
 """Benchmark scale: memory and time of planning 10M sequences, and the DataLoader's share of an 8k-token step.
 
-Two Markdown tables:
+Three Markdown tables:
 
 1. **Planning at scale.** Each mode plans one epoch of ``--sequences`` lognormal lengths (median 512, sigma 1,
    clipped to [16, 4096]) for ``--world`` ranks x ``--accumulate`` accumulation, in a fresh subprocess: the peak
@@ -12,7 +12,16 @@ Two Markdown tables:
    time the loop waits for the next batch (fetch + collate, in the main process with 0 workers, overlapped with
    the step otherwise) against the model step (forward, backward, AdamW). The overhead column is wait / step.
 
-    .venv/bin/python benchmarks/bench_scale.py                      # both tables (10M sequences, demo model)
+3. **Per-rank planning.** What one rank process pays (``--rank-sizes`` samples, default ``--sequences``, x
+   ``--rank-worlds`` ranks, one fresh
+   subprocess each, lengths held as ``uint16``): the batch sampler of the last rank built from the lengths, its
+   ``len()``, the first batch, and a resume at mid-epoch (a fresh sampler seeking its window) -- seconds, the
+   peak resident memory above the process before (bytes per sample) and the process's whole peak (torch
+   included); ``dm`` rows go through ``SeqPackDataModule`` on a ``SyntheticInstructionDataset`` of the same length
+   law (built before the measurement; its lengths are known without reading the samples).
+
+    .venv/bin/python benchmarks/bench_scale.py                      # all tables (10M sequences, demo model)
+    .venv/bin/python benchmarks/bench_scale.py --only rank --rank-sizes 100000000 --rank-worlds 4096
     .venv/bin/python benchmarks/bench_scale.py --only plan --sequences 1000000
     .venv/bin/python benchmarks/bench_scale.py --only loader --model 100m --steps 3
 """
@@ -95,6 +104,111 @@ def plan_table(args: argparse.Namespace) -> str:
         f"max_tokens={args.tokens} (padded: batch_size=16), {args.world} ranks x {args.accumulate} accumulation"
     )
     headers = ["mode", "seconds", "peak MiB", "peak B/seq", "plan B/seq", "microbatches", "utilization"]
+    return f"{title}\n\n{_table(headers, rows)}"
+
+
+def _compact_lognormal(sequences: int, high: int, median: int) -> object:
+    """Lognormal lengths as ``uint16``, drawn 4M at a time (no 100M float64 temporary)."""
+    import numpy as np
+
+    rng, out = np.random.default_rng(0), np.empty(sequences, dtype=np.uint16)
+    for start in range(0, sequences, 1 << 22):
+        size = min(1 << 22, sequences - start)
+        out[start : start + size] = np.clip(np.round(rng.lognormal(np.log(median), 1.0, size)), min(LOW, high), high)
+    return out
+
+
+def rank_child(path: str, sequences: int, max_tokens: int, world: int, accumulate: int) -> dict[str, float]:
+    """Runs in a fresh interpreter: one rank's sampler (``path`` "sampler") or DataModule ("dm"), timed and measured."""
+    import gc
+
+    from lit_seqpack import PackedBatchSampler, SeqPackDataModule, SyntheticInstructionDataset
+    from lit_seqpack.planning.plan import PlanConfig
+
+    high = min(HIGH, max_tokens)
+    median = min(MEDIAN, high // 2)
+
+    def synthetic(n: int) -> SyntheticInstructionDataset:  # the same lognormal law; lengths known without a scan
+        low = min(LOW, high)
+        return SyntheticInstructionDataset(num_samples=n, median_length=median, min_length=low, max_length=high)
+
+    lengths = _compact_lognormal(sequences, high, median) if path == "sampler" else synthetic(sequences)
+    config = PlanConfig(max_tokens=max_tokens, world_size=world, accumulate_grad_batches=accumulate)
+
+    def build(values: object, plan: PlanConfig) -> PackedBatchSampler:
+        if path == "sampler":
+            return PackedBatchSampler.from_config(values, plan, rank=plan.world_size - 1, verify_plan=False)
+        data = SeqPackDataModule(dataset=values, max_tokens=max_tokens)
+        data.setup("fit")
+        data._layout = (plan.world_size, plan.world_size - 1, plan.accumulate_grad_batches)  # as from a Trainer
+        data.train_dataloader()
+        return data._train_sampler
+
+    small = lengths[:10_000] if path == "sampler" else synthetic(10_000)
+    next(iter(build(small, PlanConfig(max_tokens=max_tokens, world_size=1))))  # imports, compiled kernels
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    before = _rss_kib("VmRSS")
+    start = time.perf_counter()
+    sampler = build(lengths, config)
+    count = len(sampler)
+    setup = time.perf_counter() - start
+    next(iter(sampler))
+    first = time.perf_counter() - start
+    state = {**sampler.state_dict(), "position": count // 2}
+    del sampler
+    gc.collect()
+    start = time.perf_counter()
+    resumed = build(lengths, config)
+    resumed.load_state_dict(state)
+    next(iter(resumed))
+    resume = time.perf_counter() - start
+    peak = _rss_kib("VmHWM")
+    return {
+        "setup_s": setup,
+        "first_s": first,
+        "resume_s": resume,
+        "peak_bytes_per_sample": (peak - before) * 1024 / sequences,
+        "peak_gib": peak / 2**20,
+        "window": getattr(getattr(resumed, "lazy_plan", None), "window", sequences),  # older versions: the epoch
+        "steps": count // accumulate,
+        "utilization": float(resumed._lengths.sum(dtype="int64")) / (count * world * max_tokens),
+    }
+
+
+def rank_table(args: argparse.Namespace) -> str:
+    rows = []
+    for sequences in args.rank_sizes:
+        for world in args.rank_worlds:
+            for path in args.rank_paths:
+                code = (
+                    "import json, sys; sys.path.insert(0, 'benchmarks'); from bench_scale import rank_child; "
+                    f"print(json.dumps(rank_child({path!r}, {sequences}, {args.tokens}, {world}, {args.accumulate})))"
+                )
+                child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+                if child.returncode:
+                    raise RuntimeError(f"rank planning failed:\n{child.stderr[-3000:]}")
+                r = json.loads(child.stdout.strip().splitlines()[-1])
+                rows.append(
+                    [
+                        f"{sequences:,} x {world} ({path})",
+                        f"{r['window']:,}",
+                        f"{r['steps']:,}",
+                        f"{r['utilization']:.4f}",
+                        f"{r['setup_s']:.1f}",
+                        f"{r['first_s']:.1f}",
+                        f"{r['resume_s']:.1f}",
+                        f"{r['peak_bytes_per_sample']:.1f}",
+                        f"{r['peak_gib']:.2f}",
+                    ]
+                )
+    title = (
+        f"One rank's plan (the last rank), lognormal lengths (median {MEDIAN}, clip [{LOW}, {HIGH}]), "
+        f"max_tokens={args.tokens}, accumulation {args.accumulate}, window=None (auto), first_fit_decreasing"
+    )
+    headers = ["samples x ranks (path)", "window", "steps", "utilization", "len() s", "1st batch s", "resume s"]
+    headers += ["peak B/sample", "process peak GiB"]
     return f"{title}\n\n{_table(headers, rows)}"
 
 
@@ -181,7 +295,10 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["plan", "loader"], default=None, help="run one table")
+    parser.add_argument("--only", choices=["plan", "loader", "rank"], default=None, help="run one table")
+    parser.add_argument("--rank-sizes", type=int, nargs="+", default=None, help="samples (default --sequences)")
+    parser.add_argument("--rank-worlds", type=int, nargs="+", default=[8, 4096], help="ranks, rank table")
+    parser.add_argument("--rank-paths", nargs="+", choices=["sampler", "dm"], default=["sampler", "dm"])
     parser.add_argument("--sequences", type=int, default=10_000_000, help="sequences to plan")
     parser.add_argument("--tokens", type=int, default=8192, help="max_tokens of a microbatch")
     parser.add_argument("--world", type=int, default=8, help="ranks planned for")
@@ -191,10 +308,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="num_workers settings")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="torch threads")
     args = parser.parse_args()
+    args.rank_sizes = args.rank_sizes or [args.sequences]
     load = "/".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, load {load}\n")
     if args.only in (None, "plan"):
         print(plan_table(args), end="\n\n")
+    if args.only in (None, "rank"):
+        print(rank_table(args), end="\n\n")
     if args.only in (None, "loader"):
         print(loader_table(args))
 

@@ -126,3 +126,14 @@ def test_bench_train_rejects_bad_sizes(bad):
     )
     assert result.returncode == 2
     assert bad[0] in result.stderr
+
+
+def test_bench_scale_rank_table_and_bench_plan_balance_table_smoke():
+    lines = _run("bench_scale.py", "--only", "rank", "--rank-sizes", "20000", "--rank-worlds", "2", "--tokens", "4096")
+    (rank,) = _tables(lines)
+    assert [row[0] for row in rank[1:]] == ["20,000 x 2 (sampler)", "20,000 x 2 (dm)"]
+    assert all(float(row[3]) > 0.9 for row in rank[1:])  # utilization
+    lines = _run("bench_plan.py", "--only", "balance", "--compare-size", "3000", "--world", "2")
+    (balance,) = _tables(lines)
+    settings = [row[3] for row in balance[1:]]
+    assert settings[:2] == ["0.0", "auto"] and len(balance) == 1 + 24

@@ -117,7 +117,8 @@ def view_loss_tokens(view: Any, full_lengths: np.ndarray, full_loss_tokens: np.n
     """
     offered = getattr(view, "loss_tokens", None)
     if offered is not None:
-        return np.asarray(offered, dtype=np.int64)
+        offered = np.asarray(offered)
+        return offered if offered.dtype in (np.int32, np.int64) else offered.astype(np.int64)
     if isinstance(view, DroppedDataset):
         return full_loss_tokens[view.original_indices]
     if isinstance(view, TruncatedDataset):

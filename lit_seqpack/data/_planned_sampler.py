@@ -1,8 +1,10 @@
 """Mechanics of the planned batch samplers (see :mod:`lit_seqpack.data.samplers` for the public classes).
 
-A sampler holds the lengths and a :class:`~lit_seqpack.planning.PlanConfig`, computes the plan of the
-current epoch once (cached), yields this rank's column of it lazily, and keeps its progress (epoch,
-microbatches consumed) in a rank-independent ``state_dict``.
+A sampler holds the lengths (in their smallest dtype) and a :class:`~lit_seqpack.planning.PlanConfig`,
+counts the current epoch's steps once, plans one window at a time as this rank reaches it
+(:class:`~lit_seqpack.planning.lazy.LazyPlan`: memory O(window)), and keeps its progress (epoch,
+microbatches consumed) in a rank-independent ``state_dict``. Ranks compare a digest of their inputs
+(config, lengths, loss tokens) and the epoch, never the whole plan, which is a pure function of them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta
-from lit_seqpack.planning.plan import Plan, PlanConfig, as_counts, build_plan
+from lit_seqpack.planning._windows import compact_counts
+from lit_seqpack.planning.lazy import LazyPlan
+from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan
 
 __all__ = ["PlannedBatchSampler", "RankSampler", "resolve_replicas"]
 
@@ -52,11 +56,12 @@ class RankSampler(Sampler[int]):
         self._owner.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
-        for indices in self._owner.plan.rank_microbatches(self._owner.rank):
-            yield from indices
+        plan, rank = self._owner.lazy_plan, self._owner.rank
+        for position in range(plan.microbatches_per_rank):
+            yield from plan.microbatch(rank, position).indices
 
     def __len__(self) -> int:
-        return sum(len(indices) for indices in self._owner.plan.rank_microbatches(self._owner.rank))
+        return sum(1 for _ in self)
 
 
 class PlannedBatchSampler(Sampler[Microbatch]):
@@ -68,6 +73,9 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         rank: this process's rank (default: ``torch.distributed`` rank, or 0).
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``).
         verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
+        content_digest: a digest of the data's content (e.g. :func:`~lit_seqpack.data._hashing.content_digest`
+            of a few samples' tokens), or a function computing it, compared with the plan: ranks that read
+            different data with the same lengths then fail too. ``None``: lengths only.
         **plan_knobs: the remaining :class:`~lit_seqpack.planning.PlanConfig` fields.
     """
 
@@ -81,11 +89,13 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         rank: int | None = None,
         loss_tokens: Sequence[int] | np.ndarray | None = None,
         verify_plan: bool = True,
+        content_digest: str | Callable[[], str] | None = None,
         **plan_knobs: Any,
     ) -> None:
         world, rank = resolve_replicas(num_replicas, rank)
         config = PlanConfig(mode=self._mode, world_size=world, **plan_knobs)
         self._setup(lengths, config, rank, loss_tokens, verify_plan, num_replicas is None and not _distributed())
+        self.content_digest = content_digest
 
     @classmethod
     def from_config(
@@ -96,6 +106,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         rank: int | None = None,
         loss_tokens: Sequence[int] | np.ndarray | None = None,
         verify_plan: bool = True,
+        content_digest: str | Callable[[], str] | None = None,
     ) -> PlannedBatchSampler:
         """Build a sampler from a ready :class:`~lit_seqpack.planning.PlanConfig` of the sampler's mode.
 
@@ -105,12 +116,14 @@ class PlannedBatchSampler(Sampler[Microbatch]):
             rank: this process's rank (default: ``torch.distributed`` rank, or 0).
             loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``).
             verify_plan: compare the plan across ranks when ``torch.distributed`` is initialised.
+            content_digest: a digest of the data's content, or a function computing it (see the class).
         """
         if config.mode != cls._mode:
             raise ValueError(f"{cls.__name__} plans mode={cls._mode!r}, got a config with mode={config.mode!r}")
         _, rank = resolve_replicas(config.world_size, rank)
         sampler = cls.__new__(cls)
         sampler._setup(lengths, config, rank, loss_tokens, verify_plan, False)
+        sampler.content_digest = content_digest
         return sampler
 
     def _setup(
@@ -125,12 +138,17 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         if not isinstance(verify_plan, (bool, np.bool_)):
             raise TypeError(f"verify_plan={verify_plan!r} must be a bool (True or False)")
         self.config, self.rank, self.verify_plan = config, rank, bool(verify_plan)
-        self._lengths = as_counts("lengths", lengths)
-        self._loss_tokens = None if loss_tokens is None else as_counts("loss_tokens", loss_tokens, self._lengths.size)
-        # What the plan counts per sample (its default when none are given), checked by the collator.
-        self._counted_loss = np.maximum(self._lengths - 1, 0) if self._loss_tokens is None else self._loss_tokens
+        self._lengths = compact_counts("lengths", lengths)
+        self._loss_tokens = None
+        if loss_tokens is not None:
+            self._loss_tokens = compact_counts("loss_tokens", loss_tokens, self._lengths.size)
+            above = np.flatnonzero(self._loss_tokens > self._lengths)
+            if above.size:
+                i = int(above[0])
+                raise ValueError(f"loss_tokens[{i}] = {int(self._loss_tokens[i])} exceeds the sample's length")
         self._world_defaulted = world_defaulted
         self._epoch, self._position, self._resume = 0, 0, False
+        self._lazy: LazyPlan | None = None
         self._start_source: Callable[[int, int], tuple[int, int]] | None = None
         self._plan: Plan | None = None
         self._verified_epoch: int | None = None
@@ -140,25 +158,45 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         self._plan_for(0)  # validates the lengths: over-long samples fail at construction, not mid-epoch
 
     def _key(self) -> str:
+        """SHA-256 of the config, the lengths and the loss tokens as ``int64`` (whatever dtype they came in)."""
         digest = hashlib.sha256(repr(self.config).encode())
-        digest.update(self._lengths.tobytes())
-        digest.update(b"-" if self._loss_tokens is None else self._loss_tokens.tobytes())
+        for array in (self._lengths, self._loss_tokens):
+            if array is None:
+                digest.update(b"-")
+                continue
+            for start in range(0, array.size, 1 << 20):
+                digest.update(array[start : start + (1 << 20)].astype(np.int64).tobytes())
         return digest.hexdigest()
 
-    def _plan_for(self, epoch: int) -> Plan:
-        if self._plan is None or self._plan.epoch != epoch:
-            self._plan = build_plan(self._lengths, self.config, epoch=epoch, loss_tokens=self._loss_tokens)
+    def _plan_for(self, epoch: int) -> LazyPlan:
+        lazy = self._lazy
+        if lazy is None or lazy.epoch != epoch:
+            known = {} if lazy is None else {"partition": lazy.partition, "chunk_steps": lazy.chunk_steps}
+            self._lazy = None  # drop the previous epoch's window first
+            lazy = self._lazy = LazyPlan(
+                self._lengths, self.config, epoch=epoch, loss_tokens=self._loss_tokens, **known
+            )
+        return lazy
+
+    @property
+    def lazy_plan(self) -> LazyPlan:
+        """The current epoch's plan as this sampler reads it: a window at a time (memory O(window))."""
+        return self._plan_for(self._epoch)
+
+    @property
+    def plan(self) -> Plan:
+        """The current epoch's whole plan, every window materialised (for inspection: memory O(epoch)).
+
+        Iteration never builds it; it yields the same microbatches from :attr:`lazy_plan`.
+        """
+        if self._plan is None or self._plan.epoch != self._epoch:
+            self._plan = build_plan(self._lengths, self.config, epoch=self._epoch, loss_tokens=self._loss_tokens)
         return self._plan
 
     @property
     def epoch(self) -> int:
         """The epoch the next iteration will plan."""
         return self._epoch
-
-    @property
-    def plan(self) -> Plan:
-        """The plan of the current epoch (computed once per epoch and cached)."""
-        return self._plan_for(self._epoch)
 
     @property
     def batch_size(self) -> int:
@@ -189,7 +227,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         self._start_source = source
 
     def __len__(self) -> int:
-        count = self.plan.microbatches_per_rank
+        count = self.lazy_plan.microbatches_per_rank
         self._reported_len = (self._epoch, count)
         return count
 
@@ -218,12 +256,12 @@ class PlannedBatchSampler(Sampler[Microbatch]):
                 accumulate_grad_batches=config.accumulate_grad_batches,
                 max_tokens=config.max_tokens,
                 is_empty=not indices,
-                loss_tokens=int(self._counted_loss[indices].sum()) if indices else 0,
+                loss_tokens=plan.microbatch_loss_tokens(self.rank, position) if indices else 0,
             )
             self._position = position + 1
             yield Microbatch(indices, meta=meta)
 
-    def _check_plan(self, plan: Plan) -> None:
+    def _check_plan(self, plan: LazyPlan) -> None:
         reported = self._reported_len
         if self.rank == 0 and reported and reported[0] != plan.epoch and reported[1] != plan.microbatches_per_rank:
             log.warning(
@@ -245,14 +283,24 @@ class PlannedBatchSampler(Sampler[Microbatch]):
             )
         if not self.verify_plan or self._verified_epoch == plan.epoch:
             return
-        fingerprints: list[Any] = [None] * world
-        dist.all_gather_object(fingerprints, (plan.fingerprint(), self.config.world_size))
-        if len(set(fingerprints)) > 1:
-            mine = (plan.fingerprint(), self.config.world_size)
-            others = [r for r, f in enumerate(fingerprints) if f != mine]
+        # the plan is a pure function of these: equal digests, equal plans (no need to hash the plan itself)
+        content = self.content_digest() if callable(self.content_digest) else self.content_digest
+        mine = (self._plan_key, plan.epoch, plan.num_steps, self.config.world_size, content)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine)
+        if len(set(everyone)) > 1:  # every rank sees the same list, so every rank raises: no hang
+            others = [r for r, f in enumerate(everyone) if f[:4] != mine[:4]]
+            if others:
+                raise RuntimeError(
+                    f"rank {dist.get_rank()} computed a different plan for epoch {plan.epoch} than ranks {others}: "
+                    "every rank must pass the same lengths, loss tokens and settings (seed, max_tokens, window, ...)"
+                )
+            others = [r for r, f in enumerate(everyone) if f[4] != content]
             raise RuntimeError(
-                f"rank {dist.get_rank()} computed a different plan for epoch {plan.epoch} than ranks {others}: "
-                "every rank must pass the same lengths, loss tokens and settings (seed, max_tokens, window, ...)"
+                f"rank {dist.get_rank()} reads different data than ranks {others}: the lengths agree but the tokens of "
+                f"the sampled samples do not (content digest {content} vs {[everyone[r][4] for r in others]}); every "
+                "rank must read the same dataset (same files, tokenizer and preprocessing). A dataset whose samples "
+                "change between reads (random augmentation) needs the check off (content_check_samples=0)"
             )
         self._verified_epoch = plan.epoch
 
@@ -263,7 +311,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         loader restored from an end-of-epoch checkpoint may create its iterator before Lightning calls
         ``set_epoch``, and must then plan the next epoch, not replay this one.
         """
-        total = self.plan.microbatches_per_rank
+        total = self.lazy_plan.microbatches_per_rank
         finished = total > 0 and self._position >= total
         return {
             "epoch": self._epoch + 1 if finished else self._epoch,

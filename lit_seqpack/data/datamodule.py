@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -11,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lit_seqpack.data._budget import apply_document_budget, document_budget, planned_lengths
+from lit_seqpack.data._hashing import content_digest
 from lit_seqpack.data._knobs import check_knobs, check_parallel_knobs, check_setting_types
 from lit_seqpack.data._layout import read_layout
 from lit_seqpack.data._loader import ResumableDataLoader
@@ -46,6 +48,12 @@ Mode = Literal["packing", "dynamic", "padded"]
 DEFAULT_MAX_TOKENS = 2048
 """``max_tokens="auto"`` in packing and dynamic mode (``None`` in padded mode)."""
 _SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
+
+
+def _int32(counts: np.ndarray) -> np.ndarray:
+    """Token counts in 4 bytes a sample when they fit (they always do below 2^31 tokens a sample)."""
+    fits = counts.size == 0 or int(counts.max()) < 1 << 31
+    return counts.astype(np.int32, copy=False) if fits else counts
 
 
 class SeqPackDataModule(LightningDataModule):
@@ -87,7 +95,8 @@ class SeqPackDataModule(LightningDataModule):
             data-parallel (:class:`~lit_seqpack.data.context_parallel.ParallelLayout`), and the plan is made for
             ``trainer.world_size / (cp x tp)`` data-parallel ranks.
         microbatch_order: ``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`).
-        cost_quadratic: ``b`` of the per-document cost ``L + b*L^2`` that ranks are balanced on.
+        cost_quadratic: ``b`` of the per-document cost ``L + b*L^2`` that ranks are balanced on; ``"auto"``:
+            ``1 / max_tokens`` (attention-heavy long documents no longer make one rank the slowest).
         overlong: what happens to samples longer than ``max_tokens``: ``"error"``, ``"truncate"`` or
             ``"drop"``; counted, logged and kept in :attr:`overlong_report`.
         batch_size: samples per microbatch (padded mode only).
@@ -99,6 +108,10 @@ class SeqPackDataModule(LightningDataModule):
         shuffle: reshuffle the training samples every epoch.
         cache_dir: folder where the lengths of on-disk data are cached (``None``: no cache).
         dataset: a ready map-style dataset for Python users; it replaces ``source``/``path``/``synthetic``.
+        content_check_samples: under ``torch.distributed``, the tokens of this many samples (the same indices on
+            every rank) are hashed and compared across ranks with the plan at the first batch, so ranks that
+            read different data with equal lengths fail loudly on every rank; 0 compares the lengths only (for
+            datasets whose samples change between reads).
     """
 
     def __init__(
@@ -116,7 +129,7 @@ class SeqPackDataModule(LightningDataModule):
         sequence_length_round: int = 1,
         pad_to_multiple_of: int = 1,
         microbatch_order: Literal["largest_first", "packer"] = "largest_first",
-        cost_quadratic: float = 0.0,
+        cost_quadratic: float | Literal["auto"] = "auto",
         overlong: Literal["error", "truncate", "drop"] = "error",
         batch_size: int | None = None,
         val_fraction: float = 0.0,
@@ -129,8 +142,15 @@ class SeqPackDataModule(LightningDataModule):
         dataset: Sequence[Mapping[str, Any]] | None = None,
         context_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
+        content_check_samples: int = 8,
     ) -> None:
         super().__init__()
+        if (
+            isinstance(content_check_samples, bool)
+            or not isinstance(content_check_samples, int)
+            or content_check_samples < 0
+        ):
+            raise ValueError(f"content_check_samples must be an int >= 0, got {content_check_samples!r}")
         self.save_hyperparameters(ignore=["dataset"])
         if isinstance(max_tokens, str) and max_tokens == "auto":
             max_tokens = self.hparams.max_tokens = None if mode == "padded" else DEFAULT_MAX_TOKENS
@@ -275,6 +295,10 @@ class SeqPackDataModule(LightningDataModule):
                 pad_to_multiple_of=hp.pad_to_multiple_of,
                 document_multiple=self.document_multiple,
             )
+        lengths, loss_tokens = _int32(lengths), _int32(loss_tokens)
+        if hp.val_fraction == 0 and hp.test_fraction == 0:  # everything trains: no index view, no copies
+            self._splits["train"] = Split(data, lengths, loss_tokens)
+            return
         parts = split_indices(len(data), hp.val_fraction, seed=hp.seed, test_fraction=hp.test_fraction)
         for name, idx in zip(("train", "val", "test"), parts, strict=True):
             if name == "train" or len(idx):
@@ -344,7 +368,11 @@ class SeqPackDataModule(LightningDataModule):
         train = split == "train"
         config = self.plan_config(world_size=world, accumulate_grad_batches=accumulate if train else 1, train=train)
         planned = planned_lengths(lengths, self.document_multiple) if self.hparams.mode == "packing" else lengths
-        sampler = _SAMPLERS[self.hparams.mode].from_config(planned, config, rank=rank, loss_tokens=loss_tokens)
+        count = self.hparams.content_check_samples
+        content = functools.partial(content_digest, data, count, self.hparams.seed) if count else None
+        sampler = _SAMPLERS[self.hparams.mode].from_config(
+            planned, config, rank=rank, loss_tokens=loss_tokens, content_digest=content
+        )
         if train:
             self._train_sampler = sampler
             if self.trainer is not None:

@@ -108,7 +108,9 @@ def apply_overlong_policy(
         raise ValueError(f"overlong={policy!r} must be one of {OVERLONG_POLICIES}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = np.asarray(lengths)
+    if lengths.dtype not in (np.int32, np.int64):  # keep a signed int32 array as it is (4 bytes a sample)
+        lengths = lengths.astype(np.int64)
     if lengths.shape != (len(dataset),):
         raise ValueError(f"lengths has shape {lengths.shape} but the dataset has {len(dataset)} samples")
     over = np.flatnonzero(lengths > max_tokens)

@@ -19,8 +19,9 @@ Use them as ``DataLoader(PlannedDataset(ds), batch_sampler=sampler, collate_fn=c
 - ``state_dict`` holds the epoch and the microbatches consumed, never the rank: rank 0's checkpoint
   resumes every rank. StatefulDataLoader snapshots it when each batch is requested, so prefetching by
   workers does not move the resume point.
-- With ``torch.distributed`` initialised, the first iteration of each epoch compares the plan's
-  fingerprint across ranks (one ``all_gather_object``) and fails loudly on a mismatch.
+- With ``torch.distributed`` initialised, the first iteration of each epoch compares a digest of the
+  plan's inputs (config, lengths, loss tokens, epoch; and the data's ``content_digest`` when given) across
+  ranks (one ``all_gather_object``) and fails loudly, on every rank, on a mismatch.
 - Lightning reads ``len(dataloader)`` once. The count is constant across epochs with ``window=None`` and
   a sort-based packer (or dynamic or padded batching); otherwise reload the dataloaders every epoch
   (a warning says so when the count changes).
@@ -28,7 +29,8 @@ Use them as ``DataLoader(PlannedDataset(ds), batch_sampler=sampler, collate_fn=c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -53,9 +55,11 @@ class PackedBatchSampler(PlannedBatchSampler):
         sequence_length_round: the collator pads the row to a multiple of this.
         microbatch_order: ``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`).
         cost_linear: ``a`` of the per-document cost ``a*L + b*L^2`` that ranks are balanced on.
-        cost_quadratic: ``b`` of that cost (attention-heavy long contexts).
+        cost_quadratic: ``b`` of that cost (attention-heavy long contexts); ``"auto"``: ``cost_linear / max_tokens``.
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``), for ``step_loss_tokens``.
         verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
+        content_digest: a digest of the data's content (or a function computing it) compared with the plan, so
+            ranks reading different tokens with the same lengths fail loudly (``None``: lengths only).
 
     Example:
         >>> sampler = PackedBatchSampler([5, 3, 4, 4], max_tokens=8, num_replicas=2, rank=1, shuffle=False)
@@ -80,9 +84,10 @@ class PackedBatchSampler(PlannedBatchSampler):
         sequence_length_round: int = 1,
         microbatch_order: str = "largest_first",
         cost_linear: float = 1.0,
-        cost_quadratic: float = 0.0,
+        cost_quadratic: float | Literal["auto"] = "auto",
         loss_tokens: Sequence[int] | np.ndarray | None = None,
         verify_plan: bool = True,
+        content_digest: str | Callable[[], str] | None = None,
     ) -> None:
         super().__init__(
             lengths,
@@ -90,6 +95,7 @@ class PackedBatchSampler(PlannedBatchSampler):
             rank=rank,
             loss_tokens=loss_tokens,
             verify_plan=verify_plan,
+            content_digest=content_digest,
             max_tokens=max_tokens,
             algorithm=algorithm,
             seed=seed,
@@ -118,9 +124,11 @@ class DynamicBatchSampler(PlannedBatchSampler):
         sequence_length_round: ``L`` is the longest row rounded up to a multiple of this.
         microbatch_order: ``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`).
         cost_linear: ``a`` of the cost ``rows x (a*L + b*L^2)`` that ranks are balanced on.
-        cost_quadratic: ``b`` of that cost.
+        cost_quadratic: ``b`` of that cost (``"auto"``: ``cost_linear / max_tokens``; 0 in padded mode).
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``), for ``step_loss_tokens``.
         verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
+        content_digest: a digest of the data's content (or a function computing it) compared with the plan, so
+            ranks reading different tokens with the same lengths fail loudly (``None``: lengths only).
     """
 
     _mode = "dynamic"
@@ -139,9 +147,10 @@ class DynamicBatchSampler(PlannedBatchSampler):
         sequence_length_round: int = 1,
         microbatch_order: str = "largest_first",
         cost_linear: float = 1.0,
-        cost_quadratic: float = 0.0,
+        cost_quadratic: float | Literal["auto"] = "auto",
         loss_tokens: Sequence[int] | np.ndarray | None = None,
         verify_plan: bool = True,
+        content_digest: str | Callable[[], str] | None = None,
     ) -> None:
         super().__init__(
             lengths,
@@ -149,6 +158,7 @@ class DynamicBatchSampler(PlannedBatchSampler):
             rank=rank,
             loss_tokens=loss_tokens,
             verify_plan=verify_plan,
+            content_digest=content_digest,
             max_tokens=max_tokens,
             seed=seed,
             accumulate_grad_batches=accumulate_grad_batches,
@@ -179,9 +189,11 @@ class PaddedBatchSampler(PlannedBatchSampler):
         sequence_length_round: the padded length is a multiple of this.
         microbatch_order: ``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`).
         cost_linear: ``a`` of the cost ``rows x (a*L + b*L^2)`` that ranks are balanced on.
-        cost_quadratic: ``b`` of that cost.
+        cost_quadratic: ``b`` of that cost (``"auto"``: ``cost_linear / max_tokens``; 0 in padded mode).
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``), for ``step_loss_tokens``.
         verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
+        content_digest: a digest of the data's content (or a function computing it) compared with the plan, so
+            ranks reading different tokens with the same lengths fail loudly (``None``: lengths only).
     """
 
     _mode = "padded"
@@ -200,9 +212,10 @@ class PaddedBatchSampler(PlannedBatchSampler):
         sequence_length_round: int = 1,
         microbatch_order: str = "largest_first",
         cost_linear: float = 1.0,
-        cost_quadratic: float = 0.0,
+        cost_quadratic: float | Literal["auto"] = "auto",
         loss_tokens: Sequence[int] | np.ndarray | None = None,
         verify_plan: bool = True,
+        content_digest: str | Callable[[], str] | None = None,
     ) -> None:
         super().__init__(
             lengths,
@@ -210,6 +223,7 @@ class PaddedBatchSampler(PlannedBatchSampler):
             rank=rank,
             loss_tokens=loss_tokens,
             verify_plan=verify_plan,
+            content_digest=content_digest,
             batch_size=batch_size,
             seed=seed,
             accumulate_grad_batches=accumulate_grad_batches,

@@ -14,6 +14,7 @@ _EXPORTS: dict[str, str] = {
     "get_packer": "lit_seqpack.planning.algorithms",
     "PackingStats": "lit_seqpack.planning.stats",
     "packing_stats": "lit_seqpack.planning.stats",
+    "LazyPlan": "lit_seqpack.planning.lazy",
     "Plan": "lit_seqpack.planning.plan",
     "PlanConfig": "lit_seqpack.planning.plan",
     "PlanStats": "lit_seqpack.planning.plan",
@@ -22,6 +23,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "PACKING_ALGORITHMS",
+    "LazyPlan",
     "Packer",
     "PackingStats",
     "Plan",

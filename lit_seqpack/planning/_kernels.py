@@ -96,7 +96,12 @@ def first_fit(sizes: np.ndarray, capacity: int, initial_remaining: np.ndarray) -
     """
     n = sizes.shape[0]
     n_initial = initial_remaining.shape[0]
-    p = _pow2_at_least(n + n_initial)
+    # Of the bins first fit opens, all but one end more than half full (an item opens a bin only when it
+    # did not fit an earlier one), so fewer than 2 * total / capacity + 1 are opened: a smaller tree.
+    total = 0
+    for k in range(n):
+        total += sizes[k]
+    p = _pow2_at_least(n_initial + min(n, 2 * total // capacity + 2))
     tree = np.full(2 * p, capacity, np.int64)
     tree[p : p + n_initial] = initial_remaining
     for node in range(p - 1, 0, -1):

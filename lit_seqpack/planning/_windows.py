@@ -1,23 +1,33 @@
-"""Input checks, the microbatches of one planning window, and the per-microbatch figures the plan needs.
+"""Input checks, the plan of one window, and the per-microbatch figures the plan needs.
 
 A window's microbatches come back flat: ``members`` (dataset indices in microbatch order) and
 ``sizes`` (samples per microbatch; ``0`` is an empty lock-step filler), with ``len(sizes)`` a multiple
-of ``world_size x accumulate_grad_batches``.
+of ``world_size x accumulate_grad_batches``. :func:`plan_window` adds the ``(step, rank, slot)`` grid;
+:func:`window_steps` counts a window's steps without planning it.
 """
 
 from __future__ import annotations
 
-from itertools import chain
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from lit_seqpack.planning._balance import assign_slots, order_within_bundles
 from lit_seqpack.planning.dynamic import dynamic_group_sizes, fixed_group_sizes, round_up
 
 if TYPE_CHECKING:
     from lit_seqpack.planning.plan import PlanConfig
 
-__all__ = ["as_counts", "check_budget", "microbatch_figures", "window_microbatches"]
+__all__ = [
+    "WindowPlan",
+    "as_counts",
+    "check_budget",
+    "compact_counts",
+    "microbatch_figures",
+    "plan_window",
+    "window_microbatches",
+    "window_steps",
+]
 
 DEFAULT_ALGORITHM = "first_fit_decreasing"
 
@@ -44,6 +54,30 @@ def as_counts(name: str, values: object, size: int | None = None) -> np.ndarray:
     return array
 
 
+def compact_counts(name: str, values: object, size: int | None = None) -> np.ndarray:
+    """Like :func:`as_counts`, in the smallest unsigned dtype that holds them (``uint16`` for most lengths).
+
+    Example:
+        >>> compact_counts("lengths", [3, 0, 5]).dtype.name
+        'uint16'
+    """
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
+    if size is not None and array.size != size:
+        raise ValueError(f"{name} must have one entry per sample ({size}), got {array.size}")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.uint16)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be integers, got dtype {array.dtype}")
+    if array.dtype.kind == "i" and array.min() < 0:
+        i = int(np.argmax(array < 0))
+        raise ValueError(f"{name}[{i}] = {int(array[i])} is negative")
+    top = int(array.max())
+    dtype = np.uint16 if top < 1 << 16 else np.uint32 if top < 1 << 32 else np.int64
+    return array.astype(dtype, copy=False)
+
+
 def check_budget(lengths: np.ndarray, config: PlanConfig) -> None:
     """Raise ``ValueError`` naming the first sample longer than ``max_tokens`` (packing and dynamic)."""
     if config.mode == "padded" or lengths.size == 0:
@@ -57,13 +91,14 @@ def check_budget(lengths: np.ndarray, config: PlanConfig) -> None:
         )
 
 
-def _pack(window_lengths: np.ndarray, config: PlanConfig, seed: int) -> tuple[list[list[int]], int]:
-    """Packer bins (positions in the window) whose count plus the returned filler count fills whole steps.
+def _pack(window_lengths: np.ndarray, config: PlanConfig, seed: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Flat packer bins (positions in the window, ends) whose count plus the returned filler count fills whole steps.
 
     Any-fit packers leave at most one bin half empty, so they make at most ``2 * tokens // capacity + 1``
     bins; when the next multiple of that bound still has enough samples, one call with
     ``bin_count_multiple`` is safe. Otherwise the count is checked first, and when there are fewer
-    samples than slots every sample gets its own microbatch and empty fillers complete the step.
+    samples than slots every sample gets its own microbatch and empty fillers complete the step. Either
+    way the window makes ``round_up(bins of the algorithm, slots_per_step)`` microbatches.
     """
     from lit_seqpack.planning.algorithms import get_packer
 
@@ -71,31 +106,33 @@ def _pack(window_lengths: np.ndarray, config: PlanConfig, seed: int) -> tuple[li
     n = int(window_lengths.size)
     bound = min(n, 2 * int(window_lengths.sum()) // capacity + 1)
     if round_up(bound, multiple) <= n:
-        return get_packer(algorithm, capacity, bin_count_multiple=multiple, seed=seed).pack(window_lengths), 0
-    bins = get_packer(algorithm, capacity, seed=seed).pack(window_lengths)
-    target = round_up(len(bins), multiple)
-    if target == len(bins):
-        return bins, 0
+        return *get_packer(algorithm, capacity, bin_count_multiple=multiple, seed=seed).pack_flat(window_lengths), 0
+    flat, ends = get_packer(algorithm, capacity, seed=seed).pack_flat(window_lengths)
+    target = round_up(ends.size, multiple)
+    if target == ends.size:
+        return flat, ends, 0
     real = min(target, n)
-    return get_packer(algorithm, capacity, min_bin_count=real, seed=seed).pack(window_lengths), target - real
+    return *get_packer(algorithm, capacity, min_bin_count=real, seed=seed).pack_flat(window_lengths), target - real
 
 
 def window_microbatches(
-    lengths: np.ndarray, positions: np.ndarray, config: PlanConfig, seed: int
+    lengths: np.ndarray, positions: np.ndarray | None, config: PlanConfig, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Group one window of samples into microbatches.
 
     Args:
-        lengths: lengths of the whole dataset.
-        positions: dataset indices of the window, in (shuffled) order.
+        lengths: lengths of the whole dataset (``int64``).
+        positions: dataset indices of the window, in (shuffled) order; ``None``: ``lengths`` is the window.
         config: the plan configuration.
         seed: seed for a randomised packer (``first_fit_shuffle``).
 
     Returns:
         ``(members, sizes)``: dataset indices in microbatch order and samples per microbatch.
     """
-    window_lengths = lengths[positions]
+    window_lengths = lengths if positions is None else lengths[positions]
     multiple = config.slots_per_step
+    if positions is None:
+        positions = np.arange(window_lengths.size)
     if config.mode == "padded":
         return positions, fixed_group_sizes(positions.size, config.batch_size, group_count_multiple=multiple)
     if config.mode == "dynamic":
@@ -107,10 +144,71 @@ def window_microbatches(
             group_count_multiple=multiple,
         )
         return positions[order], sizes
-    bins, fillers = _pack(window_lengths, config, seed)
-    local = np.fromiter(chain.from_iterable(bins), dtype=np.int64, count=positions.size)
-    sizes = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))
-    return positions[local], np.concatenate([sizes, np.zeros(fillers, dtype=np.int64)])
+    flat, ends, fillers = _pack(window_lengths, config, seed)
+    return positions[flat], np.concatenate([np.diff(ends, prepend=0), np.zeros(fillers, dtype=np.int64)])
+
+
+def window_seeds(config: PlanConfig, epoch: int, w: int) -> np.random.SeedSequence:
+    """The seeds of window ``w``: the packer's seed and the balancing rng."""
+    # SeedSequence pads entropy with zeros, so [s, e] and [s, e, 0] collide: each stream ends in its own tag
+    return np.random.SeedSequence([config.seed, epoch, w, 2] if config.shuffle else [config.seed, w, 3])
+
+
+def window_steps(window_lengths: np.ndarray, config: PlanConfig, seed: int) -> int:
+    """Optimizer steps window ``w`` will have (``window_lengths`` ``int64``), without planning it.
+
+    Example:
+        >>> from lit_seqpack.planning.plan import PlanConfig
+        >>> window_steps(np.array([5, 3, 4, 4, 2]), PlanConfig(max_tokens=8, world_size=2), seed=0)
+        2
+    """
+    multiple, n = config.slots_per_step, int(window_lengths.size)
+    if config.mode == "padded":
+        return int(fixed_group_sizes(n, config.batch_size, group_count_multiple=multiple).size) // multiple
+    if config.mode == "dynamic":
+        sizes = dynamic_group_sizes(
+            -np.sort(-window_lengths),
+            config.max_tokens,
+            sequence_length_round=config.sequence_length_round,
+            group_count_multiple=multiple,
+        )
+        return int(sizes.size) // multiple
+    from lit_seqpack.planning.algorithms import get_packer
+
+    packer = get_packer(config.algorithm or DEFAULT_ALGORITHM, config.max_tokens, seed=seed)
+    return round_up(packer.count_bins(window_lengths), multiple) // multiple
+
+
+class WindowPlan(NamedTuple):
+    """One window's plan: microbatch ``m`` is ``members[bounds[m]:bounds[m + 1]]``; ``grid[s, r, j]`` is a
+    microbatch id (local to the window); ``figures`` are :func:`microbatch_figures` of the microbatches."""
+
+    members: np.ndarray
+    sizes: np.ndarray
+    grid: np.ndarray
+    figures: dict[str, np.ndarray]
+
+
+def plan_window(
+    lengths: np.ndarray, loss_tokens: np.ndarray, positions: np.ndarray | None, config: PlanConfig, epoch: int, w: int
+) -> WindowPlan:
+    """Plan window ``w`` of ``epoch``: microbatches, then their ``[steps, world_size, accumulate]`` grid.
+
+    Args:
+        lengths: lengths of the whole dataset (``int64``), or of the window alone with ``positions=None``
+            (members are then positions in the window).
+        loss_tokens: loss tokens, indexed like ``lengths``.
+        positions: indices into ``lengths`` of the window's samples, in order, or ``None``.
+        config: the plan configuration.
+        epoch: the epoch.
+        w: the window's number in the epoch (seeds its packer and its balancing).
+    """
+    seeds = window_seeds(config, epoch, w)
+    members, sizes = window_microbatches(lengths, positions, config, int(seeds.generate_state(1)[0]))
+    figures = microbatch_figures(lengths, loss_tokens, members, sizes, config)
+    rng = np.random.default_rng(seeds) if config.shuffle else None
+    grid = assign_slots(figures["cost"], config.world_size, config.accumulate_grad_batches, rng)
+    return WindowPlan(members, sizes, order_within_bundles(grid, figures["cost"], config.microbatch_order), figures)
 
 
 def _segment_sums(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
@@ -135,7 +233,7 @@ def microbatch_figures(
     """
     bounds = np.concatenate(([0], np.cumsum(sizes)))
     member_lengths = lengths[members]
-    a, b, r = config.cost_linear, config.cost_quadratic, config.sequence_length_round
+    a, b, r = config.cost_linear, config.quadratic_cost, config.sequence_length_round
     tokens = _segment_sums(member_lengths, bounds)
     figures = {"tokens": tokens, "loss_tokens": _segment_sums(loss_tokens[members], bounds)}
     if config.mode == "packing":

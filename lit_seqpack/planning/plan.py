@@ -21,12 +21,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
-from lit_seqpack.planning._balance import assign_slots, order_within_bundles, step_imbalance
-from lit_seqpack.planning._windows import as_counts, check_budget, microbatch_figures, window_microbatches
+from lit_seqpack.planning._balance import step_imbalance
+from lit_seqpack.planning._order import WindowOrder, auto_window
+from lit_seqpack.planning._windows import as_counts, check_budget, microbatch_figures, plan_window
 
 __all__ = [
     "MICROBATCH_ORDERS",
@@ -67,7 +68,9 @@ class PlanConfig:
             means ``"first_fit_decreasing"``.
         window: consecutive shuffled samples planned together; window ``i`` trains entirely before
             window ``i + 1``. ``None``: the whole epoch (the most efficient; sort-based packers then give
-            the same microbatch count every epoch).
+            the same microbatch count every epoch) up to ``max(2**22, 128 steps)`` samples; larger data is
+            cut into fixed chunks of that size, the same every epoch, trained in a new order each epoch
+            (memory stays bounded and the count stays constant; see ``planning._order``).
         sequence_length_round: rows are padded to a multiple of this (packing: the packed row;
             dynamic/padded: the longest row). ``max_tokens`` must be a multiple of it.
         batch_size: samples per microbatch in padded mode (required there, ``None`` otherwise).
@@ -81,7 +84,10 @@ class PlanConfig:
             shape first); ``"packer"`` keeps the packer's order within a rank's step.
         cost_linear: ``a`` in the per-document cost ``a*L + b*L^2`` that ranks are balanced on.
         cost_quadratic: ``b`` in that cost (attention-heavy long contexts); dynamic and padded blocks
-            cost ``rows x (a*Lp + b*Lp^2)`` with ``Lp`` the padded length.
+            cost ``rows x (a*Lp + b*Lp^2)`` with ``Lp`` the padded length. ``"auto"`` (the default) is
+            ``cost_linear / max_tokens``: a document as long as the budget spends as much on attention as on
+            the rest of the layer, so a step of a few long documents is not dealt to one rank as if it cost
+            its tokens (see :attr:`quadratic_cost`); padded mode has no budget and balances on ``L`` alone.
     """
 
     mode: str = "packing"
@@ -96,7 +102,7 @@ class PlanConfig:
     shuffle: bool = True
     microbatch_order: str = "largest_first"
     cost_linear: float = 1.0
-    cost_quadratic: float = 0.0
+    cost_quadratic: float | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -110,13 +116,15 @@ class PlanConfig:
             raise ValueError(f"shuffle must be a bool, got {self.shuffle!r}")
         if self.microbatch_order not in MICROBATCH_ORDERS:
             raise ValueError(f"microbatch_order must be one of {MICROBATCH_ORDERS}, got {self.microbatch_order!r}")
-        for name in ("cost_linear", "cost_quadratic"):
+        for name, allowed in (("cost_linear", ""), ("cost_quadratic", " or 'auto'")):
             value = getattr(self, name)
+            if allowed and isinstance(value, str) and value == "auto":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.cost_linear == 0 and self.cost_quadratic == 0:
-            raise ValueError("cost_linear and cost_quadratic cannot both be 0")
+                raise ValueError(f"{name} must be a finite number >= 0{allowed}, got {value!r}")
         self._check_mode_knobs()
+        if self.cost_linear == 0 and self.quadratic_cost == 0:
+            raise ValueError("cost_linear and cost_quadratic cannot both be 0")
 
     def _check_mode_knobs(self) -> None:
         if self.algorithm is not None:
@@ -138,6 +146,26 @@ class PlanConfig:
             raise ValueError(
                 f"max_tokens={self.max_tokens} must be a multiple of sequence_length_round={self.sequence_length_round}"
             )
+
+    @property
+    def quadratic_cost(self) -> float:
+        """The ``b`` ranks are balanced on: ``cost_quadratic``, or for ``"auto"`` ``cost_linear / max_tokens``.
+
+        Why the budget: per token, a transformer layer spends a constant on its projections and MLP and a
+        term that grows with the document's length on attention. Their ratio depends on the model (about
+        ``L / (12 d)`` in FLOPs for hidden size ``d``, more in time since attention kernels run below matmul
+        peak), which the planner does not know; the budget is the one length scale it does know, and ``b =
+        a / max_tokens`` weighs a full-budget document's attention like its linear work. Packed rows are
+        near full, so their token balance does not move (bench_plan's balance table), while the per-step
+        attention-heavy cost goes from 1.15-1.32 max/mean over ranks to 1.002-1.004.
+
+        Example:
+            >>> PlanConfig(mode="packing", max_tokens=4096).quadratic_cost == 1 / 4096
+            True
+        """
+        if not isinstance(self.cost_quadratic, str):
+            return float(self.cost_quadratic)
+        return self.cost_linear / self.max_tokens if self.max_tokens else 0.0
 
     @property
     def slots_per_step(self) -> int:
@@ -302,22 +330,16 @@ def build_plan(
             i = int(above[0])
             raise ValueError(f"loss_tokens[{i}] = {int(loss[i])} exceeds the sample's length {int(lengths[i])}")
     check_budget(lengths, config)
-    n, window = lengths.size, config.window or max(lengths.size, 1)
-    # SeedSequence pads entropy with zeros, so [s, e] and [s, e, 0] collide: each stream ends in its own tag
-    order = np.random.default_rng([config.seed, epoch, 1]).permutation(n) if config.shuffle else np.arange(n)
+    n = lengths.size
+    window = config.window or auto_window(config, n, int(lengths.sum()))
+    order = WindowOrder(n, config, epoch, window, WindowOrder.partition_for(n, config, window))
     members, sizes, slots, offset = [], [], [], 0
-    for w, start in enumerate(range(0, n, window)):
-        seeds = np.random.SeedSequence([config.seed, epoch, w, 2] if config.shuffle else [config.seed, w, 3])
-        window_members, window_sizes = window_microbatches(
-            lengths, order[start : start + window], config, int(seeds.generate_state(1)[0])
-        )
-        costs = microbatch_figures(lengths, loss, window_members, window_sizes, config)["cost"]
-        rng = np.random.default_rng(seeds) if config.shuffle else None
-        grid = assign_slots(costs, config.world_size, config.accumulate_grad_batches, rng)
-        slots.append(order_within_bundles(grid, costs, config.microbatch_order) + offset)
-        members.append(window_members)
-        sizes.append(window_sizes)
-        offset += window_sizes.size
+    for w in range(order.num_windows):
+        planned = plan_window(lengths, loss, order.positions(w), config, epoch, w)
+        slots.append(planned.grid + offset)
+        members.append(planned.members)
+        sizes.append(planned.sizes)
+        offset += planned.sizes.size
     return _assemble(config, epoch, lengths, loss, members, sizes, slots)
 
 

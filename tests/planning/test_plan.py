@@ -52,6 +52,8 @@ def _all_microbatches(plan: Plan) -> list[list[int]]:
         ({"mode": "packing", "max_tokens": 64, "microbatch_order": "random"}, "microbatch_order"),
         ({"mode": "packing", "max_tokens": 64, "cost_linear": -1.0}, "cost_linear"),
         ({"mode": "packing", "max_tokens": 64, "cost_quadratic": float("nan")}, "cost_quadratic"),
+        ({"mode": "packing", "max_tokens": 64, "cost_quadratic": "fast"}, "cost_quadratic"),
+        ({"mode": "padded", "batch_size": 4, "cost_linear": 0.0}, "cost_linear"),
         ({"mode": "packing", "max_tokens": 64, "cost_linear": 0.0}, "cost_linear"),
     ],
 )
@@ -272,7 +274,7 @@ def test_default_loss_tokens_skip_the_first_token():
 @pytest.mark.parametrize("accumulate", [1, 4])
 @pytest.mark.parametrize("mode", ["packing", "dynamic"])
 def test_rank_balance_on_skewed_data(mode, accumulate):
-    cfg = PlanConfig(mode=mode, max_tokens=4096, world_size=8, accumulate_grad_batches=accumulate)
+    cfg = PlanConfig(mode=mode, max_tokens=4096, world_size=8, accumulate_grad_batches=accumulate, cost_quadratic=0.0)
     stats = build_plan(_lognormal(20_000), cfg, epoch=0).stats
     assert stats.imbalance_mean <= 1.05
     assert stats.num_empty_microbatches == 0
@@ -305,14 +307,40 @@ def test_quadratic_cost_balances_attention_work():
         return float((work.max(axis=1) / work.mean(axis=1)).mean())
 
     base = {"mode": "packing", "max_tokens": 8192, "world_size": 8, "accumulate_grad_batches": 2}
-    linear = build_plan(lengths, PlanConfig(**base), epoch=0)
+    linear = build_plan(lengths, PlanConfig(**base, cost_quadratic=0.0), epoch=0)
     quadratic = build_plan(lengths, PlanConfig(**base, cost_quadratic=1.0 / 4096), epoch=0)
     assert quadratic_imbalance(quadratic) < quadratic_imbalance(linear)
+    auto = build_plan(lengths, PlanConfig(**base), epoch=0)  # the default: b = 1 / max_tokens
+    assert quadratic_imbalance(auto) < quadratic_imbalance(linear)
+
+
+@pytest.mark.parametrize("mode", ["packing", "dynamic"])
+def test_auto_quadratic_cost_balances_long_contexts_by_default(mode):
+    lengths = np.clip(np.round(np.random.default_rng(4).lognormal(np.log(1024), 1.0, 20_000)), 16, 8192)
+    lengths = lengths.astype(np.int64)
+    base = {"mode": mode, "max_tokens": 8192, "world_size": 8}
+    auto = PlanConfig(**base)
+    assert auto.cost_quadratic == "auto" and auto.quadratic_cost == 1 / 8192
+    assert PlanConfig(**base, cost_linear=2.0).quadratic_cost == 2 / 8192
+    assert PlanConfig(mode="padded", batch_size=4).quadratic_cost == 0.0
+    cost = lengths + lengths.astype(np.float64) ** 2 / 8192
+
+    def worst_rank_share(config: PlanConfig) -> float:
+        plan = build_plan(lengths, config, epoch=0)
+        steps = [plan.step_microbatches(s) for s in range(plan.num_steps)]
+        work = np.array([[sum(cost[mb].sum() for mb in row) for row in step] for step in steps])
+        return float((work.max(axis=1) / work.mean(axis=1)).mean())
+
+    assert worst_rank_share(auto) < 1.01 < 1.1 < worst_rank_share(PlanConfig(**base, cost_quadratic=0.0))
+    explicit = PlanConfig(**base, cost_quadratic=1 / 8192)
+    assert build_plan(lengths, auto, epoch=0).rank_microbatches(3) == build_plan(
+        lengths, explicit, epoch=0
+    ).rank_microbatches(3)
 
 
 def test_largest_first_order():
     lengths = _lognormal(3_000, seed=3)
-    cfg = PlanConfig(mode="dynamic", max_tokens=8192, world_size=2, accumulate_grad_batches=4)
+    cfg = PlanConfig(mode="dynamic", max_tokens=8192, world_size=2, accumulate_grad_batches=4, cost_quadratic=0.0)
     plan = build_plan(lengths, cfg, epoch=0)
 
     def cost(mb: list[int]) -> int:

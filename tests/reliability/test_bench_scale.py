@@ -1,4 +1,4 @@
-"""benchmarks/bench_scale.py runs end to end at a tiny size and prints both tables (no timing is asserted)."""
+"""benchmarks/bench_scale.py runs end to end at a tiny size and prints its three tables (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ def test_bench_scale_prints_the_planning_and_loader_tables() -> None:
     command += ["--steps", "1", "--workers", "0", "1", "--threads", "1"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
-    plan, loader = _tables(result.stdout)
+    plan, rank, loader = _tables(result.stdout)
     assert plan[0] == ["mode", "seconds", "peak MiB", "peak B/seq", "plan B/seq", "microbatches", "utilization"]
     assert [row[0] for row in plan[1:]] == ["packing", "dynamic", "padded"]
     assert all(float(row[3]) > 0 for row in plan[1:])  # planning 20k sequences takes some memory
+    assert [row[0] for row in rank[1:]] == [f"20,000 x {w} ({p})" for w in (8, 4096) for p in ("sampler", "dm")]
+    assert all(float(row[7]) > 0 for row in rank[1:])  # peak bytes per sample
     assert [row[0] for row in loader[1:]] == ["demo, 0 worker(s)", "demo, 1 worker(s)"]
     assert all(row[3].endswith("%") and int(row[4]) <= 256 for row in loader[1:])
