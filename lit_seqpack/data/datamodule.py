@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -234,7 +235,11 @@ class SeqPackDataModule(LightningDataModule):
         if self._data_scan is None:
             data, cache_dir = self.dataset, self.hparams.cache_dir
             exact = isinstance(data, (TokenizedDataset, SyntheticInstructionDataset))  # lengths free, never cached
-            self._data_scan = scan_dataset(data) if cache_dir is None or exact else cached_scan(data, cache_dir)
+            scan = scan_dataset(data) if cache_dir is None or exact else cached_scan(data, cache_dir)
+            # kept for the module's lifetime: 4 bytes a sample for each array, not 8
+            self._data_scan = dataclasses.replace(
+                scan, lengths=_int32(scan.lengths), loss_tokens=_int32(scan.loss_tokens)
+            )
         return self._data_scan
 
     def _lengths(self) -> tuple[np.ndarray, np.ndarray]:
