@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
+from lit_seqpack.data._layout import mesh_layout, strategy_mesh
 from lit_seqpack.metrics.counts import TokenKind, check_token_kind
 from lit_seqpack.metrics.tracker import PackingTracker, RunTotals
 
@@ -53,6 +54,22 @@ class _Stopwatch:
 
     def reset(self) -> None:
         self.started, self.banked = None, 0.0
+
+
+def _is_replica(trainer: Trainer, batch: Any) -> bool:
+    """Whether this rank's batch is a copy that tensor-parallel rank 0 of its group counts already.
+
+    The tensor-parallel ranks of one data-parallel (and context-parallel) rank hold the same rows; summing their
+    tokens over ranks would count every row ``tensor_parallel_size`` times. The rank is the device mesh's when the
+    strategy has one, else lit_seqpack's layout (tensor-parallel innermost).
+    """
+    tp = int(batch.get("tensor_parallel_size", 1)) if isinstance(batch, Mapping) else 1
+    if tp == 1:
+        return False
+    mesh = strategy_mesh(trainer.strategy)
+    if mesh is not None:
+        return mesh_layout(mesh).tensor_parallel_rank != 0
+    return trainer.global_rank % tp != 0
 
 
 def _synchronize(device: torch.device) -> None:
@@ -177,7 +194,7 @@ class PackingMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         stepped = trainer.global_step != self._step_at_batch_start
-        self.trackers["train"].update(batch, step_end=stepped)
+        self.trackers["train"].update(batch, step_end=stepped, replica=_is_replica(trainer, batch))
         # the same condition under which Lightning writes step metrics (LearningRateMonitor uses it too)
         logging_step = stepped and (trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
         if self._loss_first is None and (batch_idx == 0 or logging_step):  # first batch, else first log step
@@ -239,7 +256,7 @@ class PackingMonitor(Callback):
         dataloader_idx: int = 0,
     ) -> None:
         if not trainer.sanity_checking:
-            self.trackers["val"].update(batch, step_end=True)
+            self.trackers["val"].update(batch, step_end=True, replica=_is_replica(trainer, batch))
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -260,7 +277,7 @@ class PackingMonitor(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self.trackers["test"].update(batch, step_end=True)
+        self.trackers["test"].update(batch, step_end=True, replica=_is_replica(trainer, batch))
 
     @override
     def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
+from lit_seqpack.callbacks import PackingMonitor
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.model.lm import ReferenceLM, _clean_name
 from lit_seqpack.model.mixin import check_batch_layout
@@ -86,7 +87,11 @@ class Recorder(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: dict, batch_idx: int) -> None:
         self.record["batches"].append(
-            {"input_ids": batch["input_ids"].tolist(), "tp": batch.get("tensor_parallel_size", 1)}
+            {
+                "input_ids": batch["input_ids"].tolist(),
+                "tp": batch.get("tensor_parallel_size", 1),
+                "real_tokens": batch["num_real_tokens"],
+            }
         )
 
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
@@ -105,6 +110,9 @@ class Recorder(Callback):
                 torch.save(grads, Path(self.out).with_suffix(".pt"))
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        monitors = [c for c in trainer.callbacks if isinstance(c, PackingMonitor)]
+        if monitors:  # after the monitor's own on_train_end (it comes first in the callbacks)
+            self.record["monitor_real_tokens"] = monitors[0].last_summary["real_tokens"]
         Path(self.out).write_text(json.dumps(self.record))
 
 
@@ -120,7 +128,7 @@ def _trainer(strategy: Any, recorder: Recorder, **kwargs: Any) -> Trainer:
         devices=WORLD,
         strategy=strategy,
         use_distributed_sampler=False,
-        callbacks=[recorder],
+        callbacks=[PackingMonitor(summary=False), recorder],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -215,6 +223,15 @@ def test_tensor_parallel_ranks_of_one_data_parallel_rank_get_the_same_odd_length
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+def test_the_monitor_counts_each_tensor_parallel_row_once(runs: Path) -> None:
+    """Both TP ranks hold the same rows: the tokens summed over ranks are one rank's, not twice that."""
+    for rank in range(WORLD):
+        record = _load(runs, f"tp_{rank}.json")
+        trained = sum(batch["real_tokens"] for batch in record["batches"])
+        assert trained > 0
+        assert record["monitor_real_tokens"] == trained
+
+
 def test_a_tensor_parallel_size_that_contradicts_the_mesh_names_both(runs: Path) -> None:
     for rank in range(WORLD):
         errors = _load(runs, f"tp_errors{rank}.json")

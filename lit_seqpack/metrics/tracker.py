@@ -141,12 +141,22 @@ class PackingTracker:
             metric.to(device)
         return self
 
-    def update(self, batch: Mapping[str, Any] | BatchCounts, *, step_end: bool = True) -> BatchCounts:
-        """Add one microbatch; ``step_end`` closes the optimizer step it belongs to. Returns its counts."""
+    def update(
+        self, batch: Mapping[str, Any] | BatchCounts, *, step_end: bool = True, replica: bool = False
+    ) -> BatchCounts:
+        """Add one microbatch; ``step_end`` closes the optimizer step it belongs to. Returns its counts.
+
+        Args:
+            batch: the microbatch (or its counts).
+            step_end: the microbatch closes its optimizer step.
+            replica: another rank holds and counts the same microbatch (a tensor-parallel rank other than 0):
+                it enters the rank balance only, so that token sums over ranks count every row once.
+        """
         counts = batch_counts(batch)
-        self.padding.update(counts)
-        self.throughput.update(counts)
-        self.packing.update(counts)
+        if not replica:
+            self.padding.update(counts)
+            self.throughput.update(counts)
+            self.packing.update(counts)
         self._open_step = counts if self._open_step is None else self._open_step + counts
         if step_end:
             self.end_step()
