@@ -13,16 +13,9 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from lit_seqpack.model.hf import ATTENTION_NAME, prepare_hf_model, restore_hf_attention  # noqa: E402
+from tests.model._hf_tiny import TINY_HF  # noqa: E402
 
-LLAMA = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-}
+LLAMA = {**TINY_HF, "max_position_embeddings": 128}
 
 
 def tiny(model_type: str = "llama", seed: int = 0, attn_implementation: str | None = None, **kwargs: Any) -> Any:

@@ -18,16 +18,9 @@ from lit_seqpack.__main__ import main  # noqa: E402
 from lit_seqpack.model.hf_load import weight_dtype_warning  # noqa: E402
 from lit_seqpack.model.isolation import documents_batch  # noqa: E402
 from lit_seqpack.model.lm import HFCausalLM  # noqa: E402
+from tests.model._hf_tiny import TINY_HF  # noqa: E402
 
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
+LLAMA = {"model_type": "llama", **TINY_HF}
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
 

@@ -14,15 +14,9 @@ from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 from lit_seqpack.model import _hf_dispatch  # noqa: E402
 from lit_seqpack.model.hf import ATTENTION_NAME, documents_batch, hf_model_inputs, prepare_hf_model  # noqa: E402
+from tests.model._hf_tiny import TINY_HF  # noqa: E402
 
-TINY = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
+TINY = TINY_HF
 LENGTHS = (5, 11, 3, 7)
 
 

@@ -20,15 +20,9 @@ from lit_seqpack.model.attention import (  # noqa: E402
 )
 from lit_seqpack.model.hf import documents_batch, hf_model_inputs, prepare_hf_model  # noqa: E402
 from lit_seqpack.model.lm import HFCausalLM  # noqa: E402
+from tests.model._hf_tiny import TINY_HF  # noqa: E402
 
-TINY = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
+TINY = TINY_HF
 ARCHITECTURES = ["llama", "qwen2"]
 LENGTHS = (9, 17, 4, 12)
 

@@ -16,16 +16,9 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from lit_seqpack.model.hf import documents_batch, hf_model_inputs, hf_varlen_attention, prepare_hf_model  # noqa: E402
+from tests.model._hf_tiny import TINY_HF  # noqa: E402
 
-TINY = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-}
+TINY = {**TINY_HF, "head_dim": 8}
 WINDOW = 16
 CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": WINDOW},

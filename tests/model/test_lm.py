@@ -12,16 +12,10 @@ from lightning.pytorch import Trainer
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.model.hf import ATTENTION_NAME, check_packing_equivalence
 from lit_seqpack.model.lm import HFCausalLM, ReferenceLM, warmup_cosine
+from tests.model._hf_tiny import TINY_HF
 
 TINY = {"vocab_size": 64, "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "intermediate_size": 64}
-LLAMA = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
+LLAMA = TINY_HF
 
 
 def _samples(count: int = 6, seed: int = 0) -> list[dict[str, list[int]]]:
