@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 from lit_seqpack.data._layout import mesh_layout, strategy_mesh
+from lit_seqpack.data.context_parallel import ParallelLayout
 from lit_seqpack.metrics.counts import TokenKind, check_token_kind
 from lit_seqpack.metrics.tracker import PackingTracker, RunTotals
 
@@ -63,13 +64,16 @@ def _is_replica(trainer: Trainer, batch: Any) -> bool:
     tokens over ranks would count every row ``tensor_parallel_size`` times. The rank is the device mesh's when the
     strategy has one, else lit_seqpack's layout (tensor-parallel innermost).
     """
-    tp = int(batch.get("tensor_parallel_size", 1)) if isinstance(batch, Mapping) else 1
-    if tp == 1:
+    if not isinstance(batch, Mapping) or int(batch.get("tensor_parallel_size", 1)) == 1:
         return False
     mesh = strategy_mesh(trainer.strategy)
     if mesh is not None:
         return mesh_layout(mesh).tensor_parallel_rank != 0
-    return trainer.global_rank % tp != 0
+    layout = ParallelLayout(
+        context_parallel_size=int(batch.get("context_parallel_size", 1)),
+        tensor_parallel_size=int(batch["tensor_parallel_size"]),
+    )
+    return layout.coordinates(trainer.global_rank)[2] != 0
 
 
 def _synchronize(device: torch.device) -> None:

@@ -344,3 +344,18 @@ def test_two_ranks_log_the_true_aggregate(tmp_path):
     # rank 0 validates 40 real of 56 tokens, rank 1 48 of 64; 4 batches x 1 s on each rank
     assert val["val/padding_ratio"] == pytest.approx((16 + 16) / 120)
     assert val["val/tokens_per_sec"] == pytest.approx((40 + 48) / 4.0)
+
+
+def test_without_a_mesh_only_tensor_parallel_rank_zero_adds_to_the_token_sums() -> None:
+    """lit_seqpack's layout (tensor-parallel innermost) decides which rank holds the counted copy of a row."""
+    from types import SimpleNamespace
+
+    from lit_seqpack.callbacks import _is_replica
+
+    def replica(rank: int, batch: dict) -> bool:
+        return _is_replica(SimpleNamespace(strategy=None, global_rank=rank), batch)
+
+    assert [replica(r, {"tensor_parallel_size": 2}) for r in range(4)] == [False, True, False, True]
+    with_cp = {"tensor_parallel_size": 2, "context_parallel_size": 2}
+    assert [replica(r, with_cp) for r in range(8)] == [False, True] * 4
+    assert not any(replica(r, {}) for r in range(4))  # no tensor parallelism: every rank counts its own rows
