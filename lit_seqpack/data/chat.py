@@ -33,6 +33,7 @@ from typing import Any, Literal
 import numpy as np
 
 from lit_seqpack.data._conversations import check_messages, read_conversations
+from lit_seqpack.data._vocab import tokenizer_vocab_size
 from lit_seqpack.data.labels import IGNORE_INDEX
 from lit_seqpack.data.sources import TokenizedDataset
 from lit_seqpack.data.text import load_tokenizer
@@ -125,7 +126,7 @@ class ChatDataset(TokenizedDataset):
         tokens = np.concatenate(ids_parts)
         offsets = np.concatenate(([0], np.cumsum([len(p) for p in ids_parts])))
         super().__init__(tokens, offsets, np.concatenate(label_parts), source=source)
-        self.vocab_size = max(len(tok), int(tokens.max()) + 1)
+        self.vocab_size = tokenizer_vocab_size(tok, tokens)  # the model's vocabulary is the tokenizer's
         log.info(
             "%s: %d conversations, %d tokens, %d trained on (train_on=%r, mask_method=%r)",
             source,
