@@ -68,13 +68,15 @@ def conversation(rng: random.Random) -> list[dict[str, str]]:
 
 
 def write_demo(folder: str | Path, num_conversations: int = 400, seed: int = 0) -> Path:
-    """Write ``tokenizer/`` (with the tagged template) and ``chat.jsonl`` under ``folder``; return ``folder``."""
+    """Write ``tokenizer/`` (with the tagged template), ``chat.jsonl`` and ``chat_val.jsonl`` (a tenth as many other
+    conversations) under ``folder``; return ``folder``."""
     folder = Path(folder)
     build_tokenizer().save_pretrained(folder / "tokenizer")
     rng = random.Random(seed)
-    with (folder / "chat.jsonl").open("w", encoding="utf-8") as handle:
-        for _ in range(num_conversations):
-            handle.write(json.dumps({"messages": conversation(rng)}) + "\n")
+    for name, count in (("chat.jsonl", num_conversations), ("chat_val.jsonl", max(1, num_conversations // 10))):
+        with (folder / name).open("w", encoding="utf-8") as handle:
+            for _ in range(count):
+                handle.write(json.dumps({"messages": conversation(rng)}) + "\n")
     return folder
 
 
