@@ -531,7 +531,7 @@ class SeqPackDataModule(LightningDataModule):
             rank_zero_warn(
                 f"lit_seqpack: the validation split ({len(val.lengths)} samples) has no loss token (every label is "
                 "-100 after the first token of each sample), so val/loss would be NaN; validation is skipped. Raise "
-                "val_fraction or check the labels / loss_mask of the data"
+                "val_fraction (or check the val_path data) or check the labels / loss_mask of the data"
             )
             return []
         return self._loader("val")
