@@ -175,3 +175,59 @@ def test_bad_settings_name_the_setting(tok):
         ChatDataset([[ASK_1, SAY_1]], tok, mask_method="tags")
     with pytest.raises(ValueError, match=r"format and split only apply to conversations read from a path"):
         ChatDataset([[ASK_1, SAY_1]], tok, split="train")
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>\n{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_level_bpe():
+    """A byte-level BPE tokenizer (GPT-2 style pre-tokenisation, merges learnt on chat text) with ChatML markup."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    rng = random.Random(0)
+    corpus = [f"{m['role']}\n{m['content']}\n" for _ in range(200) for m in conversation(rng)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def test_byte_level_bpe_chatml_trains_exactly_the_assistant_text_by_both_methods():
+    tok = _byte_level_bpe()
+    rng = random.Random(2)
+    conversations = [conversation(rng) for _ in range(30)]
+    tagged = ChatDataset(conversations, tok, mask_method="generation")
+    prefix = ChatDataset(conversations, tok, mask_method="prefix")
+    np.testing.assert_array_equal(tagged.labels, prefix.labels)
+    for i, messages in enumerate(conversations):
+        trained = tok.decode(_trained(tagged, i))
+        assert trained == "".join(f"{m['content']}<|im_end|>\n" for m in messages if m["role"] == "assistant")
+
+
+def test_long_conversations_go_through_the_overlong_policy_never_cut_silently(tmp_path, tok):
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+    from tests.data._chat_tiny import write_demo
+
+    folder = write_demo(tmp_path, num_conversations=60)
+    settings = {"source": "chat", "path": str(folder / "chat.jsonl"), "tokenizer": str(folder / "tokenizer")}
+    longest = int(ChatDataset(str(folder / "chat.jsonl"), tok).lengths.max())
+    with pytest.raises(ValueError, match=r"samples are longer than max_tokens=24"):
+        SeqPackDataModule(**settings, max_tokens=24).setup("fit")
+    dm = SeqPackDataModule(**settings, max_tokens=24, overlong="truncate")
+    dm.setup("fit")
+    assert longest > 24 and dm.overlong_report.num_overlong > 0
+    assert int(dm.splits["train"].lengths.max()) == 24
