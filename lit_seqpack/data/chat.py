@@ -110,10 +110,9 @@ class ChatDataset(TokenizedDataset):
                 "mask_method='generation' but the chat template has no {% generation %} tag: use "
                 "mask_method='prefix' (or 'auto'), or a template that marks assistant tokens"
             )
-        self.train_on = train_on
-        self.mask_method = "generation" if mask_method == "auto" and tagged else mask_method
-        if self.mask_method == "auto":
-            self.mask_method = "prefix"
+        if mask_method == "auto":
+            mask_method = "generation" if tagged else "prefix"
+        self.train_on, self.mask_method = train_on, mask_method
         masker = _Masker(tok, template, train_on, self.mask_method)
         source, records = _records(conversations, messages_field, format, split)
         ids_parts, label_parts = [], []
@@ -155,7 +154,7 @@ class _Masker:
             ids = self._render(messages, where)
             return ids, ids.copy()
         if self.method == "generation":
-            ids, mask = self._render(messages, where, with_mask=True)
+            ids, mask = self._render_with_mask(messages, where)
             if self.train_on == "last_assistant":
                 mask[: self._span(messages, assistants[-1], ids, where)[0]] = False
         else:
@@ -186,7 +185,18 @@ class _Masker:
             raise ValueError(f"{where}, message {turn}: the assistant turn renders to no token")
         return len(before), len(through)
 
-    def _render(self, messages: list[dict[str, Any]], where: str, *, prompt: bool = False, with_mask: bool = False):
+    def _render(self, messages: list[dict[str, Any]], where: str, *, prompt: bool = False) -> np.ndarray:
+        return self._apply(messages, where, prompt=prompt, with_mask=False)[0]
+
+    def _render_with_mask(self, messages: list[dict[str, Any]], where: str) -> tuple[np.ndarray, np.ndarray]:
+        ids, mask = self._apply(messages, where, prompt=False, with_mask=True)
+        if mask is None or mask.shape != ids.shape:
+            raise ValueError(f"{where}: the tokenizer returned no assistant mask matching the ids")
+        return ids, mask
+
+    def _apply(
+        self, messages: list[dict[str, Any]], where: str, *, prompt: bool, with_mask: bool
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         try:
             out = self.tok.apply_chat_template(
                 messages,
@@ -201,9 +211,8 @@ class _Masker:
         ids = np.asarray(out["input_ids"], dtype=np.int64)
         if ids.ndim != 1:
             raise ValueError(f"{where}: the chat template returned ids of shape {ids.shape}, not one sequence")
-        if not with_mask:
-            return ids
-        return ids, np.asarray(out["assistant_masks"], dtype=bool)
+        mask = out.get("assistant_masks") if with_mask else None
+        return ids, None if mask is None else np.asarray(mask, dtype=bool)
 
 
 def _template(chat_template: str | None, tok: Any) -> str:
