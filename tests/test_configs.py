@@ -19,6 +19,7 @@ from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+CHAT_ASSETS = ROOT / "lit_seqpack" / "data" / "assets" / "chat_demo"
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended to run from within Python.*")
 
@@ -98,10 +99,34 @@ def test_chat_sft_config_trains_on_assistant_tokens_and_validates_its_own_file(t
     assert data.eval_max_tokens == 1024 > data.hparams.max_tokens
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(ROOT / "lit_seqpack" / "data" / "assets" / "chat_demo" / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(CHAT_ASSETS / "tokenizer")
     assert model_vocab_size(cli.model) == data.vocab_size == len(tokenizer)  # the vocabulary is the tokenizer's
     train = data.dataset
     assert 0 < int(train.loss_tokens.sum()) < int(train.lengths.sum()) // 2  # only the assistant turns train
+
+
+def test_chat_sft_with_an_hf_model_takes_the_tokenizers_vocabulary(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    _link_assets(tmp_path)
+    config = (
+        '{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, '
+        '"num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 1024}'
+    )
+    cli = _cli(
+        ROOT / "configs" / "chat_sft.yaml",
+        "--model",
+        "lit_seqpack.model.lm.HFCausalLM",
+        "--model.init_args.config",
+        config,
+        "--trainer.logger",
+        "false",
+    )
+    assert isinstance(cli.model, HFCausalLM)
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(CHAT_ASSETS / "tokenizer"))
+    assert cli.model.model.config.vocab_size == cli.datamodule.vocab_size == vocab  # not typed anywhere
 
 
 def test_demo_config_checkpoints_mid_epoch_and_keeps_last(tmp_path, monkeypatch):
