@@ -24,6 +24,7 @@ The ``inspect`` subcommand (plan statistics without training) is dispatched by :
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 import logging
 import re
@@ -36,6 +37,7 @@ import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lit_seqpack.data._vocab import vocab_hint
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.data.validation import model_vocab_size
 
@@ -65,12 +67,13 @@ TRAINER_DEFAULTS: dict[str, Any] = {"use_distributed_sampler": False}
 """Trainer defaults the samplers need (a config may still override them, and then the DataModule refuses)."""
 
 
-def check_vocab(model: LightningModule, data_vocab_size: int) -> None:
+def check_vocab(model: LightningModule, data_vocab_size: int, *, hint: str = "or lower the data's ids") -> None:
     """Fail before training when ``model`` cannot embed every token id of the data.
 
     Args:
         model: the LightningModule.
         data_vocab_size: the vocabulary the data needs (``SeqPackDataModule.vocab_size``).
+        hint: the data-side fix, ending the message (:func:`~lit_seqpack.data._vocab.vocab_hint`).
 
     Raises:
         ValueError: the model's vocabulary is smaller than the data's (the message names both values).
@@ -87,7 +90,7 @@ def check_vocab(model: LightningModule, data_vocab_size: int) -> None:
         raise ValueError(
             f"the model's vocab_size={vocab} is smaller than the data's vocab_size={data_vocab_size}: token ids "
             f"up to {data_vocab_size - 1} would index past the embedding. Raise the model's vocab_size (for "
-            "HFCausalLM: model.init_args.config.vocab_size) or lower data.synthetic.vocab_size"
+            f"HFCausalLM: model.init_args.config.vocab_size), {hint}"
         )
 
 
@@ -209,14 +212,17 @@ class SeqPackCLI(LightningCLI):
             # LightningCLI records a linked value in hparams even when the model has no such parameter; a
             # checkpoint would then pass it back to __init__ on resume or load_from_checkpoint
             _drop_hparam(self.model, _VOCAB_KEY)
-        default = _default_of(type(self.model), _VOCAB_KEY)
+        # switching --model away from the default model keeps the init_args of the same name (jsonargparse): the
+        # default model's vocab_size default then arrives without the user typing it
+        carried = _default_of(_import_class(DEFAULT_MODEL), _VOCAB_KEY)
+        defaults = (_default_of(type(self.model), _VOCAB_KEY), carried, data_vocab)
         configured = self._configured_vocab
-        if accepted and configured is not None and configured not in (default, data_vocab):
+        if accepted and configured is not None and configured not in defaults:
             raise ValueError(
                 f"model.init_args.vocab_size={configured} is set twice: the CLI links it to data.vocab_size="
                 f"{data_vocab}. Remove it from the model section (the data decides the vocabulary)"
             )
-        check_vocab(self.model, data_vocab)
+        check_vocab(self.model, data_vocab, hint=vocab_hint(self.datamodule.hparams))
 
 
 _VOCAB_KEY = "vocab_size"
@@ -298,6 +304,11 @@ def _accepts(cls: type, name: str) -> bool:
 def _default_of(cls: type, name: str) -> Any:
     param = _parameters(cls).get(name)
     return None if param is None or param.default is inspect.Parameter.empty else param.default
+
+
+def _import_class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def _drop_hparam(model: LightningModule, name: str) -> None:

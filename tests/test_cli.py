@@ -174,14 +174,21 @@ HF_CONFIG = (
 )
 
 
-def test_hf_model_vocab_is_checked_not_linked():
+def test_hf_model_vocab_is_linked_and_checked():
     hf = "lit_seqpack.model.lm.HFCausalLM"
-    with pytest.raises(ValueError, match=r"vocab_size=32 is smaller than the data's vocab_size=40"):
+    with pytest.raises(
+        ValueError, match=r"vocab_size=40 \(the data's ids\) is more than the model's config.vocab_size=32"
+    ):
         _tiny_cli("--model.init_args.config", HF_CONFIG.replace("VOCAB", "32"), model=hf)
     cli = _tiny_cli("--model.init_args.config", HF_CONFIG.replace("VOCAB", "48"), model=hf)
-    assert isinstance(cli.model, HFCausalLM) and model_vocab_size(cli.model) == 48
-    # the link's value must not leak into the hyperparameters: a checkpoint passes them back to __init__
-    assert "vocab_size" not in cli.model.hparams and "vocab_size" not in cli.model.hparams_initial
+    assert isinstance(cli.model, HFCausalLM) and model_vocab_size(cli.model) == 48  # padded embeddings are kept
+    # a config without vocab_size takes the data's (the tokenizer's, for text and chat data)
+    unsized = HF_CONFIG.replace(', "vocab_size": VOCAB', "")
+    cli = _tiny_cli("--model.init_args.config", unsized, model=hf)
+    assert model_vocab_size(cli.model) == cli.model.hparams.vocab_size == cli.datamodule.vocab_size == 40
+    # the linked value is a real argument: a checkpoint passes it back to __init__ and rebuilds the same model
+    arguments = {key: value for key, value in cli.model.hparams.items() if not key.startswith("_")}
+    assert HFCausalLM(**arguments).model.config.vocab_size == 40
 
 
 def test_hf_checkpoint_written_by_the_cli_resumes_and_loads(tmp_path, monkeypatch):

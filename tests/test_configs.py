@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -18,6 +19,7 @@ from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+CHAT_ASSETS = ROOT / "lit_seqpack" / "data" / "assets" / "chat_demo"
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended to run from within Python.*")
 
@@ -29,6 +31,7 @@ EXPECTED = {
     "padded": (ReferenceLM, "padded", 12, 1),
     "hf_llama": (HFCausalLM, "packing", "first_fit_decreasing", 1),
     "ddp": (ReferenceLM, "packing", "first_fit_decreasing", 2),
+    "chat_sft": (ReferenceLM, "packing", "first_fit_decreasing", 1),
 }
 
 
@@ -43,6 +46,7 @@ def _cli(path: Path, *overrides: str) -> SeqPackCLI:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_config_instantiates_the_documented_classes(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # loggers and checkpoints would write relative to the working directory
+    _link_assets(tmp_path)
     model_class, mode, knob, devices = EXPECTED[path.stem]
     cli = _cli(path)
     data, model, trainer = cli.datamodule, cli.model, cli.trainer
@@ -63,6 +67,66 @@ def test_config_instantiates_the_documented_classes(path, tmp_path, monkeypatch)
     sampler = data.train_dataloader().batch_sampler
     seen = sorted(i for mb in sampler for i in mb)
     assert seen == list(range(len(data._splits["train"][0])))
+
+
+def _link_assets(folder: Path) -> None:
+    """Configs name the committed data assets relative to the repository root (where they are run from)."""
+    (folder / "lit_seqpack").symlink_to(ROOT / "lit_seqpack")
+
+
+def test_chat_sft_config_trains_on_assistant_tokens_and_validates_its_own_file(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    _link_assets(tmp_path)
+    cli = SeqPackCLI(
+        args=[
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "chat_sft.yaml"),
+            "--trainer.max_steps",
+            "3",
+            "--trainer.val_check_interval",
+            "2",
+            "--trainer.logger",
+            "false",
+            "--trainer.enable_checkpointing",
+            "false",
+        ]
+    )
+    data, metrics = cli.datamodule, cli.trainer.callback_metrics
+    assert cli.trainer.global_step == 3 and torch.isfinite(metrics["val/loss"])
+    assert len(data.splits["val"].lengths) == 40 and len(data.splits["train"].lengths) == 400  # nothing held out
+    assert data.eval_max_tokens == 1024 > data.hparams.max_tokens
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(CHAT_ASSETS / "tokenizer")
+    assert model_vocab_size(cli.model) == data.vocab_size == len(tokenizer)  # the vocabulary is the tokenizer's
+    train = data.dataset
+    assert 0 < int(train.loss_tokens.sum()) < int(train.lengths.sum()) // 2  # only the assistant turns train
+
+
+def test_chat_sft_with_an_hf_model_takes_the_tokenizers_vocabulary(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    _link_assets(tmp_path)
+    config = (
+        '{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, '
+        '"num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 1024}'
+    )
+    cli = _cli(
+        ROOT / "configs" / "chat_sft.yaml",
+        "--model",
+        "lit_seqpack.model.lm.HFCausalLM",
+        "--model.init_args.config",
+        config,
+        "--trainer.logger",
+        "false",
+    )
+    assert isinstance(cli.model, HFCausalLM)
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(CHAT_ASSETS / "tokenizer"))
+    assert cli.model.model.config.vocab_size == cli.datamodule.vocab_size == vocab  # not typed anywhere
 
 
 def test_demo_config_checkpoints_mid_epoch_and_keeps_last(tmp_path, monkeypatch):

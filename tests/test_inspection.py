@@ -150,7 +150,9 @@ def test_inspect_dataclass_rows_are_frozen():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_inspect_reads_every_shipped_config(path):
-    argv = ["--config", str(path), "--data.synthetic.num_samples=300"]
+    argv = ["--config", str(path)]
+    if "source: synthetic" in path.read_text():  # a smaller task (chat_sft.yaml reads its committed assets)
+        argv.append("--data.synthetic.num_samples=300")
     if "mode: padded" in path.read_text():
         with pytest.raises(ValueError, match=r"pass --data.max_tokens N"):
             inspect_command(argv)

@@ -48,7 +48,10 @@ def hf_disk_table(path: Path, split: str | None) -> Any:
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise ValueError(f"{path} holds a DatasetDict with splits {sorted(loaded)}; split={split!r} is not one")
+            raise ValueError(
+                f"{path} holds a DatasetDict with splits {sorted(loaded)}; split={split!r} is not one: choose one "
+                "with data.split (data.val_split / data.test_split for val_path / test_path)"
+            )
         loaded = loaded[split]
     elif split is not None:
         raise ValueError(f"split={split!r} was given but {path} holds a single Dataset, not a DatasetDict")

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lit_seqpack.data._budget import apply_document_budget, document_budget, planned_lengths
+from lit_seqpack.data._eval_data import EvalFile, check_padded_batch_size, eval_budget, eval_files, eval_split
 from lit_seqpack.data._hashing import content_digest
 from lit_seqpack.data._knobs import check_knobs, check_parallel_knobs, check_setting_types
 from lit_seqpack.data._layout import read_layout
@@ -67,11 +68,22 @@ class SeqPackDataModule(LightningDataModule):
 
     Args:
         source: where samples come from: ``"synthetic"`` (the embedded task, no download), ``"jsonl"``,
-            ``"parquet"``, ``"hf_disk"`` (pre-tokenised) or ``"text"`` (raw text + local tokenizer).
+            ``"parquet"``, ``"hf_disk"`` (pre-tokenised), ``"text"`` (raw text + local tokenizer) or ``"chat"``
+            (conversations + the local tokenizer's chat template, :class:`~lit_seqpack.data.chat.ChatDataset`).
         path: the file or folder of an on-disk source.
         synthetic: keyword arguments of :class:`~lit_seqpack.data.synthetic.SyntheticInstructionDataset`.
-        tokenizer: path of a local Hugging Face tokenizer (``source="text"``).
+        tokenizer: path of a local Hugging Face tokenizer (``source="text"`` or ``"chat"``); the vocabulary the data
+            needs (:attr:`vocab_size`, linked to the model's by the CLI) is then the tokenizer's.
         text_field: the JSONL field holding raw text (``source="text"``).
+        chat: keyword arguments of :class:`~lit_seqpack.data.chat.ChatDataset` (``source="chat"``):
+            ``chat_template``, ``train_on``, ``mask_method``, ``messages_field``.
+        split: the split of ``path`` when it is a saved ``DatasetDict`` folder (``hf_disk`` or ``chat``).
+        val_path: a file or folder of validation samples, read like ``path`` (instead of ``val_fraction``).
+        test_path: a file or folder of test samples, read like ``path`` (instead of ``test_fraction``).
+        val_split: the split of ``val_path`` (or, without ``val_path``, of ``path``) for a ``DatasetDict`` folder.
+        test_split: the split of ``test_path`` (or, without ``test_path``, of ``path``) for a ``DatasetDict`` folder.
+        eval_max_tokens: token budget of validation and test microbatches (packing and dynamic; ``None``:
+            ``max_tokens``). Without gradients 2-4x more tokens fit; documents keep the training budget.
         mode: ``"packing"``, ``"dynamic"`` or ``"padded"`` (the baseline); one field, so packing and
             dynamic batching can never both be on.
         max_tokens: token budget of a microbatch (packing and dynamic). ``"auto"`` (the default) is 2048 in
@@ -123,6 +135,13 @@ class SeqPackDataModule(LightningDataModule):
         synthetic: dict[str, Any] | None = None,
         tokenizer: str | None = None,
         text_field: str = "text",
+        chat: dict[str, Any] | None = None,
+        split: str | None = None,
+        val_path: str | None = None,
+        test_path: str | None = None,
+        val_split: str | None = None,
+        test_split: str | None = None,
+        eval_max_tokens: int | None = None,
         mode: Mode = "packing",
         max_tokens: int | Literal["auto"] | None = "auto",
         algorithm: str = "first_fit_decreasing",
@@ -162,7 +181,17 @@ class SeqPackDataModule(LightningDataModule):
             policies=OVERLONG_POLICIES,
             shuffle=shuffle,
             pad_token_id=pad_token_id,
-            strings={"path?": path, "tokenizer?": tokenizer, "text_field": text_field, "cache_dir?": cache_dir},
+            strings={
+                "path?": path,
+                "tokenizer?": tokenizer,
+                "text_field": text_field,
+                "cache_dir?": cache_dir,
+                "split?": split,
+                "val_path?": val_path,
+                "test_path?": test_path,
+                "val_split?": val_split,
+                "test_split?": test_split,
+            },
             fractions={"val_fraction": val_fraction, "test_fraction": test_fraction},
         )
         check_knobs(
@@ -177,6 +206,20 @@ class SeqPackDataModule(LightningDataModule):
             context_parallel_size=context_parallel_size, tensor_parallel_size=tensor_parallel_size
         )
         check_parallel_knobs(self._parallel, mode, max_tokens, self.row_multiple)
+        check_padded_batch_size(mode, batch_size)
+        self._eval_max_tokens = eval_budget(
+            eval_max_tokens, max_tokens=max_tokens, mode=mode, row_multiple=self.row_multiple
+        )
+        self._eval_files = eval_files(
+            source=source,
+            path=path,
+            split=split,
+            paths={"val": val_path, "test": test_path},
+            splits={"val": val_split, "test": test_split},
+            fractions={"val": val_fraction, "test": test_fraction},
+            dataset_given=dataset is not None,
+        )
+        self._eval_data: dict[str, tuple[Sequence[Mapping[str, Any]], DataScan]] = {}
         # Validate the plan knobs now (world size and accumulation are read from the Trainer in setup).
         self.plan_config(world_size=1, accumulate_grad_batches=1)
         if max_tokens is not None:
@@ -186,6 +229,7 @@ class SeqPackDataModule(LightningDataModule):
         self._dataset = dataset
         self._data_scan: DataScan | None = None
         self.overlong_report: OverlongReport | None = None
+        self.eval_overlong_reports: dict[str, OverlongReport | None] = {}  # of val_path / test_path data
         self._splits: dict[str, Split] = {}
         self._layout: tuple[int, int, int] = (1, 0, 1)  # data-parallel world size and rank, accumulation
         self._cp_rank = 0
@@ -211,10 +255,35 @@ class SeqPackDataModule(LightningDataModule):
         """The whole dataset (before the over-long policy and the validation split)."""
         if self._dataset is None:
             hp = self.hparams
-            self._dataset = build_dataset(
-                hp.source, path=hp.path, synthetic=hp.synthetic, tokenizer=hp.tokenizer, text_field=hp.text_field
-            )
+            self._dataset = self._build(hp.path, hp.split)
         return self._dataset
+
+    def _build(self, path: str | None, split: str | None) -> Sequence[Mapping[str, Any]]:
+        hp = self.hparams
+        return build_dataset(
+            hp.source,
+            path=path,
+            synthetic=hp.synthetic,
+            tokenizer=hp.tokenizer,
+            text_field=hp.text_field,
+            chat=hp.chat,
+            split=split,
+        )
+
+    @property
+    def eval_max_tokens(self) -> int | None:
+        """Token budget of validation and test microbatches (``max_tokens`` unless ``eval_max_tokens`` is set)."""
+        return self._eval_max_tokens
+
+    def _eval_file(self, name: str) -> tuple[Sequence[Mapping[str, Any]], DataScan]:
+        """The dataset read from ``{name}_path`` / ``{name}_split`` and its validation pass (once)."""
+        if name not in self._eval_data:
+            file: EvalFile = self._eval_files[name]
+            data = self._build(file.path, file.split)
+            cache_dir = self.hparams.cache_dir
+            direct = cache_dir is None or isinstance(data, TokenizedDataset)  # lengths free: never cached
+            self._eval_data[name] = (data, scan_dataset(data) if direct else cached_scan(data, cache_dir))
+        return self._eval_data[name]
 
     @property
     def vocab_size(self) -> int:
@@ -224,11 +293,14 @@ class SeqPackDataModule(LightningDataModule):
             value = getattr(owner, "vocab_size", None)
             if isinstance(value, int) and not isinstance(value, bool):
                 return max(value, self.hparams.pad_token_id + 1)
-        return max(self._scan().max_id, self.hparams.pad_token_id) + 1
+        top = max([self._scan().max_id] + [self._eval_file(name)[1].max_id for name in self._eval_files])
+        return max(top, self.hparams.pad_token_id) + 1
 
     def prepare_data(self) -> None:
         """Validate the samples and compute (and cache, with ``cache_dir``) the lengths once per process."""
         self._scan()
+        for name in self._eval_files:
+            self._eval_file(name)
 
     def _scan(self) -> DataScan:
         """Every sample validated once (:mod:`~lit_seqpack.data.validation`), with its lengths and loss tokens."""
@@ -301,6 +373,7 @@ class SeqPackDataModule(LightningDataModule):
                 document_multiple=self.document_multiple,
             )
         lengths, loss_tokens = _int32(lengths), _int32(loss_tokens)
+        self._setup_eval_files()
         if hp.val_fraction == 0 and hp.test_fraction == 0:  # everything trains: no index view, no copies
             self._splits["train"] = Split(data, lengths, loss_tokens)
             return
@@ -308,6 +381,26 @@ class SeqPackDataModule(LightningDataModule):
         for name, idx in zip(("train", "val", "test"), parts, strict=True):
             if name == "train" or len(idx):
                 self._splits[name] = Split(IndexView(data, idx), lengths[idx], loss_tokens[idx])
+
+    def _setup_eval_files(self) -> None:
+        """The ``val_path`` / ``test_path`` splits, validated and under the training document budget."""
+        hp, model = self.hparams, getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        for name in self._eval_files:
+            data, scan = self._eval_file(name)
+            split, report = eval_split(
+                data,
+                scan,
+                name=name,
+                model_vocab=None if model is None else model_vocab_size(model),
+                pad_token_id=hp.pad_token_id,
+                max_tokens=hp.max_tokens,
+                mode=hp.mode,
+                overlong=hp.overlong,
+                pad_to_multiple_of=hp.pad_to_multiple_of,
+                document_multiple=self.document_multiple,
+            )
+            self._splits[name] = Split(split.dataset, _int32(split.lengths), _int32(split.loss_tokens))
+            self.eval_overlong_reports[name] = report
 
     @property
     def splits(self) -> dict[str, Split]:
@@ -323,13 +416,15 @@ class SeqPackDataModule(LightningDataModule):
         Args:
             world_size: data-parallel ranks.
             accumulate_grad_batches: microbatches per rank per optimizer step.
-            train: plan the training split (shuffled when ``shuffle``) rather than an evaluation split.
+            train: plan the training split (shuffled when ``shuffle``) rather than an evaluation split (planned with
+                :attr:`eval_max_tokens`).
         """
         hp = self.hparams
         packing = hp.mode == "packing"
+        budget = hp.max_tokens if train else self.eval_max_tokens
         return PlanConfig(
             mode=hp.mode,
-            max_tokens=hp.max_tokens if hp.mode != "padded" else None,
+            max_tokens=budget if hp.mode != "padded" else None,
             algorithm=hp.algorithm if packing else None,
             window=hp.window,
             sequence_length_round=self.row_multiple,
@@ -367,7 +462,9 @@ class SeqPackDataModule(LightningDataModule):
         if not self._splits:
             self.setup("fit")
         if split not in self._splits:
-            raise ValueError(f"no {split!r} data: set {split}_fraction > 0 to hold out {split} samples")
+            raise ValueError(
+                f"no {split!r} data: set {split}_fraction > 0 to hold out {split} samples, or {split}_path to read them"
+            )
         data, lengths, loss_tokens = self._splits[split]
         world, rank, accumulate = self._layout
         train = split == "train"
@@ -419,7 +516,8 @@ class SeqPackDataModule(LightningDataModule):
         return self._loader("train")
 
     def val_dataloader(self) -> StatefulDataLoader | list:
-        """The validation loader (same mode, no shuffle, no accumulation), or none without ``val_fraction``.
+        """The validation loader (same mode, no shuffle, no accumulation, ``eval_max_tokens``), or none without
+        ``val_fraction`` / ``val_path``.
 
         A validation split without a single loss token (every label -100) would log ``val/loss = nan``: it is
         skipped with a warning instead.
@@ -433,13 +531,14 @@ class SeqPackDataModule(LightningDataModule):
             rank_zero_warn(
                 f"lit_seqpack: the validation split ({len(val.lengths)} samples) has no loss token (every label is "
                 "-100 after the first token of each sample), so val/loss would be NaN; validation is skipped. Raise "
-                "val_fraction or check the labels / loss_mask of the data"
+                "val_fraction (or check the val_path data) or check the labels / loss_mask of the data"
             )
             return []
         return self._loader("val")
 
     def test_dataloader(self) -> StatefulDataLoader:
-        """The test loader (same mode, no shuffle, no accumulation); needs ``test_fraction > 0``."""
+        """The test loader (same mode, no shuffle, no accumulation, ``eval_max_tokens``); needs ``test_fraction > 0``
+        or ``test_path``."""
         return self._loader("test")
 
     # ------------------------------------------------------------------ checkpoint

@@ -18,6 +18,7 @@ import numpy as np
 
 from lit_seqpack.data._files import text_lines
 from lit_seqpack.data._knobs import check_flag
+from lit_seqpack.data._vocab import tokenizer_vocab_size
 from lit_seqpack.data.sources import TokenizedDataset
 
 __all__ = ["TextDataset"]
@@ -79,6 +80,7 @@ class TextDataset(TokenizedDataset):
         tokens = np.concatenate(parts)
         super().__init__(tokens, np.concatenate(([0], np.cumsum(lengths))), None, source=source)
         self.add_eos = add_eos
+        self.vocab_size = tokenizer_vocab_size(tok, tokens)  # the model's vocabulary is the tokenizer's
 
 
 def load_tokenizer(tokenizer: Any) -> Any:

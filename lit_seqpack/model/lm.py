@@ -264,6 +264,9 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         min_lr_ratio: the final learning rate as a fraction of ``lr``.
         attn_backend: :func:`~lit_seqpack.model.attention.varlen_attention` backend for packed rows.
         gradient_checkpointing: recompute activations in backward (transformers' gradient checkpointing).
+        vocab_size: the token ids the data needs (the CLI links it to ``data.vocab_size``: a tokenizer's size, or
+            the synthetic task's). A ``config`` without ``vocab_size`` is built with it; a checkpoint or ``config``
+            with fewer ids is refused; more ids (padded embeddings) are kept.
     """
 
     def __init__(
@@ -282,6 +285,7 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         min_lr_ratio: float = 0.1,
         attn_backend: str = "auto",
         gradient_checkpointing: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__()
         if (model_name_or_path is None) == (config is None):
@@ -291,6 +295,8 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
             )
         _check_optim(lr, weight_decay, warmup_steps, min_lr_ratio, lr_schedule)
         self.save_hyperparameters()
+        if vocab_size is not None and config is not None and "vocab_size" not in config:
+            config = {**config, "vocab_size": vocab_size}
         model = load_hf_model(
             model_name_or_path=model_name_or_path,
             config=config,
@@ -298,6 +304,12 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
             config_overrides=config_overrides,
             dtype=dtype,
         )
+        embedded = getattr(model.config, "vocab_size", None)
+        if vocab_size is not None and isinstance(embedded, int) and embedded < vocab_size:
+            raise ValueError(
+                f"vocab_size={vocab_size} (the data's ids) is more than the model's config.vocab_size={embedded}: "
+                "token ids would index past the embedding; use a model made for the data's tokenizer"
+            )
         model = prepare_hf_model(model)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
