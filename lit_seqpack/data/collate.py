@@ -21,7 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_seqpack.data.fields import FieldValues, check_fields, empty_fields, pad_token_field, read_fields
+from lit_seqpack.data.fields import (
+    FieldValues,
+    check_fields,
+    empty_fields,
+    pad_token_field,
+    read_fields,
+    scatter_tokens,
+)
 from lit_seqpack.data.labels import IGNORE_INDEX
 from lit_seqpack.data.microbatch import MicrobatchMeta
 
@@ -251,20 +258,19 @@ class PackedCollator:
         total = dummy if dummy is not None else _round_up(body, self.pad_to_multiple_of)
         segments = np.append(padded, total - body) if total > body else padded
         cu_seqlens = np.concatenate([[0], np.cumsum(segments)])
-        starts = torch.from_numpy(cu_seqlens[: len(docs)])
-        dest: slice | torch.Tensor = slice(0, body)
+        where: slice | np.ndarray = slice(0, body)
         if self.pad_document_to_multiple_of is not None:  # scatter each document to its padded start
             real_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(docs) else lengths
-            dest = torch.from_numpy(np.arange(len(ids)) + np.repeat(cu_seqlens[: len(docs)] - real_starts, lengths))
-        input_ids = torch.full((total,), self.pad_token_id, dtype=torch.int64)
-        out_labels = torch.full((total,), IGNORE_INDEX, dtype=torch.int64)
-        input_ids[dest], out_labels[dest] = ids, labels
-        out_labels[starts] = IGNORE_INDEX
-        # numpy, not torch.repeat_interleave: its CPU kernel wakes every torch thread on each call
+            where = np.arange(len(ids)) + np.repeat(cu_seqlens[: len(docs)] - real_starts, lengths)
+        # numpy index arithmetic throughout: torch's repeat_interleave and index_put_ CPU kernels wake every
+        # torch thread on each call
+        out_labels = scatter_tokens(labels, IGNORE_INDEX, (total,), where)
+        out_labels[cu_seqlens[: len(docs)]] = IGNORE_INDEX
+        input_ids = torch.from_numpy(scatter_tokens(ids, self.pad_token_id, (total,), where))
         position_ids = torch.from_numpy(np.arange(total) - np.repeat(cu_seqlens[:-1], segments))
         batch = {
             "input_ids": input_ids[None],
-            "labels": out_labels[None],
+            "labels": torch.from_numpy(out_labels)[None],
             "position_ids": position_ids[None],
             "cu_seqlens": torch.from_numpy(cu_seqlens).to(torch.int32),
             "max_seqlen": int(segments.max()),
@@ -273,7 +279,7 @@ class PackedCollator:
             real = np.append(lengths, 0) if len(segments) > len(lengths) else lengths
             batch["cu_seqlens_unpadded"] = torch.from_numpy(np.concatenate([[0], np.cumsum(real)])).to(torch.int32)
         for key, parts in fields.tokens.items():
-            batch[key] = pad_token_field(parts, self.token_fields[key], (total,), dest)[None]
+            batch[key] = pad_token_field(parts, self.token_fields[key], (total,), where)[None]
         batch |= fields.samples
         loss = int((out_labels != IGNORE_INDEX).sum())
         stats = _scalars(meta, documents=len(docs), real=len(ids), total=total, loss=loss, is_empty=dummy is not None)
@@ -335,24 +341,23 @@ class PaddedCollator:
             return batch | _scalars(meta, documents=0, real=0, total=width, loss=0, is_empty=True)
         docs, ids, labels = _read_samples(samples)
         fields = _read_fields(self, samples, docs)
-        lengths = torch.tensor([len(d) for d in docs])
+        lengths = np.array([len(d) for d in docs], dtype=np.int64)
         rows, width = len(docs), _round_up(int(lengths.max()), self.pad_to_multiple_of)
-        real = torch.arange(width) < lengths[:, None]
-        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.int64)
-        out_labels = torch.full((rows, width), IGNORE_INDEX, dtype=torch.int64)
-        input_ids[real], out_labels[real] = ids, labels  # row-major order matches the concatenation
+        real = np.arange(width) < lengths[:, None]
+        where = real.reshape(-1)  # row-major order matches the concatenation
+        out_labels = scatter_tokens(labels, IGNORE_INDEX, (rows, width), where)
         out_labels[:, 0] = IGNORE_INDEX
         batch = {
-            "input_ids": input_ids,
-            "labels": out_labels,
-            "attention_mask": real.long(),
+            "input_ids": torch.from_numpy(scatter_tokens(ids, self.pad_token_id, (rows, width), where)),
+            "labels": torch.from_numpy(out_labels),
+            "attention_mask": torch.from_numpy(real.astype(np.int64)),
             "position_ids": torch.arange(width).expand(rows, width).contiguous(),
         }
-        batch |= self._fields(fields, (rows, width), real.view(-1))
+        batch |= self._fields(fields, (rows, width), where)
         loss = int((out_labels != IGNORE_INDEX).sum())
         return batch | _scalars(meta, documents=rows, real=len(ids), total=rows * width, loss=loss, is_empty=False)
 
-    def _fields(self, fields: FieldValues, shape: tuple[int, int], where: slice | torch.Tensor) -> dict[str, Any]:
+    def _fields(self, fields: FieldValues, shape: tuple[int, int], where: slice | np.ndarray) -> dict[str, Any]:
         tokens = {
             key: pad_token_field(parts, self.token_fields[key], shape, where) for key, parts in fields.tokens.items()
         }
