@@ -292,6 +292,8 @@ def shard_packed_batch(
         "context_parallel_size": cp,
         "context_parallel_rank": rank,
     }
+    if "shift_loss_weights" in out:  # the weights of the local targets (a weighted loss's local sum)
+        out["num_loss_weight"] = math.fsum(out["shift_loss_weights"].double().flatten().tolist())
     return out
 
 
@@ -326,6 +328,8 @@ def gather_packed_batches(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]
         out[key] = unshard_tokens([s[key] for s in ordered], cu) if is_token else value
     for key in ("num_real_tokens", "num_padding_tokens", "num_loss_tokens"):
         out[key] = sum(int(s[key]) for s in ordered)
+    if "num_loss_weight" in first:
+        out["num_loss_weight"] = math.fsum(s["num_loss_weight"] for s in ordered)
     out["max_tokens"] = None if first["max_tokens"] is None else first["max_tokens"] * cp
     return out
 

@@ -30,6 +30,13 @@ from lit_seqpack.data.fields import (
     scatter_tokens,
 )
 from lit_seqpack.data.labels import IGNORE_INDEX
+from lit_seqpack.data.loss_weights import (
+    LOSS_MASK,
+    LOSS_WEIGHTS,
+    check_loss_weight_field,
+    loss_weight_scalars,
+    read_loss_weights,
+)
 from lit_seqpack.data.microbatch import MicrobatchMeta
 
 __all__ = ["IGNORE_INDEX", "PackedCollator", "PaddedCollator"]
@@ -78,8 +85,14 @@ def _sample_name(samples: Sequence[Any], index: int) -> str:
     return f"sample {index} of the microbatch (dataset index {indices[index]})"
 
 
-def _read_samples(samples: Sequence[Mapping[str, Any]]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Validate the samples; return each document's ids and the concatenated ids and labels (no shift)."""
+def _read_samples(
+    samples: Sequence[Mapping[str, Any]], weighted_mask: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Validate the samples; return each document's ids and the concatenated ids and labels (no shift).
+
+    With ``weighted_mask`` a ``loss_mask`` may hold weights (checked by :mod:`~lit_seqpack.data.loss_weights`);
+    its zeros mask the labels.
+    """
     ids, labels = [], []
     for index, sample in enumerate(samples):
         name = _sample_name(samples, index)
@@ -93,6 +106,9 @@ def _read_samples(samples: Sequence[Mapping[str, Any]]) -> tuple[list[torch.Tens
             raise ValueError(f"{name}: give either 'labels' or 'loss_mask', not both")
         if "labels" in sample:
             target = _int_vector(sample["labels"], name, "labels")
+        elif "loss_mask" in sample and weighted_mask:
+            mask = torch.from_numpy(np.asarray(sample["loss_mask"], dtype=np.float64)).reshape(-1)
+            target = torch.where(mask != 0, doc, IGNORE_INDEX) if len(mask) == len(doc) else mask
         elif "loss_mask" in sample:
             mask = _int_vector(sample["loss_mask"], name, "loss_mask", allow_bool=True)
             if len(mask) == len(doc) and bool(((mask != 0) & (mask != 1)).any()):
@@ -160,13 +176,39 @@ def _is_empty(samples: Sequence[Any], meta: MicrobatchMeta | None) -> bool:
 def _declare(collator: Any) -> None:
     """Validate and normalise a collator's ``token_fields`` / ``sample_fields`` (frozen, so via ``object``)."""
     tokens, samples = check_fields(collator.token_fields, collator.sample_fields)
+    check_loss_weight_field(collator.loss_weight_field, tokens)
     object.__setattr__(collator, "token_fields", tokens)
     object.__setattr__(collator, "sample_fields", samples)
 
 
-def _read_fields(collator: Any, samples: Sequence[Mapping[str, Any]], docs: list[torch.Tensor]) -> FieldValues:
+def _read_fields(
+    collator: Any, samples: Sequence[Mapping[str, Any]], docs: list[torch.Tensor], labels: torch.Tensor
+) -> FieldValues:
+    """The declared fields of the samples, plus their ``loss_weights`` when a ``loss_weight_field`` is set."""
     names = [_sample_name(samples, i) for i in range(len(samples))]
-    return read_fields(samples, docs, names, collator.token_fields, collator.sample_fields, collator._reported)
+    fields = read_fields(samples, docs, names, collator.token_fields, collator.sample_fields, collator._reported)
+    if collator.loss_weight_field is not None:
+        per_doc = labels.split([len(d) for d in docs])
+        fields.tokens[LOSS_WEIGHTS] = read_loss_weights(samples, per_doc, collator.loss_weight_field, names)
+    return fields
+
+
+def _pads(collator: Any) -> dict[str, float | int]:
+    """Pad value of every per-token field the collator places (the declared ones and ``loss_weights``)."""
+    return collator.token_fields | ({LOSS_WEIGHTS: 0.0} if collator.loss_weight_field is not None else {})
+
+
+def _weight_scalars(collator: Any, batch: dict[str, Any], meta: Any, stats: dict[str, Any]) -> dict[str, Any]:
+    if collator.loss_weight_field is None:
+        return {}
+    return loss_weight_scalars(batch[LOSS_WEIGHTS], meta, stats["step_loss_tokens"], stats["is_empty"])
+
+
+def _empty(collator: Any) -> FieldValues:
+    fields = empty_fields(collator.token_fields, collator.sample_fields)
+    if collator.loss_weight_field is not None:
+        fields.tokens[LOSS_WEIGHTS] = []
+    return fields
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -214,6 +256,9 @@ class PackedCollator:
         token_fields: extra per-token fields to carry, each name mapped to its pad value; each arrives as a
             ``[1, T]`` tensor aligned with ``input_ids`` (see :mod:`lit_seqpack.data.fields`).
         sample_fields: extra per-sample fields to carry; each arrives as a ``[num_documents]`` tensor.
+        loss_weight_field: ``"loss_mask"`` (its values are weights in ``[0, 1]``) or a declared token field that
+            scales each token's loss; the batch then holds ``loss_weights``, ``num_loss_weight`` and
+            ``step_loss_weight`` (see :mod:`lit_seqpack.data.loss_weights`).
 
     Example:
         >>> batch = PackedCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
@@ -226,6 +271,7 @@ class PackedCollator:
     pad_document_to_multiple_of: int | None = None
     token_fields: Mapping[str, float | int] | None = None
     sample_fields: Sequence[str] | None = None
+    loss_weight_field: str | None = None
     _reported: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -239,9 +285,9 @@ class PackedCollator:
         if _is_empty(samples, meta):
             length = math.lcm(self.pad_to_multiple_of or 1, self.pad_document_to_multiple_of or 1)
             empty = torch.empty(0, dtype=torch.int64)
-            return self._layout([], empty, empty, empty_fields(self.token_fields, self.sample_fields), meta, length)
-        docs, ids, labels = _read_samples(samples)
-        return self._layout(docs, ids, labels, _read_fields(self, samples, docs), meta, None)
+            return self._layout([], empty, empty, _empty(self), meta, length)
+        docs, ids, labels = _read_samples(samples, weighted_mask=self.loss_weight_field == LOSS_MASK)
+        return self._layout(docs, ids, labels, _read_fields(self, samples, docs, labels), meta, None)
 
     def _layout(
         self,
@@ -278,12 +324,13 @@ class PackedCollator:
         if self.pad_document_to_multiple_of is not None:
             real = np.append(lengths, 0) if len(segments) > len(lengths) else lengths
             batch["cu_seqlens_unpadded"] = torch.from_numpy(np.concatenate([[0], np.cumsum(real)])).to(torch.int32)
+        pads = _pads(self)
         for key, parts in fields.tokens.items():
-            batch[key] = pad_token_field(parts, self.token_fields[key], (total,), where)[None]
+            batch[key] = pad_token_field(parts, pads[key], (total,), where)[None]
         batch |= fields.samples
         loss = int((out_labels != IGNORE_INDEX).sum())
         stats = _scalars(meta, documents=len(docs), real=len(ids), total=total, loss=loss, is_empty=dummy is not None)
-        return batch | stats
+        return batch | stats | _weight_scalars(self, batch, meta, stats)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -308,6 +355,8 @@ class PaddedCollator:
         token_fields: extra per-token fields to carry, each name mapped to its pad value; each arrives as a
             ``[B, L]`` tensor aligned with ``input_ids`` (see :mod:`lit_seqpack.data.fields`).
         sample_fields: extra per-sample fields to carry; each arrives as a ``[B]`` tensor (one value a row).
+        loss_weight_field: ``"loss_mask"`` or a declared token field holding per-token loss weights (as for
+            :class:`PackedCollator`).
 
     Example:
         >>> batch = PaddedCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
@@ -319,6 +368,7 @@ class PaddedCollator:
     pad_to_multiple_of: int | None = None
     token_fields: Mapping[str, float | int] | None = None
     sample_fields: Sequence[str] | None = None
+    loss_weight_field: str | None = None
     _reported: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -337,10 +387,11 @@ class PaddedCollator:
                 "attention_mask": torch.ones_like(input_ids),
                 "position_ids": torch.arange(width)[None],
             }
-            batch |= self._fields(empty_fields(self.token_fields, self.sample_fields), (1, width), slice(0, 0))
-            return batch | _scalars(meta, documents=0, real=0, total=width, loss=0, is_empty=True)
-        docs, ids, labels = _read_samples(samples)
-        fields = _read_fields(self, samples, docs)
+            batch |= self._fields(_empty(self), (1, width), slice(0, 0))
+            stats = _scalars(meta, documents=0, real=0, total=width, loss=0, is_empty=True)
+            return batch | stats | _weight_scalars(self, batch, meta, stats)
+        docs, ids, labels = _read_samples(samples, weighted_mask=self.loss_weight_field == LOSS_MASK)
+        fields = _read_fields(self, samples, docs, labels)
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         rows, width = len(docs), _round_up(int(lengths.max()), self.pad_to_multiple_of)
         real = np.arange(width) < lengths[:, None]
@@ -355,10 +406,11 @@ class PaddedCollator:
         }
         batch |= self._fields(fields, (rows, width), where)
         loss = int((out_labels != IGNORE_INDEX).sum())
-        return batch | _scalars(meta, documents=rows, real=len(ids), total=rows * width, loss=loss, is_empty=False)
+        stats = _scalars(meta, documents=rows, real=len(ids), total=rows * width, loss=loss, is_empty=False)
+        return batch | stats | _weight_scalars(self, batch, meta, stats)
 
     def _fields(self, fields: FieldValues, shape: tuple[int, int], where: slice | np.ndarray) -> dict[str, Any]:
-        tokens = {
-            key: pad_token_field(parts, self.token_fields[key], shape, where) for key, parts in fields.tokens.items()
-        }
-        return tokens | fields.samples
+        pads = _pads(self)
+        return {key: pad_token_field(parts, pads[key], shape, where) for key, parts in fields.tokens.items()} | dict(
+            fields.samples
+        )

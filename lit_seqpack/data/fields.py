@@ -78,6 +78,9 @@ CONTRACT_KEYS = SAMPLE_KEYS | {
     "context_parallel_size",
     "context_parallel_rank",
     "tensor_parallel_size",
+    "loss_weights",
+    "num_loss_weight",
+    "step_loss_weight",
 }
 """Keys of the batch contract: no declared field may take one of these names."""
 
