@@ -30,6 +30,7 @@ from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout, TensorParallelCollator
 from lit_seqpack.data.fields import check_fields
 from lit_seqpack.data.lengths import cached_scan
+from lit_seqpack.data.loss_weights import check_datamodule_weight_field, with_step_loss_weights
 from lit_seqpack.data.microbatch import PlannedDataset
 from lit_seqpack.data.overlong import OVERLONG_POLICIES, OverlongReport
 from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
@@ -119,6 +120,9 @@ class SeqPackDataModule(LightningDataModule):
             sample by ``overlong="truncate"``, sharded with the tokens under context parallelism (see
             :mod:`lit_seqpack.data.fields`).
         sample_fields: extra per-sample fields to carry (e.g. ``["reward"]``), one value a document.
+        loss_weight_field: a declared token field holding per-token loss weights (finite, ``>= 0``): the default
+            loss becomes ``sum(w * ce)`` over the step's weight sum, which is planned from the samples' weight sums
+            (one pass over the data per loader; see :mod:`lit_seqpack.data.loss_weights`).
     """
 
     def __init__(
@@ -152,6 +156,7 @@ class SeqPackDataModule(LightningDataModule):
         content_check_samples: int = 8,
         token_fields: dict[str, int | float] | None = None,
         sample_fields: list[str] | None = None,
+        loss_weight_field: str | None = None,
     ) -> None:
         super().__init__()
         if (
@@ -182,6 +187,7 @@ class SeqPackDataModule(LightningDataModule):
             pad_to_multiple_of=pad_to_multiple_of,
         )
         self._token_fields, self._sample_fields = check_fields(token_fields, sample_fields)
+        check_datamodule_weight_field(loss_weight_field, self._token_fields)
         self._parallel = ParallelLayout(
             context_parallel_size=context_parallel_size, tensor_parallel_size=tensor_parallel_size
         )
@@ -354,7 +360,11 @@ class SeqPackDataModule(LightningDataModule):
 
     def _collator(self) -> PackedCollator | PaddedCollator | ContextParallelCollator | TensorParallelCollator:
         hp, tp = self.hparams, self._parallel.tensor_parallel_size
-        fields = {"token_fields": self._token_fields, "sample_fields": self._sample_fields}
+        fields = {
+            "token_fields": self._token_fields,
+            "sample_fields": self._sample_fields,
+            "loss_weight_field": hp.loss_weight_field,
+        }
         if hp.mode != "packing":
             padded = PaddedCollator(pad_token_id=hp.pad_token_id, pad_to_multiple_of=self.row_multiple, **fields)
             return padded if tp == 1 else TensorParallelCollator(collator=padded, tensor_parallel_size=tp)
@@ -400,7 +410,7 @@ class SeqPackDataModule(LightningDataModule):
             sampler.set_start_source(self._training_start)
         loader = ResumableDataLoader(
             PlannedDataset(data),
-            batch_sampler=sampler,
+            batch_sampler=with_step_loss_weights(sampler, data, self.hparams.loss_weight_field),
             collate_fn=self._collator(),
             num_workers=self.hparams.num_workers,
         )

@@ -34,10 +34,13 @@ __all__ = [
     "LOSS_MASK",
     "LOSS_WEIGHTS",
     "StepWeightedBatchSampler",
+    "check_datamodule_weight_field",
     "check_loss_weight_field",
+    "dataset_loss_weights",
     "loss_weight_scalars",
     "read_loss_weights",
     "sample_loss_weight",
+    "with_step_loss_weights",
 ]
 
 LOSS_WEIGHTS = "loss_weights"
@@ -60,6 +63,32 @@ def check_loss_weight_field(field: str | None, token_fields: Mapping[str, float 
             f"loss_weight_field={field!r} must be 'loss_mask' or one of the declared token_fields "
             f"{sorted(token_fields)}: declare the weights with token_fields={{{field!r}: 0.0}}"
         )
+
+
+def check_datamodule_weight_field(field: str | None, token_fields: Mapping[str, float | int]) -> None:
+    """:func:`check_loss_weight_field` for ``SeqPackDataModule``, which does not take ``"loss_mask"`` weights.
+
+    Raises:
+        ValueError: ``loss_weight_field="loss_mask"`` (the DataModule's data scan validates ``loss_mask`` as 0/1),
+            or a field that is not a declared token field.
+    """
+    if field == LOSS_MASK:
+        raise ValueError(
+            "SeqPackDataModule(loss_weight_field='loss_mask') is not supported: its data scan reads loss_mask as "
+            "0/1. Put the weights in a token field (token_fields={'weights': 0.0}, loss_weight_field='weights'); "
+            "the collators accept loss_weight_field='loss_mask' when wired by hand"
+        )
+    check_loss_weight_field(field, token_fields)
+
+
+def dataset_loss_weights(dataset: Sequence[Mapping[str, Any]], field: str) -> np.ndarray:
+    """Every sample's loss-weight sum (:func:`sample_loss_weight`), read once (float64)."""
+    return np.fromiter((sample_loss_weight(dataset[i], field) for i in range(len(dataset))), np.float64, len(dataset))
+
+
+def with_step_loss_weights(sampler: Any, dataset: Sequence[Mapping[str, Any]], field: str | None) -> Any:
+    """``sampler`` itself without a ``field``, else wrapped in :class:`StepWeightedBatchSampler` for ``dataset``."""
+    return sampler if field is None else StepWeightedBatchSampler(sampler, dataset_loss_weights(dataset, field))
 
 
 def _weights_of(sample: Mapping[str, Any], field: str, length: int, name: str) -> np.ndarray:

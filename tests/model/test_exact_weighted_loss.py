@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +29,9 @@ from tests.model.test_exact_loss import (
     make_module,
     make_samples,
     plain_logits,
+    spawned_step_trainer,
 )
+from tests.model.test_exact_loss_ddp import GROUPS, PerRankBatches
 
 
 def weighted_samples(field: str, count: int = 12, seed: int = 0) -> list[dict[str, Any]]:
@@ -210,3 +213,59 @@ def test_real_sampler_with_planned_step_weights_end_to_end() -> None:
     trainer.fit(module, loader)
     assert capture.grads is not None
     assert_gradients_match(capture.grads, expected, rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_weighted_ddp_step_on_two_gloo_ranks_equals_the_big_padded_batch(tmp_path: Path) -> None:
+    """Real DDP (2 spawned gloo processes, accumulation 2): the averaged gradient is the weighted big-batch one."""
+    samples = weighted_samples("weights", count=14, seed=3)
+    module = make_module("reference")
+    expected = reference_weighted_gradients(module, samples, "weights")
+    batches = weighted_step_batches(samples, GROUPS, "packed", "weights")
+    path = tmp_path / "grads.pt"
+    spawned_step_trainer(2, str(path)).fit(module, datamodule=PerRankBatches(batches))
+    assert_gradients_match(torch.load(path), expected, rtol=1e-6)
+
+
+def test_datamodule_weighted_step_equals_the_big_padded_batch() -> None:
+    """SeqPackDataModule(loss_weight_field=...) plans the step's weight sum; one Trainer step (accumulate 2)."""
+    from lightning.pytorch import Trainer
+
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+
+    samples = weighted_samples("weights", count=24, seed=9)
+    dm = SeqPackDataModule(
+        mode="packing", max_tokens=32, dataset=samples, token_fields={"weights": 0.0}, loss_weight_field="weights"
+    )
+    module = make_module("reference")
+    initial = copy.deepcopy(module)
+    capture = GradientCapture()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="64-true",
+        max_steps=1,
+        accumulate_grad_batches=2,
+        use_distributed_sampler=False,
+        callbacks=[capture],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=dm)
+    plan = dm._train_sampler.lazy_plan
+    step = [i for position in range(2) for i in plan.microbatch(0, position).indices]
+    expected = reference_weighted_gradients(initial, [samples[i] for i in step], "weights")
+    assert capture.grads is not None
+    assert_gradients_match(capture.grads, expected, rtol=1e-6)
+
+
+def test_datamodule_refuses_loss_mask_weights_and_undeclared_weight_fields() -> None:
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+
+    with pytest.raises(ValueError, match="loss_weight_field='loss_mask'\\) is not supported"):
+        SeqPackDataModule(loss_weight_field="loss_mask")
+    with pytest.raises(ValueError, match="loss_weight_field='w' must be 'loss_mask' or one of the declared"):
+        SeqPackDataModule(loss_weight_field="w")
