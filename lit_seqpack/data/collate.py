@@ -21,22 +21,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_seqpack.data.fields import (
-    FieldValues,
-    check_fields,
-    empty_fields,
-    pad_token_field,
-    read_fields,
-    scatter_tokens,
+from lit_seqpack.data._collate_fields import (
+    declare_fields,
+    empty_collator_fields,
+    read_collator_fields,
+    token_pads,
+    weight_scalars,
 )
+from lit_seqpack.data._samples import read_samples
+from lit_seqpack.data.fields import FieldValues, pad_token_field, scatter_tokens
 from lit_seqpack.data.labels import IGNORE_INDEX
-from lit_seqpack.data.loss_weights import (
-    LOSS_MASK,
-    LOSS_WEIGHTS,
-    check_loss_weight_field,
-    loss_weight_scalars,
-    read_loss_weights,
-)
+from lit_seqpack.data.loss_weights import LOSS_MASK
 from lit_seqpack.data.microbatch import MicrobatchMeta
 
 __all__ = ["IGNORE_INDEX", "PackedCollator", "PaddedCollator"]
@@ -47,91 +42,6 @@ def _check_knob(name: str, value: int | None, *, minimum: int, optional: bool = 
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
-
-
-def _int_vector(value: Any, name: str, key: str, *, allow_bool: bool = False) -> torch.Tensor:
-    """``value`` as a 1-D int64 tensor, or a ValueError naming the sample (``name``) and ``key``."""
-    if value is None:
-        raise ValueError(f"{name}: {key} is None; omit the key to train on every token")
-    if isinstance(value, (list, tuple)) and not allow_bool:
-        kinds = set(map(type, value))  # numpy would silently read [5, True] as [5, 1]
-        if bool in kinds or np.bool_ in kinds:
-            raise ValueError(f"{name}: {key} must hold integers, found a bool (booleans are not token ids)")
-    try:
-        # numpy converts a list of Python ints about 5x faster than torch.as_tensor does
-        tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
-    except (TypeError, ValueError, OverflowError, RuntimeError):
-        raise ValueError(f"{name}: {key} is not a sequence of integers (got {value!r:.60})") from None
-    if tensor.dim() != 1:
-        raise ValueError(f"{name}: {key} must be 1-D, got shape {tuple(tensor.shape)}")
-    if tensor.numel() == 0:  # numpy types an empty list as float64
-        return torch.empty(0, dtype=torch.int64)
-    if tensor.is_floating_point() or tensor.is_complex() or (tensor.dtype == torch.bool and not allow_bool):
-        raise ValueError(f"{name}: {key} must hold integers, got dtype {tensor.dtype}")
-    return tensor.to(torch.int64)
-
-
-def _first_bad(parts: Sequence[torch.Tensor], bad: torch.Tensor) -> int:
-    """Index of the part that holds the first True of ``bad`` (a mask over the concatenation of ``parts``)."""
-    ends = np.cumsum([len(p) for p in parts])
-    return int(np.searchsorted(ends, int(bad.nonzero()[0, 0]), side="right"))
-
-
-def _sample_name(samples: Sequence[Any], index: int) -> str:
-    """``sample 3`` (the position in the microbatch), with its dataset index when the loader attached them."""
-    indices = getattr(samples, "indices", None)
-    if indices is None or index >= len(indices):
-        return f"sample {index}"
-    return f"sample {index} of the microbatch (dataset index {indices[index]})"
-
-
-def _read_samples(
-    samples: Sequence[Mapping[str, Any]], weighted_mask: bool = False
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Validate the samples; return each document's ids and the concatenated ids and labels (no shift).
-
-    With ``weighted_mask`` a ``loss_mask`` may hold weights (checked by :mod:`~lit_seqpack.data.loss_weights`);
-    its zeros mask the labels.
-    """
-    ids, labels = [], []
-    for index, sample in enumerate(samples):
-        name = _sample_name(samples, index)
-        if not isinstance(sample, Mapping) or "input_ids" not in sample:
-            found = sorted(sample) if isinstance(sample, Mapping) else type(sample).__name__
-            raise ValueError(f"{name}: expected a mapping with 'input_ids', got {found}")
-        doc = _int_vector(sample["input_ids"], name, "input_ids")
-        if len(doc) == 0:
-            raise ValueError(f"{name}: input_ids is empty (a document needs at least one token)")
-        if "labels" in sample and "loss_mask" in sample:
-            raise ValueError(f"{name}: give either 'labels' or 'loss_mask', not both")
-        if "labels" in sample:
-            target = _int_vector(sample["labels"], name, "labels")
-        elif "loss_mask" in sample and weighted_mask:
-            mask = torch.from_numpy(np.asarray(sample["loss_mask"], dtype=np.float64)).reshape(-1)
-            target = torch.where(mask != 0, doc, IGNORE_INDEX) if len(mask) == len(doc) else mask
-        elif "loss_mask" in sample:
-            mask = _int_vector(sample["loss_mask"], name, "loss_mask", allow_bool=True)
-            if len(mask) == len(doc) and bool(((mask != 0) & (mask != 1)).any()):
-                raise ValueError(f"{name}: loss_mask must hold only 0 and 1, got {mask.unique().tolist()}")
-            target = torch.where(mask.bool(), doc, IGNORE_INDEX) if len(mask) == len(doc) else mask
-        else:
-            target = doc
-        if len(target) != len(doc):
-            key = "labels" if "labels" in sample else "loss_mask"
-            raise ValueError(f"{name}: {key} has {len(target)} entries but input_ids has {len(doc)}")
-        ids.append(doc)
-        labels.append(target)
-    all_ids, all_labels = torch.cat(ids), torch.cat(labels)
-    problems = []  # value checks run once on the concatenation; on failure, name the first bad sample
-    if bool((all_ids < 0).any()):
-        problems.append((_first_bad(ids, all_ids < 0), "input_ids must be >= 0 (found a negative id)"))
-    bad_labels = (all_labels < 0) & (all_labels != IGNORE_INDEX)
-    if bool(bad_labels.any()):
-        problems.append((_first_bad(labels, bad_labels), f"labels must be >= 0 or {IGNORE_INDEX}"))
-    if problems:
-        index, problem = min(problems)
-        raise ValueError(f"{_sample_name(samples, index)}: {problem}")
-    return ids, all_ids, all_labels
 
 
 def _round_up(value: int, multiple: int | None) -> int:
@@ -171,44 +81,6 @@ def _is_empty(samples: Sequence[Any], meta: MicrobatchMeta | None) -> bool:
     if meta is not None and meta.is_empty and len(samples) > 0:
         raise ValueError(f"meta.is_empty is True but the microbatch holds {len(samples)} samples")
     return len(samples) == 0
-
-
-def _declare(collator: Any) -> None:
-    """Validate and normalise a collator's ``token_fields`` / ``sample_fields`` (frozen, so via ``object``)."""
-    tokens, samples = check_fields(collator.token_fields, collator.sample_fields)
-    check_loss_weight_field(collator.loss_weight_field, tokens)
-    object.__setattr__(collator, "token_fields", tokens)
-    object.__setattr__(collator, "sample_fields", samples)
-
-
-def _read_fields(
-    collator: Any, samples: Sequence[Mapping[str, Any]], docs: list[torch.Tensor], labels: torch.Tensor
-) -> FieldValues:
-    """The declared fields of the samples, plus their ``loss_weights`` when a ``loss_weight_field`` is set."""
-    names = [_sample_name(samples, i) for i in range(len(samples))]
-    fields = read_fields(samples, docs, names, collator.token_fields, collator.sample_fields, collator._reported)
-    if collator.loss_weight_field is not None:
-        per_doc = labels.split([len(d) for d in docs])
-        fields.tokens[LOSS_WEIGHTS] = read_loss_weights(samples, per_doc, collator.loss_weight_field, names)
-    return fields
-
-
-def _pads(collator: Any) -> dict[str, float | int]:
-    """Pad value of every per-token field the collator places (the declared ones and ``loss_weights``)."""
-    return collator.token_fields | ({LOSS_WEIGHTS: 0.0} if collator.loss_weight_field is not None else {})
-
-
-def _weight_scalars(collator: Any, batch: dict[str, Any], meta: Any, stats: dict[str, Any]) -> dict[str, Any]:
-    if collator.loss_weight_field is None:
-        return {}
-    return loss_weight_scalars(batch[LOSS_WEIGHTS], meta, stats["step_loss_tokens"], stats["is_empty"])
-
-
-def _empty(collator: Any) -> FieldValues:
-    fields = empty_fields(collator.token_fields, collator.sample_fields)
-    if collator.loss_weight_field is not None:
-        fields.tokens[LOSS_WEIGHTS] = []
-    return fields
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -278,16 +150,16 @@ class PackedCollator:
         _check_knob("pad_token_id", self.pad_token_id, minimum=0, optional=False)
         _check_knob("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
         _check_knob("pad_document_to_multiple_of", self.pad_document_to_multiple_of, minimum=1)
-        _declare(self)
+        declare_fields(self)
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         meta = getattr(samples, "meta", None)
         if _is_empty(samples, meta):
             length = math.lcm(self.pad_to_multiple_of or 1, self.pad_document_to_multiple_of or 1)
             empty = torch.empty(0, dtype=torch.int64)
-            return self._layout([], empty, empty, _empty(self), meta, length)
-        docs, ids, labels = _read_samples(samples, weighted_mask=self.loss_weight_field == LOSS_MASK)
-        return self._layout(docs, ids, labels, _read_fields(self, samples, docs, labels), meta, None)
+            return self._layout([], empty, empty, empty_collator_fields(self), meta, length)
+        docs, ids, labels = read_samples(samples, weighted_mask=self.loss_weight_field == LOSS_MASK)
+        return self._layout(docs, ids, labels, read_collator_fields(self, samples, docs, labels), meta, None)
 
     def _layout(
         self,
@@ -324,13 +196,13 @@ class PackedCollator:
         if self.pad_document_to_multiple_of is not None:
             real = np.append(lengths, 0) if len(segments) > len(lengths) else lengths
             batch["cu_seqlens_unpadded"] = torch.from_numpy(np.concatenate([[0], np.cumsum(real)])).to(torch.int32)
-        pads = _pads(self)
+        pads = token_pads(self)
         for key, parts in fields.tokens.items():
             batch[key] = pad_token_field(parts, pads[key], (total,), where)[None]
         batch |= fields.samples
         loss = int((out_labels != IGNORE_INDEX).sum())
         stats = _scalars(meta, documents=len(docs), real=len(ids), total=total, loss=loss, is_empty=dummy is not None)
-        return batch | stats | _weight_scalars(self, batch, meta, stats)
+        return batch | stats | weight_scalars(self, batch, meta, stats)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -374,7 +246,7 @@ class PaddedCollator:
     def __post_init__(self) -> None:
         _check_knob("pad_token_id", self.pad_token_id, minimum=0, optional=False)
         _check_knob("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
-        _declare(self)
+        declare_fields(self)
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         meta = getattr(samples, "meta", None)
@@ -387,11 +259,11 @@ class PaddedCollator:
                 "attention_mask": torch.ones_like(input_ids),
                 "position_ids": torch.arange(width)[None],
             }
-            batch |= self._fields(_empty(self), (1, width), slice(0, 0))
+            batch |= self._fields(empty_collator_fields(self), (1, width), slice(0, 0))
             stats = _scalars(meta, documents=0, real=0, total=width, loss=0, is_empty=True)
-            return batch | stats | _weight_scalars(self, batch, meta, stats)
-        docs, ids, labels = _read_samples(samples, weighted_mask=self.loss_weight_field == LOSS_MASK)
-        fields = _read_fields(self, samples, docs, labels)
+            return batch | stats | weight_scalars(self, batch, meta, stats)
+        docs, ids, labels = read_samples(samples, weighted_mask=self.loss_weight_field == LOSS_MASK)
+        fields = read_collator_fields(self, samples, docs, labels)
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         rows, width = len(docs), _round_up(int(lengths.max()), self.pad_to_multiple_of)
         real = np.arange(width) < lengths[:, None]
@@ -407,10 +279,10 @@ class PaddedCollator:
         batch |= self._fields(fields, (rows, width), where)
         loss = int((out_labels != IGNORE_INDEX).sum())
         stats = _scalars(meta, documents=rows, real=len(ids), total=rows * width, loss=loss, is_empty=False)
-        return batch | stats | _weight_scalars(self, batch, meta, stats)
+        return batch | stats | weight_scalars(self, batch, meta, stats)
 
     def _fields(self, fields: FieldValues, shape: tuple[int, int], where: slice | np.ndarray) -> dict[str, Any]:
-        pads = _pads(self)
+        pads = token_pads(self)
         return {key: pad_token_field(parts, pads[key], shape, where) for key, parts in fields.tokens.items()} | dict(
             fields.samples
         )
