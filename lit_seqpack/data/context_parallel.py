@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from lit_seqpack.data.collate import PackedCollator
-from lit_seqpack.data.loss_weights import LOSS_WEIGHTS
 from lit_seqpack.parallel import (
     ParallelLayout,
     context_parallel_index,
@@ -35,11 +34,6 @@ __all__ = [
     "shard_tokens",
     "unshard_tokens",
 ]
-
-
-def _loss_weight_pad(collator: PackedCollator) -> dict[str, float]:
-    """``loss_weights`` is a per-token field of its own: it gets a ``shift_loss_weights`` like the declared ones."""
-    return {LOSS_WEIGHTS: 0.0} if collator.loss_weight_field is not None else {}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,7 +74,7 @@ class ContextParallelCollator:
             self.collator(samples),
             self.context_parallel_size,
             self.context_parallel_rank,
-            token_fields=self.collator.token_fields | _loss_weight_pad(self.collator),
+            token_fields=self.collator.token_fields,
         )
         batch["tensor_parallel_size"] = self.tensor_parallel_size
         return batch

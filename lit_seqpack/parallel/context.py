@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_seqpack.data.labels import IGNORE_INDEX, shift_labels
+from lit_seqpack.data.loss_weights import LOSS_WEIGHTS
 from lit_seqpack.parallel.layout import check_int
 
 __all__ = [
@@ -142,7 +143,8 @@ def shard_packed_batch(
     Per-token ``[1, T]`` tensors become ``[1, T / cp]`` (``position_ids`` keep their global values);
     ``cu_seqlens``, ``cu_seqlens_unpadded`` and ``max_seqlen`` stay global; ``shift_labels`` (the targets of the
     local tokens) is added, and ``shift_<name>`` for every entry of ``token_fields`` (the field's value at each
-    local token's target, the field's pad value after the row's last token). The counts become local:
+    local token's target, the field's pad value after the row's last token; ``loss_weights``, when the batch
+    has them, always gets ``shift_loss_weights`` and a local ``num_loss_weight``). The counts become local:
     ``num_real_tokens``, ``num_padding_tokens``, ``num_loss_tokens`` (targets in ``shift_labels``) and
     ``max_tokens / cp``; ``num_documents``, ``step_loss_tokens``, ``world_size`` (data-parallel ranks) and
     ``accumulate_grad_batches`` are unchanged, and ``context_parallel_size`` / ``context_parallel_rank`` are added.
@@ -173,6 +175,8 @@ def shard_packed_batch(
     if max_tokens is not None and max_tokens % cp:
         raise ValueError(f"max_tokens={max_tokens} must be a multiple of context_parallel_size={cp}")
     fields = dict(token_fields or {})
+    if LOSS_WEIGHTS in batch:  # a weighted loss scores targets: its weights are shifted like the labels
+        fields.setdefault(LOSS_WEIGHTS, 0.0)
     missing = sorted(set(fields) - set(batch))
     if missing:
         raise ValueError(f"token_fields {missing} are declared but the batch has no such key")
@@ -191,8 +195,8 @@ def shard_packed_batch(
         "context_parallel_size": cp,
         "context_parallel_rank": rank,
     }
-    if "shift_loss_weights" in out:  # the weights of the local targets (a weighted loss's local sum)
-        out["num_loss_weight"] = math.fsum(out["shift_loss_weights"].double().flatten().tolist())
+    if LOSS_WEIGHTS in fields:  # the weights of the local targets (a weighted loss's local sum)
+        out["num_loss_weight"] = math.fsum(out[SHIFT_PREFIX + LOSS_WEIGHTS].double().flatten().tolist())
     return out
 
 

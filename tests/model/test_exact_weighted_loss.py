@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import copy
 import math
+import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
@@ -18,7 +21,7 @@ from lit_seqpack.data.context_parallel import ContextParallelCollator
 from lit_seqpack.data.loss_weights import StepWeightedBatchSampler, sample_loss_weight
 from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta, PlannedDataset
 from lit_seqpack.data.samplers import PackedBatchSampler
-from lit_seqpack.parallel import gather_packed_batches
+from lit_seqpack.parallel import gather_packed_batches, shard_packed_batch
 from tests.model.test_exact_loss import (
     PACKED_GROUPS,
     VOCAB,
@@ -95,7 +98,10 @@ def weighted_step_batches(
         for i in mb
     )
     fields = {"loss_weight_field": field} | ({} if field == "loss_mask" else {"token_fields": {field: 0.0}})
-    collate = PackedCollator(pad_to_multiple_of=8, **fields) if mode == "packed" else PaddedCollator(**fields)
+    if mode == "packed-cp":  # documents padded to 2 x cp for a 2-rank context-parallel shard
+        collate = PackedCollator(pad_document_to_multiple_of=4, pad_to_multiple_of=8, **fields)
+    else:
+        collate = PackedCollator(pad_to_multiple_of=8, **fields) if mode == "packed" else PaddedCollator(**fields)
     out = []
     for rank in groups:
         out.append([])
@@ -269,3 +275,41 @@ def test_datamodule_refuses_loss_mask_weights_and_undeclared_weight_fields() -> 
         SeqPackDataModule(loss_weight_field="loss_mask")
     with pytest.raises(ValueError, match="loss_weight_field='w' must be 'loss_mask' or one of the declared"):
         SeqPackDataModule(loss_weight_field="w")
+
+
+def _cp_weighted_worker(cp_rank: int, port: int, out_path: str) -> None:
+    """One of 2 CP ranks (gloo); the 2 data-parallel ranks of GROUPS are simulated one after the other."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=cp_rank, world_size=2)
+    try:
+        module = make_module("reference")
+        samples = weighted_samples("weights", count=14, seed=3)
+        batches = weighted_step_batches(samples, GROUPS, "packed-cp", "weights")
+        summed = {name: torch.zeros_like(p) for name, p in module.named_parameters()}
+        for dp_batches in batches:
+            model = copy.deepcopy(module)
+            for batch in dp_batches:
+                shard = shard_packed_batch(batch, 2, cp_rank, token_fields={"weights": 0.0})
+                (model.training_step(shard, 0) / len(dp_batches)).backward()  # Lightning's division
+            for name, p in model.named_parameters():
+                summed[name] += p.grad
+        for grad in summed.values():  # DDP: the mean over all dp x cp ranks
+            dist.all_reduce(grad)
+            grad /= len(batches) * 2
+        if cp_rank == 0:
+            torch.save(summed, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_process_context_parallel_weighted_step_equals_the_big_padded_batch(tmp_path: Path) -> None:
+    """The loss weights score targets: under CP each rank uses shift_loss_weights, as it uses shift_labels."""
+    samples = weighted_samples("weights", count=14, seed=3)
+    expected = reference_weighted_gradients(make_module("reference"), samples, "weights")
+    path = tmp_path / "grads.pt"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_cp_weighted_worker, args=(port, str(path)), nprocs=2, join=True)
+    assert_gradients_match(torch.load(path), expected, rtol=1e-5)  # float32 CP vs float64 ground truth
