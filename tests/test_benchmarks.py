@@ -137,3 +137,15 @@ def test_bench_scale_rank_table_and_bench_plan_balance_table_smoke():
     (balance,) = _tables(lines)
     settings = [row[3] for row in balance[1:]]
     assert settings[:2] == ["0.0", "auto"] and len(balance) == 1 + 24
+
+
+def test_bench_collate_table_smoke():
+    lines = _run("bench_collate.py", "--rows", "3", "--repeats", "1", "--max-tokens", "512", "--threads", "1", "2")
+    (table,) = _tables(lines)
+    assert [(row[0], row[1]) for row in table[1:]] == [
+        ("packed", "1"),
+        ("packed", "2"),
+        ("per-document pad 8", "1"),
+        ("per-document pad 8", "2"),
+    ]
+    assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in table[1:])

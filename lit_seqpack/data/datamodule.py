@@ -29,7 +29,9 @@ from lit_seqpack.data._resume import (
 )
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout, TensorParallelCollator
+from lit_seqpack.data.fields import check_fields
 from lit_seqpack.data.lengths import cached_scan
+from lit_seqpack.data.loss_weights import check_datamodule_weight_field, with_step_loss_weights
 from lit_seqpack.data.microbatch import PlannedDataset
 from lit_seqpack.data.overlong import OVERLONG_POLICIES, OverlongReport
 from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
@@ -125,6 +127,14 @@ class SeqPackDataModule(LightningDataModule):
             every rank) are hashed and compared across ranks with the plan at the first batch, so ranks that
             read different data with equal lengths fail loudly on every rank; 0 compares the lengths only (for
             datasets whose samples change between reads).
+        token_fields: extra per-token fields of the samples to carry in every batch, each name mapped to its pad
+            value (e.g. ``{"advantages": 0.0}``): concatenated or padded like ``input_ids``, truncated with the
+            sample by ``overlong="truncate"``, sharded with the tokens under context parallelism (see
+            :mod:`lit_seqpack.data.fields`).
+        sample_fields: extra per-sample fields to carry (e.g. ``["reward"]``), one value a document.
+        loss_weight_field: a declared token field holding per-token loss weights (finite, ``>= 0``): the default
+            loss becomes ``sum(w * ce)`` over the step's weight sum, which is planned from the samples' weight sums
+            (one pass over the data per loader; see :mod:`lit_seqpack.data.loss_weights`).
     """
 
     def __init__(
@@ -163,6 +173,9 @@ class SeqPackDataModule(LightningDataModule):
         context_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         content_check_samples: int = 8,
+        token_fields: dict[str, int | float] | None = None,
+        sample_fields: list[str] | None = None,
+        loss_weight_field: str | None = None,
     ) -> None:
         super().__init__()
         if (
@@ -202,6 +215,8 @@ class SeqPackDataModule(LightningDataModule):
             num_workers=num_workers,
             pad_to_multiple_of=pad_to_multiple_of,
         )
+        self._token_fields, self._sample_fields = check_fields(token_fields, sample_fields)
+        check_datamodule_weight_field(loss_weight_field, self._token_fields)
         self._parallel = ParallelLayout(
             context_parallel_size=context_parallel_size, tensor_parallel_size=tensor_parallel_size
         )
@@ -371,6 +386,7 @@ class SeqPackDataModule(LightningDataModule):
                 overlong=hp.overlong,
                 pad_to_multiple_of=hp.pad_to_multiple_of,
                 document_multiple=self.document_multiple,
+                token_fields=tuple(self._token_fields),
             )
         lengths, loss_tokens = _int32(lengths), _int32(loss_tokens)
         self._setup_eval_files()
@@ -439,13 +455,19 @@ class SeqPackDataModule(LightningDataModule):
 
     def _collator(self) -> PackedCollator | PaddedCollator | ContextParallelCollator | TensorParallelCollator:
         hp, tp = self.hparams, self._parallel.tensor_parallel_size
+        fields = {
+            "token_fields": self._token_fields,
+            "sample_fields": self._sample_fields,
+            "loss_weight_field": hp.loss_weight_field,
+        }
         if hp.mode != "packing":
-            padded = PaddedCollator(pad_token_id=hp.pad_token_id, pad_to_multiple_of=self.row_multiple)
+            padded = PaddedCollator(pad_token_id=hp.pad_token_id, pad_to_multiple_of=self.row_multiple, **fields)
             return padded if tp == 1 else TensorParallelCollator(collator=padded, tensor_parallel_size=tp)
         collator = PackedCollator(
             pad_token_id=hp.pad_token_id,
             pad_to_multiple_of=self.row_multiple,
             pad_document_to_multiple_of=self.document_multiple if self.document_multiple > 1 else None,
+            **fields,
         )
         if self._parallel.model_parallel_size == 1:
             return collator
@@ -485,7 +507,7 @@ class SeqPackDataModule(LightningDataModule):
             sampler.set_start_source(self._training_start)
         loader = ResumableDataLoader(
             PlannedDataset(data),
-            batch_sampler=sampler,
+            batch_sampler=with_step_loss_weights(sampler, data, self.hparams.loss_weight_field),
             collate_fn=self._collator(),
             num_workers=self.hparams.num_workers,
         )

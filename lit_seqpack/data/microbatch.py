@@ -31,6 +31,8 @@ class MicrobatchMeta:
             zero-weight dummy batch.
         loss_tokens: the loss tokens the plan counted for this microbatch (``None``: not checked); the
             collator compares them with the samples' labels, so a wrong count cannot skew the exact loss.
+        step_loss_weight: the loss-weight sum of this optimizer step over all ranks, for a weighted loss
+            (:mod:`lit_seqpack.data.loss_weights`); ``None`` without one.
     """
 
     step: int
@@ -40,6 +42,7 @@ class MicrobatchMeta:
     max_tokens: int | None = None
     is_empty: bool = False
     loss_tokens: int | None = None
+    step_loss_weight: float | None = None
 
     def __post_init__(self) -> None:
         if self.step_loss_tokens < 0:
@@ -48,6 +51,8 @@ class MicrobatchMeta:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {self.accumulate_grad_batches}")
+        if self.step_loss_weight is not None and not self.step_loss_weight >= 0:
+            raise ValueError(f"step_loss_weight must be >= 0 or None, got {self.step_loss_weight}")
 
 
 class Microbatch(list):

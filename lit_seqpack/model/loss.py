@@ -42,23 +42,25 @@ class LossOutput:
 
     Args:
         loss_sum: scalar tensor, the sum of the per-unit losses of this microbatch (attached to the graph).
-        num_units: units (tokens for a token-mean loss, documents for a sequence-mean loss) summed in
-            ``loss_sum``; the logged value is ``loss_sum / num_units`` with ``batch_size=num_units``.
+        num_units: units (tokens for a token-mean loss, documents for a sequence-mean loss, the loss-weight sum
+            for a weighted token loss) summed in ``loss_sum``; the logged value is ``loss_sum / num_units``.
         step_units: units of the whole optimizer step over all ranks. With it the loss is exact (the gradient
             of the mean over every unit of the step). ``None`` normalises locally: the microbatch mean, which
             Lightning and DDP then average (exact only when every microbatch holds as many units).
     """
 
     loss_sum: torch.Tensor
-    num_units: int
-    step_units: int | None = None
+    num_units: int | float
+    step_units: int | float | None = None
 
     def __post_init__(self) -> None:
         if self.loss_sum.ndim != 0:
             raise ValueError(f"loss_sum must be a scalar tensor, got shape {tuple(self.loss_sum.shape)}")
         if self.num_units < 0:
             raise ValueError(f"num_units must be >= 0, got {self.num_units}")
-        if self.step_units is not None and self.step_units < self.num_units:
+        # weight sums (floats) are compared with a relative tolerance for the rounding of a different summation order
+        slack = 1e-6 * self.num_units if isinstance(self.num_units, float) else 0
+        if self.step_units is not None and self.step_units < self.num_units - slack:
             raise ValueError(
                 f"step_units ({self.step_units}) must be >= num_units ({self.num_units}): the step total includes "
                 "this microbatch"
@@ -69,12 +71,17 @@ def token_cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    num_loss_tokens: int | None = None,
-    step_loss_tokens: int | None = None,
+    num_loss_tokens: int | float | None = None,
+    step_loss_tokens: int | float | None = None,
     chunk_size: int | None = None,
     shifted: bool = False,
+    weights: torch.Tensor | None = None,
 ) -> LossOutput:
     """Summed next-token cross-entropy over the labels that are not ``-100`` (HF shift convention).
+
+    With ``weights`` each target's loss is scaled by its weight (``sum(w * ce)``) and the units are weight sums:
+    ``num_loss_tokens`` / ``step_loss_tokens`` are then the microbatch's and the step's loss-weight sums (the
+    batch's ``num_loss_weight`` and ``step_loss_weight``).
 
     Args:
         logits: ``[B, T, V]``; ``logits[:, t]`` predicts ``labels[:, t + 1]``.
@@ -87,6 +94,14 @@ def token_cross_entropy(
             Half-precision logits are upcast to float32; float32 and float64 logits are used as they are.
         shifted: ``labels`` are already the targets of the logits (``labels[:, t]`` for ``logits[:, t]``), e.g. the
             ``shift_labels`` of a context-parallel shard, whose next token may live on another rank.
+        weights: ``[B, T]`` per-token loss weights aligned with ``labels`` (the weight at ``t`` scales the loss of
+            predicting ``labels[:, t]``; shifted with them unless ``shifted``), e.g. the batch's ``loss_weights``.
+
+    Example:
+        >>> out = token_cross_entropy(torch.zeros(1, 3, 4), torch.tensor([[-100, 1, 2]]), weights=torch.tensor(
+        ...     [[0.0, 0.5, 1.0]]))
+        >>> round(out.loss_sum.item(), 4), out.num_units
+        (2.0794, 1.5)
     """
     if logits.ndim != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(
@@ -94,16 +109,29 @@ def token_cross_entropy(
         )
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    if weights is not None and weights.shape != labels.shape:
+        raise ValueError(f"weights must have the shape of labels {tuple(labels.shape)}, got {tuple(weights.shape)}")
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = (labels if shifted else shift_labels(labels)).reshape(-1)
     step = max(flat_labels.numel(), 1) if chunk_size is None else chunk_size
-    parts = [
-        F.cross_entropy(_upcast(chunk), target, ignore_index=IGNORE_INDEX, reduction="sum")
-        for chunk, target in zip(flat_logits.split(step), flat_labels.split(step), strict=True)
-    ]
+    if weights is None:
+        parts = [
+            F.cross_entropy(_upcast(chunk), target, ignore_index=IGNORE_INDEX, reduction="sum")
+            for chunk, target in zip(flat_logits.split(step), flat_labels.split(step), strict=True)
+        ]
+    else:
+        flat_weights = (weights if shifted else F.pad(weights[..., 1:], (0, 1))).reshape(-1)
+        parts = [
+            (F.cross_entropy(_upcast(chunk), target, ignore_index=IGNORE_INDEX, reduction="none") * weight).sum()
+            for chunk, target, weight in zip(
+                flat_logits.split(step), flat_labels.split(step), flat_weights.split(step), strict=True
+            )
+        ]
     loss_sum = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
-    if num_loss_tokens is None:
+    if num_loss_tokens is None and weights is None:
         num_loss_tokens = int((flat_labels != IGNORE_INDEX).sum())
+    elif num_loss_tokens is None:
+        num_loss_tokens = float(flat_weights[flat_labels != IGNORE_INDEX].double().sum())
     return LossOutput(loss_sum=loss_sum, num_units=num_loss_tokens, step_units=step_loss_tokens)
 
 
@@ -176,7 +204,7 @@ def exact_loss(output: LossOutput, batch: Mapping[str, Any]) -> torch.Tensor:
         batch: the batch (its ``world_size`` and ``accumulate_grad_batches`` scalars, 1 when absent).
     """
     if output.step_units is None:
-        return output.loss_sum / max(output.num_units, 1)
+        return output.loss_sum / (output.num_units or 1)  # a weight sum may be below 1
     if output.step_units == 0:  # no target in the whole step: a zero that still reaches every parameter
         return output.loss_sum * 0.0
     scale = int(batch.get("world_size", 1)) * int(batch.get("accumulate_grad_batches", 1))

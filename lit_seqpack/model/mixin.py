@@ -60,10 +60,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lit_seqpack.data._layout import mesh_layout, strategy_mesh
 from lit_seqpack.data.validation import model_vocab_size
 from lit_seqpack.model.cp_attention import context_parallel_scope
 from lit_seqpack.model.loss import LossOutput, exact_loss, token_cross_entropy
+from lit_seqpack.parallel import mesh_layout, strategy_mesh
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -131,6 +131,15 @@ class PackedSequenceMixin:
         is the unit count of the whole optimizer step over all ranks (exact) or ``None`` (local mean).
         """
         shifted = batch.get("shift_labels") is not None  # a context-parallel shard: targets come pre-shifted
+        if batch.get("loss_weights") is not None:  # a weighted loss: the units are loss-weight sums
+            return token_cross_entropy(
+                logits,
+                batch["shift_labels"] if shifted else batch["labels"],
+                num_loss_tokens=batch.get("num_loss_weight"),
+                step_loss_tokens=batch.get("step_loss_weight"),
+                shifted=shifted,
+                weights=batch["shift_loss_weights"] if shifted else batch["loss_weights"],
+            )
         return token_cross_entropy(
             logits,
             batch["shift_labels"] if shifted else batch["labels"],
@@ -205,9 +214,9 @@ class PackedSequenceMixin:
                 _check_step_layout(batch, self._seqpack_trainer(), getattr(self, "_fabric", None))
             loss = exact_loss(output, batch)
         else:
-            loss = output.loss_sum / max(output.num_units, 1)
+            loss = output.loss_sum / (output.num_units or 1)  # a weight sum may be below 1
         if output.num_units > 0 or stage != "train":  # eval logs sync over ranks: every rank logs every batch
-            self._seqpack_log(stage, output.loss_sum.detach() / max(output.num_units, 1), output.num_units)
+            self._seqpack_log(stage, output.loss_sum.detach() / (output.num_units or 1), output.num_units)
         return loss
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
@@ -226,7 +235,7 @@ class PackedSequenceMixin:
     def _seqpack_trainer(self) -> Trainer | None:
         return getattr(self, "_trainer", None)
 
-    def _seqpack_log(self, stage: str, value: torch.Tensor, batch_size: int) -> None:
+    def _seqpack_log(self, stage: str, value: torch.Tensor, batch_size: int | float) -> None:
         if getattr(self, "_fabric", None) is None and getattr(self, "_current_fx_name", None) is None:
             return  # a step called by hand, outside the Trainer's loops: nothing to log to
         name = f"{_STAGE_PREFIX[stage]}/loss"

@@ -176,3 +176,19 @@ def test_sequence_cross_entropy_takes_padded_rows_as_documents(padded_batch: tup
 def test_sequence_cross_entropy_rejects_a_packed_batch_with_several_rows() -> None:
     with pytest.raises(ValueError, match="batch size 1"):
         sequence_cross_entropy(torch.zeros(2, 3, 4), torch.zeros(2, 3).long(), cu_seqlens=torch.tensor([0, 3]))
+
+
+def test_weighted_token_loss_is_the_weighted_sum_chunked_or_not():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 5, 7, dtype=torch.float64), torch.randint(0, 7, (2, 5))
+    labels[0, 2] = -100
+    weights = torch.rand(2, 5, dtype=torch.float64)
+    out = token_cross_entropy(logits, labels, weights=weights)
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none")
+    w = torch.where(labels[:, 1:] != -100, weights[:, 1:], 0.0).reshape(-1)
+    torch.testing.assert_close(out.loss_sum, (w * ce).sum())
+    assert out.num_units == pytest.approx(float(w.sum()))
+    chunked = token_cross_entropy(logits, labels, weights=weights, chunk_size=3)
+    torch.testing.assert_close(chunked.loss_sum, out.loss_sum)
+    with pytest.raises(ValueError, match="weights must have the shape of labels"):
+        token_cross_entropy(logits, labels, weights=weights[:, :4])

@@ -1,0 +1,98 @@
+"""Reading and validating a microbatch's samples for the collators: ids, labels (or a ``loss_mask``), names."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from lit_seqpack.data.labels import IGNORE_INDEX
+
+__all__ = ["read_samples", "sample_name"]
+
+
+def _int_vector(value: Any, name: str, key: str, *, allow_bool: bool = False) -> torch.Tensor:
+    """``value`` as a 1-D int64 tensor, or a ValueError naming the sample (``name``) and ``key``."""
+    if value is None:
+        raise ValueError(f"{name}: {key} is None; omit the key to train on every token")
+    if isinstance(value, (list, tuple)) and not allow_bool:
+        kinds = set(map(type, value))  # numpy would silently read [5, True] as [5, 1]
+        if bool in kinds or np.bool_ in kinds:
+            raise ValueError(f"{name}: {key} must hold integers, found a bool (booleans are not token ids)")
+    try:
+        # numpy converts a list of Python ints about 5x faster than torch.as_tensor does
+        tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        raise ValueError(f"{name}: {key} is not a sequence of integers (got {value!r:.60})") from None
+    if tensor.dim() != 1:
+        raise ValueError(f"{name}: {key} must be 1-D, got shape {tuple(tensor.shape)}")
+    if tensor.numel() == 0:  # numpy types an empty list as float64
+        return torch.empty(0, dtype=torch.int64)
+    if tensor.is_floating_point() or tensor.is_complex() or (tensor.dtype == torch.bool and not allow_bool):
+        raise ValueError(f"{name}: {key} must hold integers, got dtype {tensor.dtype}")
+    return tensor.to(torch.int64)
+
+
+def _first_bad(parts: Sequence[torch.Tensor], bad: torch.Tensor) -> int:
+    """Index of the part that holds the first True of ``bad`` (a mask over the concatenation of ``parts``)."""
+    ends = np.cumsum([len(p) for p in parts])
+    return int(np.searchsorted(ends, int(bad.nonzero()[0, 0]), side="right"))
+
+
+def sample_name(samples: Sequence[Any], index: int) -> str:
+    """``sample 3`` (the position in the microbatch), with its dataset index when the loader attached them."""
+    indices = getattr(samples, "indices", None)
+    if indices is None or index >= len(indices):
+        return f"sample {index}"
+    return f"sample {index} of the microbatch (dataset index {indices[index]})"
+
+
+def read_samples(
+    samples: Sequence[Mapping[str, Any]], weighted_mask: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Validate the samples; return each document's ids and the concatenated ids and labels (no shift).
+
+    With ``weighted_mask`` a ``loss_mask`` may hold weights (checked by :mod:`~lit_seqpack.data.loss_weights`);
+    its zeros mask the labels.
+    """
+    ids, labels = [], []
+    for index, sample in enumerate(samples):
+        name = sample_name(samples, index)
+        if not isinstance(sample, Mapping) or "input_ids" not in sample:
+            found = sorted(sample) if isinstance(sample, Mapping) else type(sample).__name__
+            raise ValueError(f"{name}: expected a mapping with 'input_ids', got {found}")
+        doc = _int_vector(sample["input_ids"], name, "input_ids")
+        if len(doc) == 0:
+            raise ValueError(f"{name}: input_ids is empty (a document needs at least one token)")
+        if "labels" in sample and "loss_mask" in sample:
+            raise ValueError(f"{name}: give either 'labels' or 'loss_mask', not both")
+        if "labels" in sample:
+            target = _int_vector(sample["labels"], name, "labels")
+        elif "loss_mask" in sample and weighted_mask:
+            mask = torch.from_numpy(np.asarray(sample["loss_mask"], dtype=np.float64)).reshape(-1)
+            target = torch.where(mask != 0, doc, IGNORE_INDEX) if len(mask) == len(doc) else mask
+        elif "loss_mask" in sample:
+            mask = _int_vector(sample["loss_mask"], name, "loss_mask", allow_bool=True)
+            if len(mask) == len(doc) and bool(((mask != 0) & (mask != 1)).any()):
+                raise ValueError(f"{name}: loss_mask must hold only 0 and 1, got {mask.unique().tolist()}")
+            target = torch.where(mask.bool(), doc, IGNORE_INDEX) if len(mask) == len(doc) else mask
+        else:
+            target = doc
+        if len(target) != len(doc):
+            key = "labels" if "labels" in sample else "loss_mask"
+            raise ValueError(f"{name}: {key} has {len(target)} entries but input_ids has {len(doc)}")
+        ids.append(doc)
+        labels.append(target)
+    all_ids, all_labels = torch.cat(ids), torch.cat(labels)
+    problems = []  # value checks run once on the concatenation; on failure, name the first bad sample
+    if bool((all_ids < 0).any()):
+        problems.append((_first_bad(ids, all_ids < 0), "input_ids must be >= 0 (found a negative id)"))
+    bad_labels = (all_labels < 0) & (all_labels != IGNORE_INDEX)
+    if bool(bad_labels.any()):
+        problems.append((_first_bad(labels, bad_labels), f"labels must be >= 0 or {IGNORE_INDEX}"))
+    if problems:
+        index, problem = min(problems)
+        raise ValueError(f"{sample_name(samples, index)}: {problem}")
+    return ids, all_ids, all_labels
