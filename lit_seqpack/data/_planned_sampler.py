@@ -26,6 +26,9 @@ from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan
 __all__ = ["PlannedBatchSampler", "RankSampler", "resolve_replicas"]
 
 log = logging.getLogger(__name__)
+# the version of the plan's layout (order, chunks): bumped when the same inputs would plan differently.
+# 2: auto-layout chunks made of shuffled blocks of samples (was: one shuffle of every sample)
+PLAN_LAYOUT = 2
 _STATE_KEYS = ("epoch", "position", "plan_key", "world_size", "accumulate_grad_batches", "num_samples")
 
 
@@ -158,14 +161,18 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         self._plan_for(0)  # validates the lengths: over-long samples fail at construction, not mid-epoch
 
     def _key(self) -> str:
-        """SHA-256 of the config, the lengths and the loss tokens as ``int64`` (whatever dtype they came in)."""
-        digest = hashlib.sha256(repr(self.config).encode())
+        """SHA-256 of the plan layout's version, the config, the lengths and the loss tokens.
+
+        The arrays are hashed in their compact dtype (named in the digest), which is a function of their
+        values, so equal inputs give equal keys whatever dtype they came in. ``PLAN_LAYOUT`` changes when
+        the same inputs would plan differently: a mid-epoch checkpoint of an older layout then fails to
+        resume loudly instead of replaying other samples.
+        """
+        digest = hashlib.sha256(f"{PLAN_LAYOUT}|{self.config!r}".encode())
         for array in (self._lengths, self._loss_tokens):
-            if array is None:
-                digest.update(b"-")
-                continue
-            for start in range(0, array.size, 1 << 20):
-                digest.update(array[start : start + (1 << 20)].astype(np.int64).tobytes())
+            digest.update(b"-" if array is None else f"|{array.dtype.str}|".encode())
+            if array is not None:
+                digest.update(memoryview(np.ascontiguousarray(array)).cast("B"))
         return digest.hexdigest()
 
     def _plan_for(self, epoch: int) -> LazyPlan:
