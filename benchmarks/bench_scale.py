@@ -133,6 +133,8 @@ def rank_child(path: str, sequences: int, max_tokens: int, world: int, accumulat
         return SyntheticInstructionDataset(num_samples=n, median_length=median, min_length=low, max_length=high)
 
     lengths = _compact_lognormal(sequences, high, median) if path == "sampler" else synthetic(sequences)
+    if path == "dm":
+        _ = lengths.lengths  # the dataset computes its lengths lazily, once: part of building it, not of the DataModule
     config = PlanConfig(max_tokens=max_tokens, world_size=world, accumulate_grad_batches=accumulate)
 
     def build(values: object, plan: PlanConfig) -> PackedBatchSampler:

@@ -20,8 +20,9 @@ from torch.utils.data import Sampler
 
 from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta
 from lit_seqpack.planning._windows import compact_counts
+from lit_seqpack.planning.config import PlanConfig
 from lit_seqpack.planning.lazy import LazyPlan
-from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan
+from lit_seqpack.planning.plan import Plan, build_plan
 
 __all__ = ["PlannedBatchSampler", "RankSampler", "resolve_replicas"]
 

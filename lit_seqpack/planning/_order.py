@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from lit_seqpack.planning.plan import PlanConfig
+    from lit_seqpack.planning.config import PlanConfig
 
 __all__ = [
     "AUTO_WINDOW_MIN",

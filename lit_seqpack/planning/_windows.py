@@ -17,7 +17,7 @@ from lit_seqpack.planning._balance import assign_slots, order_within_bundles
 from lit_seqpack.planning.dynamic import dynamic_group_sizes, fixed_group_sizes, round_up
 
 if TYPE_CHECKING:
-    from lit_seqpack.planning.plan import PlanConfig
+    from lit_seqpack.planning.config import PlanConfig
 
 __all__ = [
     "WindowPlan",
@@ -159,7 +159,7 @@ def window_steps(window_lengths: np.ndarray, config: PlanConfig, seed: int) -> i
     """Optimizer steps window ``w`` will have (``window_lengths`` of any integer dtype), without planning it.
 
     Example:
-        >>> from lit_seqpack.planning.plan import PlanConfig
+        >>> from lit_seqpack.planning.config import PlanConfig
         >>> window_steps(np.array([5, 3, 4, 4, 2]), PlanConfig(max_tokens=8, world_size=2), seed=0)
         2
     """

@@ -200,7 +200,7 @@ def get_packer(
 
 
 def _as_sizes(lengths: Sequence[int] | np.ndarray, capacity: int, *, keep_dtype: bool = False) -> np.ndarray:
-    """Validate ``lengths`` and return them as a 1-D ``int64`` array (integer arrays as they are with ``keep_dtype``)."""
+    """Validate ``lengths``: a 1-D ``int64`` array (with ``keep_dtype``, integer arrays keep their dtype)."""
     array = np.asarray(lengths)
     if array.ndim != 1:
         raise ValueError(f"lengths must be one-dimensional, got shape {array.shape}")

@@ -32,7 +32,8 @@ from lit_seqpack.planning._windows import (
     window_seeds,
     window_steps,
 )
-from lit_seqpack.planning.plan import PlanConfig, PlannedMicrobatch
+from lit_seqpack.planning.config import PlanConfig
+from lit_seqpack.planning.plan import PlannedMicrobatch
 
 __all__ = ["SORT_BASED_ALGORITHMS", "LazyPlan"]
 
