@@ -340,3 +340,18 @@ def test_lightning_resumes_exactly_from_mid_epoch_and_end_of_epoch_checkpoints(t
         resumed = _Recorder(lengths)
         _trainer(tmp_path, enable_checkpointing=False).fit(resumed, ckpt_path=ckpt)
         assert resumed.seen == reference.seen[done:], ckpt.name
+
+
+def test_plan_key_names_the_layout_and_ignores_the_input_dtype(monkeypatch):
+    from lit_seqpack.data import _planned_sampler
+
+    lengths = np.random.default_rng(5).integers(1, 64, 80)
+    assert make("packing", lengths.tolist())._plan_key == make("packing", lengths.astype(np.uint16))._plan_key
+    monkeypatch.setattr(_planned_sampler, "PLAN_LAYOUT", _planned_sampler.PLAN_LAYOUT - 1)
+    old = make("packing", lengths, num_replicas=2)
+    it = iter(old)
+    next(it)
+    mid = old.state_dict()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="cannot resume mid-epoch"):  # an older layout plans other microbatches
+        make("packing", lengths, num_replicas=2).load_state_dict(mid)
