@@ -17,8 +17,11 @@ Algorithms (``PACKING_ALGORITHMS``, names are case-insensitive):
 
 "Decreasing" orders are stable (equal lengths keep index order) and the first fit / best fit searches
 use segment trees (O(n log n) in total), compiled with numba (see ``_kernels`` for the pure-Python
-fallback and the ``LIT_SEQPACK_DISABLE_NUMBA`` switch). Bins are numbered in the order they are
-opened; inside a bin, indices follow the algorithm's processing order. Same input and seed, same bins.
+fallback and the ``LIT_SEQPACK_DISABLE_NUMBA`` switch). Decreasing orders are counting sorts when the
+sizes are small integers, and first fit decreasing places equal sizes run by run from their histogram
+(the same bins as item by item, a few tree steps per bin; ``count_bins`` needs no sort at all). Bins are
+numbered in the order they are opened; inside a bin, indices follow the algorithm's processing order.
+Same input and seed, same bins.
 
 Lengths must be integers in ``[0, capacity]``. A zero-length sequence is valid and placed like any
 other item (it fits in any bin), so "each index exactly once" holds for it too, and it counts as a
