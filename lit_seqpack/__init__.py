@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "PackedBatchSampler": "lit_seqpack.data.samplers",
     "DynamicBatchSampler": "lit_seqpack.data.samplers",
     "PaddedBatchSampler": "lit_seqpack.data.samplers",
+    "PlannedBatchSampler": "lit_seqpack.data.planned_sampler",
     "PackedCollator": "lit_seqpack.data.collate",
     "PaddedCollator": "lit_seqpack.data.collate",
     "SeqPackDataModule": "lit_seqpack.data.datamodule",
@@ -80,6 +81,7 @@ __all__ = [
     "PaddingRatio",
     "Plan",
     "PlanConfig",
+    "PlannedBatchSampler",
     "PlanStats",
     "RankImbalance",
     "ReferenceConfig",
@@ -113,6 +115,7 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
     from lit_seqpack.data.datamodule import SeqPackDataModule
     from lit_seqpack.data.microbatch import MicrobatchMeta
     from lit_seqpack.data.overlong import OverlongReport, apply_overlong_policy
+    from lit_seqpack.data.planned_sampler import PlannedBatchSampler
     from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
     from lit_seqpack.data.sources import TokenizedDataset, load_tokenized
     from lit_seqpack.data.synthetic import SyntheticInstructionDataset

@@ -117,6 +117,8 @@ def view_loss_tokens(view: Any, full_lengths: np.ndarray, full_loss_tokens: np.n
         full_lengths: token count of every sample of the whole dataset.
         full_loss_tokens: loss-token count of every sample of the whole dataset.
     """
+    if not isinstance(view, (DroppedDataset, TruncatedDataset)):  # the data itself: its (validated) counts
+        return full_loss_tokens
     offered = getattr(view, "loss_tokens", None)
     if offered is not None:
         offered = np.asarray(offered)

@@ -43,7 +43,7 @@ from lit_seqpack.data.validation import DataScan, check_vocab_range, model_vocab
 from lit_seqpack.planning.plan import PlanConfig
 
 if TYPE_CHECKING:
-    from lit_seqpack.data._planned_sampler import PlannedBatchSampler
+    from lit_seqpack.data.planned_sampler import PlannedBatchSampler
 
 __all__ = ["SeqPackDataModule"]
 

@@ -34,9 +34,10 @@ from typing import Literal
 
 import numpy as np
 
-from lit_seqpack.data._planned_sampler import PlannedBatchSampler
+from lit_seqpack.data.planned_sampler import PlannedBatchSampler, distributed, resolve_replicas
+from lit_seqpack.planning.config import PlanConfig
 
-__all__ = ["DynamicBatchSampler", "PackedBatchSampler", "PaddedBatchSampler"]
+__all__ = ["DynamicBatchSampler", "PackedBatchSampler", "PaddedBatchSampler", "PlannedBatchSampler"]
 
 
 class PackedBatchSampler(PlannedBatchSampler):
@@ -89,13 +90,10 @@ class PackedBatchSampler(PlannedBatchSampler):
         verify_plan: bool = True,
         content_digest: str | Callable[[], str] | None = None,
     ) -> None:
-        super().__init__(
-            lengths,
-            num_replicas=num_replicas,
-            rank=rank,
-            loss_tokens=loss_tokens,
-            verify_plan=verify_plan,
-            content_digest=content_digest,
+        world, rank = resolve_replicas(num_replicas, rank)
+        config = PlanConfig(
+            mode=self._mode,
+            world_size=world,
             max_tokens=max_tokens,
             algorithm=algorithm,
             seed=seed,
@@ -107,6 +105,10 @@ class PackedBatchSampler(PlannedBatchSampler):
             cost_linear=cost_linear,
             cost_quadratic=cost_quadratic,
         )
+        super().__init__(
+            lengths, config, rank=rank, loss_tokens=loss_tokens, verify_plan=verify_plan, content_digest=content_digest
+        )
+        self._world_defaulted = num_replicas is None and not distributed()  # checked against the process group
 
 
 class DynamicBatchSampler(PlannedBatchSampler):
@@ -152,13 +154,10 @@ class DynamicBatchSampler(PlannedBatchSampler):
         verify_plan: bool = True,
         content_digest: str | Callable[[], str] | None = None,
     ) -> None:
-        super().__init__(
-            lengths,
-            num_replicas=num_replicas,
-            rank=rank,
-            loss_tokens=loss_tokens,
-            verify_plan=verify_plan,
-            content_digest=content_digest,
+        world, rank = resolve_replicas(num_replicas, rank)
+        config = PlanConfig(
+            mode=self._mode,
+            world_size=world,
             max_tokens=max_tokens,
             seed=seed,
             accumulate_grad_batches=accumulate_grad_batches,
@@ -169,6 +168,10 @@ class DynamicBatchSampler(PlannedBatchSampler):
             cost_linear=cost_linear,
             cost_quadratic=cost_quadratic,
         )
+        super().__init__(
+            lengths, config, rank=rank, loss_tokens=loss_tokens, verify_plan=verify_plan, content_digest=content_digest
+        )
+        self._world_defaulted = num_replicas is None and not distributed()  # checked against the process group
 
 
 class PaddedBatchSampler(PlannedBatchSampler):
@@ -217,13 +220,10 @@ class PaddedBatchSampler(PlannedBatchSampler):
         verify_plan: bool = True,
         content_digest: str | Callable[[], str] | None = None,
     ) -> None:
-        super().__init__(
-            lengths,
-            num_replicas=num_replicas,
-            rank=rank,
-            loss_tokens=loss_tokens,
-            verify_plan=verify_plan,
-            content_digest=content_digest,
+        world, rank = resolve_replicas(num_replicas, rank)
+        config = PlanConfig(
+            mode=self._mode,
+            world_size=world,
             batch_size=batch_size,
             seed=seed,
             accumulate_grad_batches=accumulate_grad_batches,
@@ -234,3 +234,7 @@ class PaddedBatchSampler(PlannedBatchSampler):
             cost_linear=cost_linear,
             cost_quadratic=cost_quadratic,
         )
+        super().__init__(
+            lengths, config, rank=rank, loss_tokens=loss_tokens, verify_plan=verify_plan, content_digest=content_digest
+        )
+        self._world_defaulted = num_replicas is None and not distributed()  # checked against the process group

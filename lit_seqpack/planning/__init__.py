@@ -16,7 +16,7 @@ _EXPORTS: dict[str, str] = {
     "packing_stats": "lit_seqpack.planning.stats",
     "LazyPlan": "lit_seqpack.planning.lazy",
     "Plan": "lit_seqpack.planning.plan",
-    "PlanConfig": "lit_seqpack.planning.plan",
+    "PlanConfig": "lit_seqpack.planning.config",
     "PlanStats": "lit_seqpack.planning.plan",
     "build_plan": "lit_seqpack.planning.plan",
 }

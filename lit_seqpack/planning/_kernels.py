@@ -127,6 +127,127 @@ def first_fit(sizes: np.ndarray, capacity: int, initial_remaining: np.ndarray) -
 
 
 @_jitable
+def _refresh_range(tree: np.ndarray, p: int, first: int, last: int) -> None:
+    """Recompute the maxima above leaves ``first .. last`` (inclusive) of a max segment tree."""
+    lo = (p + first) // 2
+    hi = (p + last) // 2
+    while lo >= 1:
+        for node in range(lo, hi + 1):
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+        lo //= 2
+        hi //= 2
+
+
+@_kernel
+def first_fit_runs(
+    run_sizes: np.ndarray, run_counts: np.ndarray, capacity: int, bins: np.ndarray
+) -> tuple[int, np.ndarray]:
+    """First fit over runs of equal items (``run_counts[r]`` items of ``run_sizes[r]``, in that order).
+
+    The same bins as :func:`first_fit` on the expanded items, in O(log b) per *placement* rather than per
+    item: the first bin with room for an item of a run takes ``min(left, room // size)`` of them at once
+    (the items after it would go there too), and a run that opens bins fills ``capacity // size`` items
+    into each. A placement either ends its run or leaves its bin too full for the run's size, so
+    decreasing sizes (first fit decreasing from a histogram) need a few placements per bin, not one per
+    item. Returns the bin count and each bin's fill; when ``bins`` has one entry per item it receives
+    each item's bin (items in run order), when it is empty nothing is written (counting only).
+    """
+    total = 0
+    n = 0
+    for r in range(run_sizes.shape[0]):
+        total += run_sizes[r] * run_counts[r]
+        n += run_counts[r]
+    assign = bins.shape[0] > 0
+    p = _pow2_at_least(min(n, 2 * total // capacity + 2) + 1)
+    tree = np.full(2 * p, capacity, np.int64)
+    n_bins = 0
+    item = 0
+    for r in range(run_sizes.shape[0]):
+        size = run_sizes[r]
+        left = run_counts[r]
+        if size == 0 and left > 0:  # an empty item fits the first bin, whatever its room
+            n_bins = max(n_bins, 1)
+            if assign:
+                bins[item : item + left] = 0
+            item += left
+            continue
+        while left > 0:
+            node = 1
+            while node < p:
+                node *= 2
+                if tree[node] < size:
+                    node += 1
+            b = node - p
+            if b < n_bins:  # an open bin with room: it takes as many as fit
+                take = min(left, tree[node] // size)
+                tree[node] -= take * size
+                node //= 2
+                while node >= 1:  # the maxima above it, until one does not change
+                    best = max(tree[2 * node], tree[2 * node + 1])
+                    if tree[node] == best:
+                        break
+                    tree[node] = best
+                    node //= 2
+                if assign:
+                    bins[item : item + take] = b
+                item += take
+                left -= take
+                continue
+            per_bin = capacity // size  # no open bin fits: new bins, each filled with this run
+            opened = -(-left // per_bin)
+            for k in range(opened):
+                take = min(left, per_bin)
+                tree[p + n_bins + k] = capacity - take * size
+                if assign:
+                    bins[item : item + take] = n_bins + k
+                item += take
+                left -= take
+            _refresh_range(tree, p, n_bins, n_bins + opened - 1)
+            n_bins += opened
+    return n_bins, capacity - tree[p : p + n_bins]
+
+
+@_kernel
+def segment_figures(
+    lengths: np.ndarray, loss_tokens: np.ndarray, members: np.ndarray, bounds: np.ndarray, a: float, b: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per segment ``members[bounds[m]:bounds[m + 1]]``: tokens, loss tokens, ``sum(a*L + b*L^2)``, longest.
+
+    One pass over the members, no per-member temporaries; sums run in member order (the same floats
+    compiled or not).
+    """
+    count = bounds.shape[0] - 1
+    tokens = np.zeros(count, np.int64)
+    loss = np.zeros(count, np.int64)
+    cost = np.zeros(count, np.float64)
+    longest = np.zeros(count, np.int64)
+    for m in range(count):
+        for k in range(bounds[m], bounds[m + 1]):
+            i = members[k]
+            length = np.int64(lengths[i])
+            tokens[m] += length
+            loss[m] += np.int64(loss_tokens[i])
+            cost[m] += a * float(length) + b * (float(length) * float(length))
+            longest[m] = max(longest[m], length)
+    return tokens, loss, cost, longest
+
+
+@_kernel
+def decreasing_order(sizes: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Counting sort: positions by decreasing size, equal sizes in index order (a stable sort).
+
+    ``starts[v]`` is the first output position of size ``v``: the number of items larger than ``v``.
+    """
+    fill = starts.copy()
+    order = np.empty(sizes.shape[0], np.int64)
+    for k in range(sizes.shape[0]):
+        v = sizes[k]
+        order[fill[v]] = k
+        fill[v] += 1
+    return order
+
+
+@_jitable
 def _first_nonempty_at_least(count: np.ndarray, p: int, x: int) -> int:
     """Smallest leaf index ``>= x`` whose count is positive in a sum segment tree, or -1."""
     node = p + x

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from lit_seqpack.planning import _kernels
 from lit_seqpack.planning._balance import assign_slots, order_within_bundles
 from lit_seqpack.planning.dynamic import dynamic_group_sizes, fixed_group_sizes, round_up
 
 if TYPE_CHECKING:
-    from lit_seqpack.planning.plan import PlanConfig
+    from lit_seqpack.planning.config import PlanConfig
 
 __all__ = [
     "WindowPlan",
@@ -80,7 +81,7 @@ def compact_counts(name: str, values: object, size: int | None = None) -> np.nda
 
 def check_budget(lengths: np.ndarray, config: PlanConfig) -> None:
     """Raise ``ValueError`` naming the first sample longer than ``max_tokens`` (packing and dynamic)."""
-    if config.mode == "padded" or lengths.size == 0:
+    if config.mode == "padded" or lengths.size == 0 or int(lengths.max()) <= config.max_tokens:
         return
     over = np.flatnonzero(lengths > config.max_tokens)
     if over.size:
@@ -155,10 +156,10 @@ def window_seeds(config: PlanConfig, epoch: int, w: int) -> np.random.SeedSequen
 
 
 def window_steps(window_lengths: np.ndarray, config: PlanConfig, seed: int) -> int:
-    """Optimizer steps window ``w`` will have (``window_lengths`` ``int64``), without planning it.
+    """Optimizer steps window ``w`` will have (``window_lengths`` of any integer dtype), without planning it.
 
     Example:
-        >>> from lit_seqpack.planning.plan import PlanConfig
+        >>> from lit_seqpack.planning.config import PlanConfig
         >>> window_steps(np.array([5, 3, 4, 4, 2]), PlanConfig(max_tokens=8, world_size=2), seed=0)
         2
     """
@@ -167,7 +168,7 @@ def window_steps(window_lengths: np.ndarray, config: PlanConfig, seed: int) -> i
         return int(fixed_group_sizes(n, config.batch_size, group_count_multiple=multiple).size) // multiple
     if config.mode == "dynamic":
         sizes = dynamic_group_sizes(
-            -np.sort(-window_lengths),
+            np.sort(window_lengths)[::-1].astype(np.int64),
             config.max_tokens,
             sequence_length_round=config.sequence_length_round,
             group_count_multiple=multiple,
@@ -211,11 +212,6 @@ def plan_window(
     return WindowPlan(members, sizes, order_within_bundles(grid, figures["cost"], config.microbatch_order), figures)
 
 
-def _segment_sums(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    cumulative = np.concatenate(([0], np.cumsum(values)))
-    return cumulative[bounds[1:]] - cumulative[bounds[:-1]]
-
-
 def microbatch_figures(
     lengths: np.ndarray, loss_tokens: np.ndarray, members: np.ndarray, sizes: np.ndarray, config: PlanConfig
 ) -> dict[str, np.ndarray]:
@@ -232,19 +228,14 @@ def microbatch_figures(
         A dict of arrays with one value per microbatch.
     """
     bounds = np.concatenate(([0], np.cumsum(sizes)))
-    member_lengths = lengths[members]
     a, b, r = config.cost_linear, config.quadratic_cost, config.sequence_length_round
-    tokens = _segment_sums(member_lengths, bounds)
-    figures = {"tokens": tokens, "loss_tokens": _segment_sums(loss_tokens[members], bounds)}
+    kernel = _kernels.get_kernel("segment_figures")
+    tokens, loss, doc_cost, longest = kernel(lengths, loss_tokens, members, bounds, float(a), float(b))
+    figures = {"tokens": tokens, "loss_tokens": loss}
     if config.mode == "packing":
-        doc_cost = a * member_lengths.astype(np.float64) + b * member_lengths.astype(np.float64) ** 2
-        figures["cost"] = _segment_sums(doc_cost, bounds)
+        figures["cost"] = doc_cost
         figures["computed"] = round_up(tokens, r)
         return figures
-    longest = np.zeros(sizes.size, dtype=np.int64)
-    filled = sizes > 0
-    if filled.any():
-        longest[filled] = np.maximum.reduceat(member_lengths, bounds[:-1][filled])
     padded = round_up(longest, r)
     figures["cost"] = sizes * (a * padded.astype(np.float64) + b * padded.astype(np.float64) ** 2)
     figures["computed"] = sizes * padded

@@ -17,8 +17,11 @@ Algorithms (``PACKING_ALGORITHMS``, names are case-insensitive):
 
 "Decreasing" orders are stable (equal lengths keep index order) and the first fit / best fit searches
 use segment trees (O(n log n) in total), compiled with numba (see ``_kernels`` for the pure-Python
-fallback and the ``LIT_SEQPACK_DISABLE_NUMBA`` switch). Bins are numbered in the order they are
-opened; inside a bin, indices follow the algorithm's processing order. Same input and seed, same bins.
+fallback and the ``LIT_SEQPACK_DISABLE_NUMBA`` switch). Decreasing orders are counting sorts when the
+sizes are small integers, and first fit decreasing places equal sizes run by run from their histogram
+(the same bins as item by item, a few tree steps per bin; ``count_bins`` needs no sort at all). Bins are
+numbered in the order they are opened; inside a bin, indices follow the algorithm's processing order.
+Same input and seed, same bins.
 
 Lengths must be integers in ``[0, capacity]``. A zero-length sequence is valid and placed like any
 other item (it fits in any bin), so "each index exactly once" holds for it too, and it counts as a
@@ -132,13 +135,15 @@ class Packer:
         if sizes.shape[0] == 0:
             self._check_reachable(0, 0)
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        order, bin_ids = _ASSIGNERS[self.algorithm](sizes, self.capacity, self.seed)
+        order, bin_ids, fills = _ASSIGNERS[self.algorithm](sizes, self.capacity, self.seed)
         n_bins = int(bin_ids.max()) + 1
         flat, ends = _kernels.get_kernel("group_by_bin")(order, bin_ids, n_bins)
         target = self.target_bin_count(n_bins)
         if target > n_bins:
             self._check_reachable(target, sizes.shape[0])
-            fills = np.bincount(bin_ids, weights=sizes[order], minlength=n_bins).astype(np.int64)
+            if fills is None:
+                fills = np.bincount(bin_ids, weights=sizes[order], minlength=n_bins).astype(np.int64)
+            del order, bin_ids
             flat, ends = split_fullest_flat(flat, ends, sizes, fills, target)
         return flat, ends
 
@@ -149,9 +154,13 @@ class Packer:
             >>> get_packer("first_fit_decreasing", 10, bin_count_multiple=4).count_bins([6, 5, 4, 3, 2])
             2
         """
-        sizes = _as_sizes(lengths, self.capacity)
+        sizes = _as_sizes(lengths, self.capacity, keep_dtype=True)
         if sizes.shape[0] == 0:
             return 0
+        if self.algorithm == "first_fit_decreasing":  # from the histogram: no sort, a few steps per bin
+            run_sizes, run_counts = _decreasing_runs(sizes)
+            return int(_kernels.get_kernel("first_fit_runs")(run_sizes, run_counts, self.capacity, _NO_BINS)[0])
+        sizes = sizes.astype(np.int64, copy=False)
         return int(_ASSIGNERS[self.algorithm](sizes, self.capacity, self.seed)[1].max()) + 1
 
     def target_bin_count(self, n_bins: int) -> int:
@@ -193,13 +202,13 @@ def get_packer(
     )
 
 
-def _as_sizes(lengths: Sequence[int] | np.ndarray, capacity: int) -> np.ndarray:
-    """Validate ``lengths`` and return them as a 1-D ``int64`` array."""
+def _as_sizes(lengths: Sequence[int] | np.ndarray, capacity: int, *, keep_dtype: bool = False) -> np.ndarray:
+    """Validate ``lengths``: a 1-D ``int64`` array (with ``keep_dtype``, integer arrays keep their dtype)."""
     array = np.asarray(lengths)
     if array.ndim != 1:
         raise ValueError(f"lengths must be one-dimensional, got shape {array.shape}")
     if array.dtype.kind in "iu":
-        sizes = array.astype(np.int64, copy=False)
+        sizes = array if keep_dtype and array.dtype != np.uint64 else array.astype(np.int64, copy=False)
     elif array.dtype.kind == "f":
         bad = np.flatnonzero(~np.isfinite(array) | (array != np.round(array)))
         if bad.size:
@@ -212,6 +221,8 @@ def _as_sizes(lengths: Sequence[int] | np.ndarray, capacity: int) -> np.ndarray:
         if i is not None:
             raise ValueError(f"lengths[{i}] = {values[i]!r} is not an integer (capacity={capacity})")
         sizes = np.array(values, dtype=np.int64).reshape(-1)
+    if sizes.shape[0] == 0 or (int(sizes.min()) >= 0 and int(sizes.max()) <= capacity):
+        return sizes
     bad = np.flatnonzero((sizes < 0) | (sizes > capacity))
     if bad.size:
         i = int(bad[0])
@@ -236,43 +247,86 @@ def _as_lists(flat: np.ndarray, ends: np.ndarray) -> list[list[int]]:
             gc.enable()
 
 
-def _decreasing(sizes: np.ndarray) -> np.ndarray:
-    """Indices by decreasing size; equal sizes keep index order (a radix sort when sizes fit 16 bits)."""
-    if sizes.shape[0] and sizes.max() < 1 << 16:
-        return np.argsort((sizes.max() - sizes).astype(np.uint16), kind="stable")
-    return np.argsort(-sizes, kind="stable")
+def _dense_histogram(sizes: np.ndarray) -> np.ndarray | None:
+    """``bincount(sizes)`` when it is small next to the input (a counting sort pays), else ``None``."""
+    top = int(sizes.max()) if sizes.shape[0] else 0
+    if top >= _DENSE_HISTOGRAM_MAX or top > max(1 << 16, 4 * sizes.shape[0]):
+        return None
+    return np.bincount(sizes)
 
 
-def _concatenative(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    return np.arange(sizes.shape[0]), _kernels.get_kernel("concatenative")(sizes, capacity)
+def _decreasing(sizes: np.ndarray, histogram: np.ndarray | None = None) -> np.ndarray:
+    """Indices by decreasing size; equal sizes keep index order (a counting sort when the sizes are small).
+
+    Example:
+        >>> _decreasing(np.array([2, 5, 2, 0])).tolist()
+        [1, 0, 2, 3]
+    """
+    histogram = _dense_histogram(sizes) if histogram is None else histogram
+    if histogram is None:
+        return np.argsort(-sizes, kind="stable")
+    above = np.cumsum(histogram[::-1])[::-1] - histogram  # items larger than each size
+    return _kernels.get_kernel("decreasing_order")(sizes, above.astype(np.int64))
 
 
-def _first_fit_in(order: np.ndarray, sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    return order, _kernels.get_kernel("first_fit")(sizes[order], capacity, np.zeros(0, np.int64))
+_NO_BINS = np.zeros(0, np.int64)
+_DENSE_HISTOGRAM_MAX = 1 << 24  # sizes below this are counted with bincount, larger ones with unique
 
 
-def _first_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    return _first_fit_in(_decreasing(sizes), sizes, capacity)
+def _decreasing_runs(sizes: np.ndarray, histogram: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct sizes in decreasing order and how many items have each (the runs of a decreasing sort).
+
+    Example:
+        >>> [a.tolist() for a in _decreasing_runs(np.array([2, 5, 2, 0]))]
+        [[5, 2, 0], [1, 2, 1]]
+    """
+    counts = _dense_histogram(sizes) if histogram is None else histogram
+    if counts is not None:
+        present = np.flatnonzero(counts)[::-1]
+        return present.astype(np.int64), counts[present].astype(np.int64)
+    values, counts = np.unique(sizes, return_counts=True)
+    return values[::-1].astype(np.int64), counts[::-1].astype(np.int64)
 
 
-def _first_fit_shuffle(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+# An assigner returns (processing order, bin of each position in that order, fill of each bin or None).
+Assignment = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+
+
+def _concatenative(sizes: np.ndarray, capacity: int, seed: int) -> Assignment:
+    return np.arange(sizes.shape[0]), _kernels.get_kernel("concatenative")(sizes, capacity), None
+
+
+def _first_fit_in(order: np.ndarray, sizes: np.ndarray, capacity: int) -> Assignment:
+    return order, _kernels.get_kernel("first_fit")(sizes[order], capacity, np.zeros(0, np.int64)), None
+
+
+def _first_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> Assignment:
+    """First fit in decreasing order, placed run by run (``_kernels.first_fit_runs``: the same bins)."""
+    histogram = _dense_histogram(sizes)
+    run_sizes, run_counts = _decreasing_runs(sizes, histogram)
+    bin_ids = np.empty(sizes.shape[0], np.int64)
+    _, fills = _kernels.get_kernel("first_fit_runs")(run_sizes, run_counts, capacity, bin_ids)
+    return _decreasing(sizes, histogram), bin_ids, fills
+
+
+def _first_fit_shuffle(sizes: np.ndarray, capacity: int, seed: int) -> Assignment:
     return _first_fit_in(np.random.default_rng(seed).permutation(sizes.shape[0]), sizes, capacity)
 
 
-def _best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> Assignment:
     order = _decreasing(sizes)
     name = "best_fit_dense" if capacity <= DENSE_BEST_FIT_MAX_CAPACITY else "best_fit_sorted"
-    return order, _kernels.get_kernel(name)(sizes[order], capacity)
+    return order, _kernels.get_kernel(name)(sizes[order], capacity), None
 
 
-def _modified_first_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _modified_first_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> Assignment:
     order = _decreasing(sizes)
     desc = sizes[order]
     bin_ids, room = _kernels.get_kernel("mffd_large_bins")(desc, capacity)
     left = np.flatnonzero(bin_ids < 0)
     if left.size:
         bin_ids[left] = _kernels.get_kernel("first_fit")(desc[left], capacity, room)
-    return order, bin_ids
+    return order, bin_ids, None
 
 
 _ASSIGNERS = {

@@ -4,15 +4,18 @@
 own column, one step after the other. :class:`LazyPlan` gives the same microbatches (a test checks it
 against ``build_plan``) but keeps only::
 
-    always       lengths (and loss tokens) in their smallest dtype, the epoch order (uint32), and the
-                 step count of every window (counted up front: len() and lock-step need the total)
+    always       lengths (and loss tokens) in their smallest dtype, the epoch order (explicit windows:
+                 uint32 a sample; the auto layout: one entry per block of samples), and the step count
+                 of every window (counted up front: len() and lock-step need the total)
     on demand    the plan of the window holding the requested step (one cached; older ones dropped)
 
 So memory is O(window) beyond a few bytes per sample, and a resume at step ``s`` plans the window
 holding ``s``, not the windows before it (their steps are counted: O(N) time, O(window) memory).
-Counting a window runs its packer (not the balancing); the first window is planned outright instead.
-With ``window=None`` on large data the chunks are the same every epoch and, for sort-based packers,
-counted once (``chunk_steps``).
+Counting a window runs its packer's count (not the balancing): first fit decreasing counts from the
+window's length histogram (``Packer.count_bins``), in a few steps per bin; the first window is planned
+outright instead. With ``window=None`` on large data the chunks are the same every epoch and, for
+sort-based packers, counted once (``chunk_steps``) in the chunk's own order (the count of a sort-based
+packer does not depend on the order of its input).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import hashlib
 
 import numpy as np
 
-from lit_seqpack.planning._order import WindowOrder, auto_window
+from lit_seqpack.planning._order import ChunkPartition, WindowOrder, auto_window
 from lit_seqpack.planning._windows import (
     check_budget,
     compact_counts,
@@ -29,7 +32,8 @@ from lit_seqpack.planning._windows import (
     window_seeds,
     window_steps,
 )
-from lit_seqpack.planning.plan import PlanConfig, PlannedMicrobatch
+from lit_seqpack.planning.config import PlanConfig
+from lit_seqpack.planning.plan import PlannedMicrobatch
 
 __all__ = ["SORT_BASED_ALGORITHMS", "LazyPlan"]
 
@@ -62,7 +66,7 @@ class LazyPlan:
         *,
         epoch: int,
         loss_tokens: np.ndarray | None = None,
-        partition: np.ndarray | None = None,
+        partition: ChunkPartition | None = None,
         chunk_steps: np.ndarray | None = None,
     ) -> None:
         self.config, self.epoch = config, epoch
@@ -83,10 +87,8 @@ class LazyPlan:
     def _count(self, known: np.ndarray | None) -> np.ndarray:
         """Steps of every chunk (window ``w`` trains chunk ``order.chunk(w)``)."""
         config, order = self.config, self._order
-        stable = order.counts_are_epoch_independent and (
-            config.mode != "packing" or (config.algorithm or "first_fit_decreasing") in SORT_BASED_ALGORITHMS
-        )
-        if stable and known is not None and known.size == order.num_windows:
+        sort_based = config.mode != "packing" or (config.algorithm or "first_fit_decreasing") in SORT_BASED_ALGORITHMS
+        if sort_based and order.counts_are_epoch_independent and known is not None and known.size == order.num_windows:
             return known
         steps = np.zeros(order.num_windows, dtype=np.int64)
         for w in range(order.num_windows):
@@ -94,7 +96,9 @@ class LazyPlan:
                 self._cached = (0, self._plan_arrays(0))
                 steps[order.chunk(0)] = self._cached[1][2].shape[0]
                 continue
-            window_lengths = self._lengths[order.positions(w)].astype(np.int64)
+            members = order.members(w) if sort_based else order.positions(w)  # a count that ignores order
+            window_lengths = self._lengths[members]
+            del members
             seed = int(window_seeds(config, self.epoch, w).generate_state(1)[0])
             steps[order.chunk(w)] = window_steps(window_lengths, config, seed)
         return steps

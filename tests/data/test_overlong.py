@@ -162,3 +162,13 @@ def test_views_reject_out_of_range_indices():
         for bad in (len(view), -1):
             with pytest.raises(IndexError):
                 view[bad]
+
+
+def test_unchanged_lengths_come_back_read_only_without_a_copy():
+    lengths = np.array([3, 4, 5], dtype=np.int32)
+    data = [{"input_ids": [1] * n} for n in lengths]
+    view, kept, report = apply_overlong_policy(data, lengths, max_tokens=8, policy="truncate")
+    assert view is data and report.num_overlong == 0
+    assert np.shares_memory(kept, lengths) and kept.dtype == np.int32
+    with pytest.raises(ValueError, match="read-only"):
+        kept[0] = 1

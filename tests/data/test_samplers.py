@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lit_seqpack import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
+from lit_seqpack import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler, PlannedBatchSampler
 from lit_seqpack.data.microbatch import Microbatch, PlannedDataset
 from lit_seqpack.planning import PlanConfig, build_plan
 
@@ -143,7 +143,7 @@ def test_count_change_between_epochs_warns(caplog):
     lengths = np.random.default_rng(2).integers(1, 64, 400)
     sampler = make("packing", lengths, algorithm="first_fit_shuffle", window=37, num_replicas=2)
     counts = {len(sampler)}  # like Lightning: len() once, at setup
-    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data._planned_sampler"):
+    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.planned_sampler"):
         for epoch in range(6):
             sampler.set_epoch(epoch)
             counts.add(sum(1 for _ in sampler))  # list() would call len() again
@@ -191,10 +191,32 @@ def test_resume_rejects_a_different_plan_mid_epoch_but_allows_epoch_boundaries()
 def test_from_config_checks_the_mode():
     cfg = PlanConfig(mode="dynamic", max_tokens=64, world_size=2)
     sampler = DynamicBatchSampler.from_config([5, 6, 7], cfg, rank=1)
-    assert sampler.rank == 1 and sampler.config is cfg
+    assert isinstance(sampler, PlannedBatchSampler) and sampler.rank == 1 and sampler.config is cfg
     assert lists(sampler) == build_plan([5, 6, 7], cfg, epoch=0).rank_microbatches(1)
     with pytest.raises(ValueError, match="mode"):
         PackedBatchSampler.from_config([5, 6, 7], cfg)
+
+
+@pytest.mark.parametrize("mode", list(SAMPLERS))
+def test_planned_batch_sampler_takes_a_config_and_equals_the_mode_sampler(mode):
+    lengths = np.random.default_rng(6).integers(1, 64, 90)
+    convenience = make(mode, lengths, rank=1, num_replicas=3, accumulate_grad_batches=2, seed=4)
+    direct = PlannedBatchSampler(lengths, convenience.config, rank=1)
+    assert isinstance(convenience, PlannedBatchSampler) and direct.config == convenience.config
+    assert lists(direct) == lists(convenience) and direct.state_dict() == convenience.state_dict()
+    with pytest.raises(TypeError, match="config must be a PlanConfig"):
+        PlannedBatchSampler(lengths, {"mode": mode})
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, num_replicas=3\)"):
+        PlannedBatchSampler(lengths, convenience.config, rank=3)
+    other = "padded" if mode != "padded" else "packing"
+    with pytest.raises(ValueError, match=f"plans mode='{other}'"):
+        SAMPLERS[other].from_config(lengths, convenience.config)
+
+
+def test_old_import_path_of_the_planned_sampler_still_works():
+    from lit_seqpack.data import _planned_sampler
+
+    assert _planned_sampler.PlannedBatchSampler is PlannedBatchSampler
 
 
 @pytest.mark.parametrize(
@@ -340,3 +362,18 @@ def test_lightning_resumes_exactly_from_mid_epoch_and_end_of_epoch_checkpoints(t
         resumed = _Recorder(lengths)
         _trainer(tmp_path, enable_checkpointing=False).fit(resumed, ckpt_path=ckpt)
         assert resumed.seen == reference.seen[done:], ckpt.name
+
+
+def test_plan_key_names_the_layout_and_ignores_the_input_dtype(monkeypatch):
+    from lit_seqpack.data import planned_sampler as _planned_sampler
+
+    lengths = np.random.default_rng(5).integers(1, 64, 80)
+    assert make("packing", lengths.tolist())._plan_key == make("packing", lengths.astype(np.uint16))._plan_key
+    monkeypatch.setattr(_planned_sampler, "PLAN_LAYOUT", _planned_sampler.PLAN_LAYOUT - 1)
+    old = make("packing", lengths, num_replicas=2)
+    it = iter(old)
+    next(it)
+    mid = old.state_dict()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="cannot resume mid-epoch"):  # an older layout plans other microbatches
+        make("packing", lengths, num_replicas=2).load_state_dict(mid)

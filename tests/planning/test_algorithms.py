@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_seqpack.planning import _kernels
+from lit_seqpack.planning import _kernels, algorithms
 from lit_seqpack.planning.algorithms import PACKING_ALGORITHMS, get_packer
 
 _spec = importlib.util.spec_from_file_location(
@@ -260,3 +260,52 @@ def test_decreasing_packers_are_near_the_lower_bound(algorithm):
     bins = get_packer(algorithm, 4096).pack(lengths)
     check_valid(bins, lengths.tolist(), 4096)
     assert len(bins) <= 1.001 * -(-int(lengths.sum()) // 4096) + 1
+
+
+@pytest.mark.parametrize("numba_off", [False, True])
+@SETTINGS
+@given(data=packing_inputs())
+def test_first_fit_runs_places_like_first_fit_item_by_item(numba_off, data):
+    lengths, capacity = data
+    with pytest.MonkeyPatch.context() as patch:
+        if numba_off:
+            patch.setenv(_kernels.DISABLE_ENV_VAR, "1")
+        sizes = np.sort(np.asarray(lengths, dtype=np.int64))[::-1].copy()
+        expected = _kernels.get_kernel("first_fit")(sizes, capacity, np.zeros(0, np.int64))
+        values, counts = np.unique(sizes, return_counts=True)
+        runs = values[::-1].astype(np.int64), counts[::-1].astype(np.int64)
+        bins = np.empty(sizes.size, np.int64)
+        n_bins, fills = _kernels.get_kernel("first_fit_runs")(*runs, capacity, bins)
+        counted, _ = _kernels.get_kernel("first_fit_runs")(*runs, capacity, np.zeros(0, np.int64))
+    assert bins.tolist() == expected.tolist()
+    assert n_bins == counted == (int(expected.max()) + 1 if sizes.size else 0)
+    assert fills.tolist() == np.bincount(expected, weights=sizes, minlength=n_bins).astype(int).tolist()
+
+
+@pytest.mark.parametrize("algorithm", PACKING_ALGORITHMS)
+@pytest.mark.parametrize("dtype", [np.int64, np.uint16, np.uint32])
+@SETTINGS
+@given(data=packing_inputs(), seed=st.integers(0, 3))
+def test_count_bins_is_the_bin_count_of_pack(algorithm, dtype, data, seed):
+    lengths, capacity = data
+    packer = get_packer(algorithm, capacity, seed=seed)
+    assert packer.count_bins(np.asarray(lengths, dtype=dtype)) == len(packer.pack(lengths))
+
+
+@SETTINGS
+@given(sizes=st.lists(st.integers(0, 70_000), max_size=50))
+def test_decreasing_order_is_the_stable_sort(sizes):
+    array = np.asarray(sizes, dtype=np.int64)
+    expected = np.argsort(-array, kind="stable").tolist()
+    assert algorithms._decreasing(array).tolist() == expected  # counting sort or argsort (large sizes, few items)
+    assert algorithms._decreasing(array % 300).tolist() == np.argsort(-(array % 300), kind="stable").tolist()
+
+
+def test_first_fit_decreasing_counts_a_large_window_from_its_histogram():
+    lengths = lognormal(200_000, seed=7).astype(np.uint16)
+    packer = get_packer("first_fit_decreasing", 8192)
+    flat, ends = packer.pack_flat(lengths)
+    assert packer.count_bins(lengths) == ends.size
+    order = np.argsort(-lengths.astype(np.int64), kind="stable")
+    item_by_item = _kernels.get_kernel("first_fit")(lengths[order].astype(np.int64), 8192, np.zeros(0, np.int64))
+    assert ends.size == int(item_by_item.max()) + 1

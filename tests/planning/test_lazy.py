@@ -98,3 +98,31 @@ def test_lazy_plan_checks_its_inputs():
     with pytest.raises(ValueError, match="rank"):
         plan.microbatch(1, 0)
     assert LazyPlan(np.zeros(0, dtype=np.int64), cfg, epoch=0).num_steps == 0
+
+
+@pytest.mark.parametrize(("n", "window"), [(10, 4), (5_000, 1_000), (1_000_003, 100_000), (9_000_000, 2_100_000)])
+def test_chunk_partition_holds_every_sample_once_in_blocks(n, window):
+    part = _order.ChunkPartition(n, window, seed=3)
+    members = [part.members(c) for c in range(part.num_chunks)]
+    assert [m.size for m in members[:-1]] == [window] * (part.num_chunks - 1)
+    every = np.concatenate(members)
+    assert every.dtype == np.uint32 and np.array_equal(np.sort(every), np.arange(n))
+    assert part.block_order.size == -(-n // part.block) and part.block <= _order.PARTITION_BLOCK_MAX
+    assert part.block == 1 or window // part.block >= _order.PARTITION_BLOCKS_PER_CHUNK
+    again = _order.ChunkPartition(n, window, seed=3)
+    assert all(np.array_equal(a, again.members(c)) for c, a in enumerate(members))
+    if n > 100:  # a chunk mixes samples from all over the dataset, not a contiguous slice
+        assert np.ptp(members[0]) > n // 2
+
+
+def test_counts_in_chunk_order_match_the_plan_of_the_shuffled_window():
+    lengths = _lognormal(40_000, seed=2)
+    cfg = PlanConfig(mode="packing", max_tokens=2048, world_size=3, accumulate_grad_batches=2)
+    with mock.patch.object(_order, "AUTO_WINDOW_MIN", 7_000), mock.patch.object(_order, "AUTO_WINDOW_STEPS", 4):
+        plan = LazyPlan(lengths, cfg, epoch=1)
+        order = _order.WindowOrder(lengths.size, cfg, 1, plan.window, plan.partition)
+        for w in range(order.num_windows):
+            assert np.array_equal(np.sort(order.members(w)), np.sort(order.positions(w)))
+            assert not np.array_equal(order.members(w), order.positions(w))  # another order, the same samples
+        # every window is planned and checked against its count (a mismatch raises RuntimeError)
+        assert len(plan.rank_microbatches(2)) == plan.microbatches_per_rank
