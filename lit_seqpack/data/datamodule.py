@@ -35,6 +35,14 @@ from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, P
 from lit_seqpack.data.sources import TokenizedDataset
 from lit_seqpack.data.sources_factory import SOURCES, build_dataset
 from lit_seqpack.data.splits import IndexView, Split, split_indices
+from lit_seqpack.data.streaming.module import (
+    STREAM_STATE,
+    build_stream_loader,
+    check_stream_settings,
+    load_stream_state,
+    stream_state,
+)
+from lit_seqpack.data.streaming.sources import StreamSource
 from lit_seqpack.data.synthetic import SyntheticInstructionDataset
 from lit_seqpack.data.validation import DataScan, check_vocab_range, model_vocab_size, scan_dataset
 from lit_seqpack.planning.plan import PlanConfig
@@ -113,6 +121,11 @@ class SeqPackDataModule(LightningDataModule):
             every rank) are hashed and compared across ranks with the plan at the first batch, so ranks that
             read different data with equal lengths fail loudly on every rank; 0 compares the lengths only (for
             datasets whose samples change between reads).
+        stream: a :class:`~lit_seqpack.data.streaming.StreamSource` read as a stream instead of an indexed dataset
+            (too big to index: generators, sharded JSONL/Parquet, HF ``IterableDataset``, mixtures); packed online
+            in windows of ``stream_buffer`` samples (:mod:`lit_seqpack.data.streaming`). No held-out fractions.
+        stream_buffer: samples of the look-ahead buffer planned together (memory holds one such window per loader
+            process; larger packs fuller rows).
     """
 
     def __init__(
@@ -144,6 +157,8 @@ class SeqPackDataModule(LightningDataModule):
         context_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         content_check_samples: int = 8,
+        stream: StreamSource | None = None,
+        stream_buffer: int = 1000,
     ) -> None:
         super().__init__()
         if (
@@ -152,7 +167,7 @@ class SeqPackDataModule(LightningDataModule):
             or content_check_samples < 0
         ):
             raise ValueError(f"content_check_samples must be an int >= 0, got {content_check_samples!r}")
-        self.save_hyperparameters(ignore=["dataset"])
+        self.save_hyperparameters(ignore=["dataset", "stream"])
         if isinstance(max_tokens, str) and max_tokens == "auto":
             max_tokens = self.hparams.max_tokens = None if mode == "padded" else DEFAULT_MAX_TOKENS
         check_setting_types(
@@ -183,6 +198,16 @@ class SeqPackDataModule(LightningDataModule):
             document_budget(
                 max_tokens, mode=mode, pad_to_multiple_of=pad_to_multiple_of, document_multiple=self.document_multiple
             )
+        if stream is not None:
+            check_stream_settings(
+                stream,
+                buffer_size=stream_buffer,
+                val_fraction=val_fraction,
+                test_fraction=test_fraction,
+                dataset=dataset,
+                source=source,
+            )
+        self._stream = stream
         self._dataset = dataset
         self._data_scan: DataScan | None = None
         self.overlong_report: OverlongReport | None = None
@@ -219,6 +244,14 @@ class SeqPackDataModule(LightningDataModule):
     @property
     def vocab_size(self) -> int:
         """Vocabulary size the data needs, ``pad_token_id`` included (linked to the model's by the CLI)."""
+        if self._stream is not None:
+            value = getattr(self._stream, "vocab_size", None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(
+                    f"the stream {type(self._stream).__name__} has no vocab_size (a stream is never scanned): pass "
+                    "vocab_size= to the stream source, or set the model's vocab_size yourself"
+                )
+            return max(value, self.hparams.pad_token_id + 1)
         data = self.dataset
         for owner in (data, getattr(data, "config", None)):
             value = getattr(owner, "vocab_size", None)
@@ -228,7 +261,8 @@ class SeqPackDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         """Validate the samples and compute (and cache, with ``cache_dir``) the lengths once per process."""
-        self._scan()
+        if self._stream is None:  # a stream is validated window by window as it is read
+            self._scan()
 
     def _scan(self) -> DataScan:
         """Every sample validated once (:mod:`~lit_seqpack.data.validation`), with its lengths and loss tokens."""
@@ -275,7 +309,7 @@ class SeqPackDataModule(LightningDataModule):
         self._layout, self._cp_rank = read_layout(
             self.trainer, self._parallel, fabric=fabric, accumulate_grad_batches=accumulate
         )
-        if self._splits:
+        if self._splits or self._stream is not None:
             return
         hp = self.hparams
         if len(self.dataset) == 0:
@@ -416,6 +450,10 @@ class SeqPackDataModule(LightningDataModule):
 
     def train_dataloader(self) -> StatefulDataLoader:
         """The training loader: a stateful DataLoader over this rank's planned microbatches."""
+        if self._stream is not None:
+            if self.trainer is None:
+                self.setup("fit")
+            return build_stream_loader(self)
         return self._loader("train")
 
     def val_dataloader(self) -> StatefulDataLoader | list:
@@ -424,6 +462,8 @@ class SeqPackDataModule(LightningDataModule):
         A validation split without a single loss token (every label -100) would log ``val/loss = nan``: it is
         skipped with a warning instead.
         """
+        if self._stream is not None:
+            return []
         if not self._splits:
             self.setup("validate")
         if "val" not in self._splits:
@@ -445,6 +485,8 @@ class SeqPackDataModule(LightningDataModule):
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """What a resume must agree with (the data and the distributed layout), and the training loader's state."""
+        if self._stream is not None:
+            return {STREAM_STATE: stream_state(self)}
         state = self._layout_state()
         state[PLAN_STATE] = self._plan_settings()
         if self._train_loader is not None:
@@ -485,6 +527,9 @@ class SeqPackDataModule(LightningDataModule):
         trainer = self.trainer
         if trainer is not None and trainer.state.fn is not None and trainer.state.fn != "fit":
             return  # validate / test only read the weights: any data layout may evaluate a checkpoint
+        if self._stream is not None:
+            load_stream_state(self, state_dict.get(STREAM_STATE))
+            return
         loader_state, self._resume_point = check_resume(state_dict, self._layout_state(), self._plan_settings())
         if loader_state is not None and self._train_loader is not None:
             self._train_loader.load_state_dict(loader_state)  # restored after the loader was built

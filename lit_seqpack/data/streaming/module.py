@@ -1,0 +1,139 @@
+"""What ``SeqPackDataModule(stream=...)`` delegates to: its settings checked, its loader built, its state resumed.
+
+The DataModule keeps the batching mode, the budget, the parallel layout and the collators; this module turns them
+into a :class:`~lit_seqpack.data.streaming.loader.StreamingDataLoader` and owns the streaming part of the checkpoint.
+A resume must keep every fact the window plans depend on (:func:`stream_facts`); a different one is refused with a
+message naming it, since re-planned windows would train other microbatches than the checkpointed run.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lit_seqpack.data._budget import document_budget
+from lit_seqpack.data._resume import check_start, rewind_fit_loop
+from lit_seqpack.data.streaming.dataset import StreamingDataset
+from lit_seqpack.data.streaming.loader import StreamingDataLoader
+from lit_seqpack.data.streaming.sources import StreamSource
+
+if TYPE_CHECKING:
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+
+__all__ = ["STREAM_STATE", "build_stream_loader", "check_stream_settings", "load_stream_state", "stream_state"]
+
+STREAM_STATE = "stream_loader"
+
+
+def check_stream_settings(
+    stream: Any, *, buffer_size: Any, val_fraction: float, test_fraction: float, dataset: Any, source: str
+) -> None:
+    """Refuse settings that a stream cannot honour, naming the setting and its value.
+
+    Raises:
+        ValueError: ``stream`` is not a :class:`~lit_seqpack.data.streaming.sources.StreamSource`, ``stream_buffer``
+            is not an int >= 1, or a held-out fraction, ``dataset`` or a non-default ``source`` is set with it.
+    """
+    if not isinstance(stream, StreamSource):
+        raise ValueError(f"stream must have an open(position) method (a StreamSource), got {type(stream).__name__}")
+    if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
+        raise ValueError(f"stream_buffer must be an int >= 1 (samples planned together), got {buffer_size!r}")
+    for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if value:
+            raise ValueError(
+                f"{name}={value} cannot hold samples out of a stream (it has no index); set {name}=0 with stream"
+            )
+    if dataset is not None or source != "synthetic":
+        raise ValueError(f"stream replaces source and dataset: got source={source!r} and a dataset with a stream")
+
+
+def stream_facts(dm: SeqPackDataModule) -> dict[str, Any]:
+    """The facts every window plan depends on: a resume must keep all of them."""
+    world, _, accumulate = dm._layout
+    hp = dm.hparams
+    return {
+        "stream_buffer": hp.stream_buffer,
+        "world_size": world,
+        "accumulate_grad_batches": accumulate,
+        "mode": hp.mode,
+        "max_tokens": hp.max_tokens,
+        "overlong": hp.overlong,
+        **dm._plan_settings(),
+    }
+
+
+def build_stream_loader(dm: SeqPackDataModule) -> StreamingDataLoader:
+    """The training loader of a stream for ``dm``'s layout, settings and pending resume state."""
+    hp = dm.hparams
+    world, rank, accumulate = dm._layout
+    budget = None
+    if hp.max_tokens is not None:
+        pads = {"pad_to_multiple_of": hp.pad_to_multiple_of, "document_multiple": dm.document_multiple}
+        budget = document_budget(hp.max_tokens, mode=hp.mode, **pads)
+    dataset = StreamingDataset(
+        dm._stream,
+        config=dm.plan_config(world_size=world, accumulate_grad_batches=accumulate),
+        rank=rank,
+        buffer_size=hp.stream_buffer,
+        collator=dm._collator(),
+        overlong=hp.overlong,
+        document_budget=budget,
+        document_multiple=dm.document_multiple if hp.mode == "packing" else 1,
+    )
+    loader = StreamingDataLoader(
+        dataset,
+        num_workers=hp.num_workers,
+        start_source=lambda epoch, start: _training_start(dm, epoch, start),
+        report_to=lambda report: setattr(dm, "overlong_report", report),
+    )
+    if dm._pending_loader_state is not None:
+        loader.load_state_dict(dm._pending_loader_state)
+        dm._pending_loader_state = None
+    dm._train_loader = loader
+    return loader
+
+
+def _training_start(dm: SeqPackDataModule, epoch: int, start: int) -> tuple[int, int]:
+    """The Trainer's epoch and batch counter during fit (checked against the checkpoint), else the loader's own."""
+    trainer = dm.trainer
+    if not getattr(trainer, "training", False):
+        return epoch, start
+    loop = trainer.fit_loop
+    saved, dm._resume_point = dm._resume_point, None
+    return check_start(
+        trainer_epoch=loop.epoch_progress.current.processed,
+        trainer_position=loop.epoch_loop.batch_progress.current.ready,
+        saved=saved,
+        accumulate=dm._layout[2],
+        rewind=lambda microbatches: rewind_fit_loop(loop, microbatches),
+    )
+
+
+def stream_state(dm: SeqPackDataModule) -> dict[str, Any]:
+    """The streaming part of ``dm``'s checkpoint: the plan facts and the loader's position (no sample)."""
+    state: dict[str, Any] = {"facts": stream_facts(dm)}
+    if dm._train_loader is not None:
+        state["loader"] = dm._train_loader.state_dict()
+    return state
+
+
+def load_stream_state(dm: SeqPackDataModule, state: dict[str, Any]) -> None:
+    """Check the facts of a checkpoint's stream state and restore (or queue) its loader position.
+
+    Raises:
+        ValueError: the checkpoint holds no stream state, or one planned with other facts.
+    """
+    if not isinstance(state, dict) or "facts" not in state:
+        raise ValueError("the checkpoint holds no stream state: it was not written by a run with stream=...")
+    saved, current = state["facts"], stream_facts(dm)
+    changed = [f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in current if saved.get(k) != current[k]]
+    if changed:
+        raise ValueError(
+            "cannot resume the stream exactly: the checkpoint's windows were planned with other settings "
+            f"({'; '.join(changed)}); resume with the checkpoint's settings"
+        )
+    loader_state = state.get("loader")
+    dm._resume_point = None if not loader_state else (loader_state["epoch"], loader_state["yielded"])
+    if loader_state and dm._train_loader is not None:
+        dm._train_loader.load_state_dict(loader_state)
+    else:
+        dm._pending_loader_state = loader_state
