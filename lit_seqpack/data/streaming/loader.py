@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 KEPT_WINDOWS = 16
 """Window records kept in the state (the loader's lead over the loop must stay below this many microbatches)."""
 
-StartSource = Callable[[int, int], tuple[int, int]]
-"""``(epoch, microbatch) -> (epoch, microbatch)``: where the training loop says an iteration must start."""
+StartSource = Callable[[int, int, "Mapping[str, Any] | None"], tuple[int, int]]
+"""``(epoch, microbatch, saved state or None) -> (epoch, microbatch)``: where the training loop says to start."""
 
 
 class StreamingDataLoader(DataLoader):
@@ -82,7 +82,7 @@ class StreamingDataLoader(DataLoader):
         saved, self._saved = self._saved, None
         epoch, position = (saved["epoch"], saved["yielded"]) if saved is not None else (self._epoch, self._yielded)
         if self.start_source is not None:
-            epoch, position = self.start_source(epoch, position)
+            epoch, position = self.start_source(epoch, position, saved)
         windows = saved["windows"] if saved is not None and saved["epoch"] == epoch else list(self._windows)
         self._epoch, self._yielded = epoch, position
         self._windows = deque((w for w in windows if w["first_microbatch"] <= position), maxlen=KEPT_WINDOWS)

@@ -8,6 +8,7 @@ message naming it, since re-planned windows would train other microbatches than 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from lit_seqpack.data._budget import document_budget
@@ -82,7 +83,7 @@ def build_stream_loader(dm: SeqPackDataModule) -> StreamingDataLoader:
     loader = StreamingDataLoader(
         dataset,
         num_workers=hp.num_workers,
-        start_source=lambda epoch, start: _training_start(dm, epoch, start),
+        start_source=lambda epoch, start, saved: _training_start(dm, epoch, start, saved),
         report_to=lambda report: setattr(dm, "overlong_report", report),
     )
     if dm._pending_loader_state is not None:
@@ -92,17 +93,31 @@ def build_stream_loader(dm: SeqPackDataModule) -> StreamingDataLoader:
     return loader
 
 
-def _training_start(dm: SeqPackDataModule, epoch: int, start: int) -> tuple[int, int]:
-    """The Trainer's epoch and batch counter during fit (checked against the checkpoint), else the loader's own."""
+def _training_start(dm: SeqPackDataModule, epoch: int, start: int, saved: Mapping[str, Any] | None) -> tuple[int, int]:
+    """Where the loader starts: the Trainer's epoch and batch counter during fit, else the loader's own position.
+
+    Lightning fetches the first batch of a loader without a length as soon as it builds it, which a schedule
+    reading ``trainer.estimated_stepping_batches`` does before the loop counters are restored from the checkpoint.
+    The checkpoint's own record of the Trainer's counters (``resume_at``, written by :func:`stream_state`) is then
+    the truth; once the counters are restored they are checked against the loader's position as in the map path.
+    """
     trainer = dm.trainer
     if not getattr(trainer, "training", False):
         return epoch, start
     loop = trainer.fit_loop
-    saved, dm._resume_point = dm._resume_point, None
+    if saved is not None and not loop.restarting and saved.get("resume_at") is not None:
+        epoch, position = saved["resume_at"]
+        if position % dm._layout[2]:
+            raise RuntimeError(
+                f"cannot resume the stream exactly: the checkpoint was written inside a gradient-accumulation window "
+                f"(epoch {epoch}, microbatch {position}, accumulate_grad_batches={dm._layout[2]}); resume from a "
+                "checkpoint written at an optimizer-step boundary (ModelCheckpoint(every_n_train_steps=...))"
+            )
+        return int(epoch), int(position)
     return check_start(
         trainer_epoch=loop.epoch_progress.current.processed,
         trainer_position=loop.epoch_loop.batch_progress.current.ready,
-        saved=saved,
+        saved=None if saved is None else (saved["epoch"], saved["yielded"]),
         accumulate=dm._layout[2],
         rewind=lambda microbatches: rewind_fit_loop(loop, microbatches),
     )
@@ -112,7 +127,12 @@ def stream_state(dm: SeqPackDataModule) -> dict[str, Any]:
     """The streaming part of ``dm``'s checkpoint: the plan facts and the loader's position (no sample)."""
     state: dict[str, Any] = {"facts": stream_facts(dm)}
     if dm._train_loader is not None:
-        state["loader"] = dm._train_loader.state_dict()
+        loader = state["loader"] = dm._train_loader.state_dict()
+        trainer = dm.trainer
+        if getattr(trainer, "training", False):  # where the Trainer's counters will resume (see _training_start)
+            epoch = trainer.fit_loop.epoch_progress.current.processed
+            position = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            loader["resume_at"] = [loader["epoch"], 0] if loader["epoch"] > epoch else [epoch, position]
     return state
 
 
@@ -132,7 +152,6 @@ def load_stream_state(dm: SeqPackDataModule, state: dict[str, Any]) -> None:
             f"({'; '.join(changed)}); resume with the checkpoint's settings"
         )
     loader_state = state.get("loader")
-    dm._resume_point = None if not loader_state else (loader_state["epoch"], loader_state["yielded"])
     if loader_state and dm._train_loader is not None:
         dm._train_loader.load_state_dict(loader_state)
     else:
