@@ -24,11 +24,14 @@ import numpy as np
 
 from lit_seqpack.data.lengths import sample_loss_tokens
 from lit_seqpack.data.overlong import OverlongReport
+from lit_seqpack.planning.algorithms import get_packer
 from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan
 
-__all__ = ["OverlongCounter", "StreamWindow", "stream_windows"]
+__all__ = ["CARRY_FILL", "OverlongCounter", "StreamWindow", "carried_over", "stream_windows"]
 
 _SHOWN = 5
+CARRY_FILL = 0.97
+"""Bins filled below this share of the budget are carried into the next window (packing, not the last window)."""
 _TOKEN_KEYS = ("input_ids", "labels", "loss_mask")
 
 
@@ -112,7 +115,10 @@ class StreamWindow:
         first_sample: the stream number of its first sample.
         first_microbatch: each rank's microbatches before this window in the epoch (the same on every rank).
         first_step: optimizer steps before this window in the epoch.
-        samples: the window's samples after the over-long policy (plan indices point into it).
+        samples: the window's planned samples after the over-long policy (plan indices point into it); those carried
+            in from the previous window come first, those carried on to the next are not here.
+        carried_in: the samples carried into this window from the previous one (a resume re-reads the window from
+            ``start`` and needs these too).
         loss_tokens: the loss tokens of each of those samples.
         plan: the window's plan for every rank.
         overlong_before: the over-long counts of the stream before this window (:meth:`OverlongCounter.state`).
@@ -125,6 +131,7 @@ class StreamWindow:
     first_microbatch: int
     first_step: int
     samples: list[Mapping[str, Any]]
+    carried_in: list[Mapping[str, Any]]
     loss_tokens: np.ndarray
     plan: Plan
     overlong_before: dict[str, Any] | None = None
@@ -133,6 +140,50 @@ class StreamWindow:
 
 def _round_up(lengths: np.ndarray, multiple: int) -> np.ndarray:
     return lengths if multiple == 1 else (lengths + multiple - 1) // multiple * multiple
+
+
+def carried_over(planned: np.ndarray, eligible: np.ndarray, config: PlanConfig, limit: int) -> np.ndarray:
+    """Samples of a window to hold back for the next one: those of its least-full bins.
+
+    The window is packed once; bins below :data:`CARRY_FILL` of the budget are carried (least full first), then more
+    until the bins left fill whole optimizer steps (``world_size x accumulation``) without split bins. A bin with a
+    sample that was carried already stays (no sample waits more than one window), and at most ``limit`` samples
+    are carried, so the buffer never grows.
+
+    Args:
+        planned: the planned length of each sample of the window.
+        eligible: ``False`` for samples carried into this window.
+        config: the window's plan configuration (packing).
+        limit: the most samples carried.
+
+    Returns:
+        The positions (in the window) of the carried samples.
+
+    Example:
+        >>> config = PlanConfig(mode="packing", max_tokens=10, shuffle=False)
+        >>> carried_over(np.array([10, 7, 3, 2]), np.ones(4, dtype=bool), config, limit=2).tolist()  # bins 10, 7+3, 2
+        [3]
+    """
+    capacity = int(config.max_tokens)
+    flat, ends = get_packer(config.algorithm or "first_fit_decreasing", capacity).pack_flat(planned)
+    if limit < 1 or ends.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.concatenate(([0], ends[:-1]))
+    fills = np.add.reduceat(planned[flat], starts)
+    movable = np.logical_and.reduceat(eligible[flat], starts)
+    carried: list[int] = []
+    remaining = int(ends.size)
+    for b in np.argsort(fills, kind="stable"):
+        if fills[b] >= CARRY_FILL * capacity and remaining % config.slots_per_step == 0:
+            break
+        members = flat[starts[b] : ends[b]]
+        if not movable[b]:
+            continue
+        if len(carried) + members.size > limit or remaining == 1:
+            break
+        carried.extend(members.tolist())
+        remaining -= 1
+    return np.array(sorted(carried), dtype=np.int64)
 
 
 def stream_windows(
@@ -144,18 +195,23 @@ def stream_windows(
     counter: OverlongCounter | None = None,
     document_multiple: int = 1,
     start: tuple[int, int, int, int] = (0, 0, 0, 0),
+    carried: list[Mapping[str, Any]] | None = None,
 ) -> Iterator[StreamWindow]:
     """Read ``reader`` into windows of ``buffer_size`` samples and plan each one.
+
+    In packing mode the samples of a window's least-full bins (at most a fifth of the buffer) are carried into the
+    next window instead of being trained in half-empty rows (:func:`carried_over`); the last window carries nothing.
 
     Args:
         reader: a :class:`~lit_seqpack.data.streaming.sources.StreamReader` (its ``position`` is read at each
             window start).
         config: the plan of a window (``window`` and ``shuffle`` as given: shuffling reorders inside the window).
-        buffer_size: samples read ahead and planned together (>= 1).
-        epoch: seeds the window plans (with the window's number).
+        buffer_size: samples held and planned together (>= 1), carried ones included.
+        epoch: seeds the window plans.
         counter: applies and counts the over-long policy (``None``: samples must fit ``config.max_tokens``).
         document_multiple: packed documents are padded to a multiple of this (planned on the padded lengths).
         start: ``(window, sample, microbatch, step)`` numbers of the first window (a resume).
+        carried: samples carried into the first window (a resume: the window record's ``carried``).
 
     Example:
         >>> from lit_seqpack.data.streaming.sources import GeneratorStream
@@ -165,23 +221,37 @@ def stream_windows(
         [[[0, 1], [2]], [[0, 1]]]
     """
     window, number, microbatch, step = start
+    carried = list(carried or [])
+    limit = buffer_size // 5 if config.mode == "packing" else 0
     while True:
         position = getattr(reader, "position", None)
         before = None if counter is None else counter.state()
-        first = number
-        samples: list[Mapping[str, Any]] = []
-        for sample in reader:
+        first, carried_in = number, carried
+        samples: list[Mapping[str, Any]] = list(carried_in)
+        ended = True
+        while len(samples) < buffer_size:
+            sample = next(reader, None)
+            if sample is None:
+                break
             kept = sample if counter is None else counter.admit(number, sample)
             number += 1
             if kept is not None:
                 samples.append(kept)
-            if number - first == buffer_size:
-                break
-        if number == first:
+        else:
+            ended = False
+        if number == first and not samples:
             return
         lengths = np.array([len(s["input_ids"]) for s in samples], dtype=np.int64)
-        loss = np.array([sample_loss_tokens(s) for s in samples], dtype=np.int64)
         planned = _round_up(lengths, document_multiple) if config.mode == "packing" else lengths
+        carried = []
+        if not ended and limit:
+            eligible = np.arange(len(samples)) >= len(carried_in)
+            held = carried_over(planned, eligible, config, limit)
+            carried = [samples[i] for i in held]
+            keep = np.ones(len(samples), dtype=bool)
+            keep[held] = False
+            samples, planned = [s for s, k in zip(samples, keep, strict=True) if k], planned[keep]
+        loss = np.array([sample_loss_tokens(s) for s in samples], dtype=np.int64)
         plan = build_plan(planned, config, epoch=epoch, loss_tokens=loss) if samples else _empty_plan(config, epoch)
         yield StreamWindow(
             index=window,
@@ -190,6 +260,7 @@ def stream_windows(
             first_microbatch=microbatch,
             first_step=step,
             samples=samples,
+            carried_in=carried_in,
             loss_tokens=loss,
             plan=plan,
             overlong_before=before,

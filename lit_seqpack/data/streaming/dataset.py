@@ -55,6 +55,7 @@ def window_record(window: StreamWindow) -> dict[str, Any]:
         "first_microbatch": window.first_microbatch,
         "first_step": window.first_step,
         "overlong_before": window.overlong_before,
+        "carried": window.carried_in,
     }
 
 
@@ -111,6 +112,7 @@ class StreamingDataset(IterableDataset):
             counter=counter,
             document_multiple=self.document_multiple,
             start=numbers,
+            carried=None if record is None else record["carried"],
         )
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -118,15 +120,17 @@ class StreamingDataset(IterableDataset):
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         first = self.start.microbatch
         for window in self.windows():
-            plan, record = window.plan, None
-            for position in range(plan.microbatches_per_rank):
+            record: dict[str, Any] | None = window_record(window)  # sent with this worker's first batch of it
+            for position in range(window.plan.microbatches_per_rank):
                 number = window.first_microbatch + position
                 if number < first or (number - first) % workers != worker:
                     continue
-                record = record or window_record(window)
                 yield self._collate(window, position, number, record)
+                record = None
 
-    def _collate(self, window: StreamWindow, position: int, number: int, record: dict[str, Any]) -> dict[str, Any]:
+    def _collate(
+        self, window: StreamWindow, position: int, number: int, record: dict[str, Any] | None
+    ) -> dict[str, Any]:
         config, plan = self.config, window.plan
         planned = plan.microbatch(self.rank, position)
         meta = MicrobatchMeta(

@@ -102,7 +102,7 @@ class StreamingDataLoader(DataLoader):
         record = facts["record"]
         self._epoch, self._yielded = facts["epoch"], facts["microbatch"] + 1
         self._overlong = facts["overlong_after"]
-        if not self._windows or self._windows[-1]["window"] != record["window"]:
+        if record is not None and (not self._windows or self._windows[-1]["window"] != record["window"]):
             self._windows.append(record)
             report = self.overlong_report
             if self.report_to is not None and report is not None:
