@@ -1,11 +1,12 @@
 """The streaming DataLoader: batches of a :class:`StreamingDataset`, and the state that resumes it mid-stream.
 
-The state never holds samples. It holds the epoch, the microbatches this rank's loader yielded (the same count on
-every rank, so rank 0's checkpoint fits all), and a record of the last few windows: each window's stream position,
-numbers and over-long counts at its start. A resume reopens the stream at the start of the window holding the first
-microbatch to train, plans that window again (plans are deterministic) and skips the microbatches already trained.
-With ``W`` workers and a prefetch of ``P``, the loader is at most ``W x P`` batches ahead of the training loop, and
-Lightning one more; :data:`KEPT_WINDOWS` windows (each at least one microbatch) cover that lead for the defaults.
+The state holds the epoch, the microbatches this rank's loader yielded (the same count on every rank, so rank 0's
+checkpoint fits all), and a record of the last few windows: each window's stream position, numbers, over-long counts
+at its start and the samples carried into it from the window before (at most a fifth of the buffer; no other
+sample is ever stored). A resume reopens the stream at the start of the window holding the first microbatch to
+train, plans that window again (plans are deterministic) and skips the microbatches already trained. With ``W``
+workers and a prefetch of ``P``, the loader is at most ``W x P`` batches ahead of the training loop, and Lightning
+one more; :data:`KEPT_WINDOWS` windows (each at least one microbatch) cover that lead for the defaults.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class StreamingDataLoader(DataLoader):
         return counter.report()
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch, the microbatches yielded this epoch and the last windows' records (no sample)."""
+        """The epoch, the microbatches yielded this epoch and the last windows' records."""
         return {"epoch": self._epoch, "yielded": self._yielded, "windows": list(self._windows)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
