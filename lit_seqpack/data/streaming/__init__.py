@@ -22,6 +22,7 @@ from lit_seqpack.data.streaming.sources import (
     ParquetStream,
     StreamReader,
     StreamSource,
+    SyntheticStream,
 )
 
 __all__ = [
@@ -36,5 +37,6 @@ __all__ = [
     "StreamWindow",
     "StreamingDataLoader",
     "StreamingDataset",
+    "SyntheticStream",
     "stream_windows",
 ]

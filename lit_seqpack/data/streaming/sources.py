@@ -10,6 +10,7 @@ checkpoint stores the start of the look-ahead buffer instead of its contents. Po
 source                            position                                      reopening costs
 ================================  ============================================  ==================================
 :class:`GeneratorStream`          samples read so far                           re-reading (and skipping) them
+:class:`SyntheticStream`          samples read so far                           nothing (each sample is seeded)
 :class:`JsonlStream`              ``[file, byte offset]``                       one seek
 :class:`ParquetStream`            ``[file, row group, row]``                    reading one row group
 :class:`HFIterableStream`         samples read so far                           ``IterableDataset.skip`` (a read)
@@ -35,6 +36,7 @@ __all__ = [
     "ParquetStream",
     "StreamReader",
     "StreamSource",
+    "SyntheticStream",
 ]
 
 Sample = Mapping[str, Any]
@@ -127,6 +129,66 @@ class GeneratorStream:
             if next(samples, None) is None:
                 raise ValueError(f"GeneratorStream: position {start} is past the end ({skipped} samples)")
         return _CountingReader(samples, start)
+
+
+class _SyntheticReader(StreamReader):
+    def __init__(self, stream: SyntheticStream, position: int) -> None:
+        self._stream, self.position = stream, position
+
+    def __next__(self) -> Sample:
+        stream = self._stream
+        if stream.num_samples is not None and self.position >= stream.num_samples:
+            raise StopIteration
+        rng = np.random.default_rng([stream.seed, self.position])
+        length = int(np.clip(round(rng.lognormal(np.log(stream.median_length), stream.sigma)), 2, stream.max_length))
+        ids = rng.integers(1, stream.vocab_size, length)
+        prompt = int(rng.integers(0, length // 2 + 1))
+        self.position += 1
+        return {"input_ids": ids.tolist(), "labels": [-100] * prompt + ids[prompt:].tolist()}
+
+
+class SyntheticStream:
+    """Generated samples with lognormal lengths and a masked prompt, as long a stream as asked (no download).
+
+    Sample ``i`` depends on ``(seed, i)`` only, so a reader reopens anywhere at no cost and the stream can be far
+    larger than memory (``num_samples=None``: endless; bound it with ``max_steps``).
+
+    Args:
+        num_samples: samples in the stream (``None``: endless).
+        vocab_size: token ids are drawn from ``[1, vocab_size)``.
+        median_length: median sample length (tokens).
+        sigma: the lognormal's shape (spread of the lengths).
+        max_length: the longest sample generated (longer draws are clipped).
+        seed: seed of the stream (>= 0).
+
+    Example:
+        >>> reader = SyntheticStream(num_samples=3, vocab_size=50).open(1)
+        >>> len(list(reader)), reader.position
+        (2, 3)
+    """
+
+    def __init__(
+        self,
+        *,
+        num_samples: int | None = 10_000,
+        vocab_size: int = 512,
+        median_length: int = 128,
+        sigma: float = 1.0,
+        max_length: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        checks = {"vocab_size": (vocab_size, 2), "median_length": (median_length, 2), "max_length": (max_length, 2)}
+        checks |= {"seed": (seed, 0)} | ({} if num_samples is None else {"num_samples": (num_samples, 0)})
+        for name, (value, minimum) in checks.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"SyntheticStream.{name} must be an int >= {minimum}, got {value!r}")
+        if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not 0 <= sigma < 10:
+            raise ValueError(f"SyntheticStream.sigma must be a number in [0, 10), got {sigma!r}")
+        self.num_samples, self.vocab_size, self.seed = num_samples, vocab_size, seed
+        self.median_length, self.sigma, self.max_length = median_length, float(sigma), max_length
+
+    def open(self, position: Any = None) -> StreamReader:
+        return _SyntheticReader(self, _check_count_position(position, "SyntheticStream"))
 
 
 class _JsonlReader(StreamReader):
