@@ -8,11 +8,16 @@ message naming it, since re-planned windows would train other microbatches than 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from lit_seqpack.data._budget import document_budget
 from lit_seqpack.data._resume import check_start, rewind_fit_loop
+from lit_seqpack.data.lengths import sample_loss_tokens
+from lit_seqpack.data.streaming.buffer import OverlongCounter, stream_windows
 from lit_seqpack.data.streaming.dataset import StreamingDataset
 from lit_seqpack.data.streaming.loader import StreamingDataLoader
 from lit_seqpack.data.streaming.sources import StreamSource
@@ -20,7 +25,15 @@ from lit_seqpack.data.streaming.sources import StreamSource
 if TYPE_CHECKING:
     from lit_seqpack.data.datamodule import SeqPackDataModule
 
-__all__ = ["STREAM_STATE", "build_stream_loader", "check_stream_settings", "load_stream_state", "stream_state"]
+__all__ = [
+    "STREAM_STATE",
+    "build_stream_loader",
+    "check_stream_settings",
+    "load_stream_state",
+    "stream_prefix",
+    "stream_prefix_microbatches",
+    "stream_state",
+]
 
 STREAM_STATE = "stream_loader"
 
@@ -66,10 +79,7 @@ def build_stream_loader(dm: SeqPackDataModule) -> StreamingDataLoader:
     """The training loader of a stream for ``dm``'s layout, settings and pending resume state."""
     hp = dm.hparams
     world, rank, accumulate = dm._layout
-    budget = None
-    if hp.max_tokens is not None:
-        pads = {"pad_to_multiple_of": hp.pad_to_multiple_of, "document_multiple": dm.document_multiple}
-        budget = document_budget(hp.max_tokens, mode=hp.mode, **pads)
+    counter = _counter(dm)
     dataset = StreamingDataset(
         dm._stream,
         config=dm.plan_config(world_size=world, accumulate_grad_batches=accumulate),
@@ -77,7 +87,7 @@ def build_stream_loader(dm: SeqPackDataModule) -> StreamingDataLoader:
         buffer_size=hp.stream_buffer,
         collator=dm._collator(),
         overlong=hp.overlong,
-        document_budget=budget,
+        document_budget=None if counter is None else counter.max_tokens,
         document_multiple=dm.document_multiple if hp.mode == "packing" else 1,
     )
     loader = StreamingDataLoader(
@@ -156,3 +166,49 @@ def load_stream_state(dm: SeqPackDataModule, state: dict[str, Any]) -> None:
         dm._train_loader.load_state_dict(loader_state)
     else:
         dm._pending_loader_state = loader_state
+
+
+def stream_prefix(dm: SeqPackDataModule, max_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lengths and loss tokens of the stream's first ``max_samples`` samples under the over-long policy.
+
+    ``lit-seqpack inspect`` plans this prefix offline; ``dm.overlong_report`` counts the policy over it.
+
+    Raises:
+        ValueError: ``max_samples`` is not an int >= 1, or the prefix holds no sample.
+    """
+    if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
+        raise ValueError(f"max_samples must be an int >= 1 (the stream prefix to inspect), got {max_samples!r}")
+    counter = _counter(dm)
+    lengths, loss = [], []
+    for number, sample in enumerate(itertools.islice(dm._stream.open(), max_samples)):
+        kept = sample if counter is None else counter.admit(number, sample)
+        if kept is not None:
+            lengths.append(len(kept["input_ids"]))
+            loss.append(sample_loss_tokens(kept))
+    if not lengths:
+        raise ValueError(f"the stream's first {max_samples} samples hold no sample to plan")
+    if counter is not None:
+        dm.overlong_report = counter.report()
+    return np.array(lengths, dtype=np.int64), np.array(loss, dtype=np.int64)
+
+
+def stream_prefix_microbatches(dm: SeqPackDataModule, max_samples: int, *, world_size: int, accumulate: int) -> int:
+    """Microbatches per rank that the streaming loader trains the prefix in (windows of ``stream_buffer``)."""
+    config = dm.plan_config(world_size=world_size, accumulate_grad_batches=accumulate)
+    windows = stream_windows(
+        itertools.islice(dm._stream.open(), max_samples),
+        config=config,
+        buffer_size=dm.hparams.stream_buffer,
+        epoch=0,
+        counter=_counter(dm),
+        document_multiple=dm.document_multiple if dm.hparams.mode == "packing" else 1,
+    )
+    return sum(window.plan.microbatches_per_rank for window in windows)
+
+
+def _counter(dm: SeqPackDataModule) -> OverlongCounter | None:
+    hp = dm.hparams
+    if hp.max_tokens is None:
+        return None
+    pads = {"pad_to_multiple_of": hp.pad_to_multiple_of, "document_multiple": dm.document_multiple}
+    return OverlongCounter(policy=hp.overlong, max_tokens=document_budget(hp.max_tokens, mode=hp.mode, **pads))

@@ -108,3 +108,16 @@ def test_a_trainer_resumes_a_stream_exactly_and_logs_the_packing_metrics(tmp_pat
         _fit(tmp_path / f"from{step}", ckpt)
         done = [r for r in reference if int(r.split('"step": ')[1].split(",")[0]) < step]
         assert done + _records(tmp_path / f"from{step}") == reference, step
+
+
+def test_inspect_plans_a_stream_prefix_and_compares_the_windows_with_the_offline_plan() -> None:
+    from lit_seqpack.__main__ import inspect_command
+
+    config = Path(__file__).resolve().parents[3] / "configs" / "stream.yaml"
+    report = inspect_command(["--config", str(config), "--max_samples", "5000", "--data.overlong", "drop"])
+    assert "data: stream prefix (" in report
+    assert "over-long: 1 of 5000 samples are longer than max_tokens=1024" in report  # counted on the prefix
+    line = next(line for line in report.splitlines() if line.startswith("stream: SyntheticStream, first 4,999"))
+    assert float(line.rsplit("ratio ", 1)[1].rstrip(")")) >= 0.98
+    with pytest.raises(ValueError, match="max_samples must be an int >= 1"):
+        inspect_command(["--config", str(config), "--max_samples", "0"])
