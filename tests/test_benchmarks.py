@@ -137,3 +137,13 @@ def test_bench_scale_rank_table_and_bench_plan_balance_table_smoke():
     (balance,) = _tables(lines)
     settings = [row[3] for row in balance[1:]]
     assert settings[:2] == ["0.0", "auto"] and len(balance) == 1 + 24
+
+
+def test_bench_stream_prints_the_packing_and_loader_tables():
+    args = ["--samples", "3000", "--loader-samples", "300", "--buffers", "100", "1000", "--median", "256"]
+    packing, loader = _tables(_run("bench_stream.py", *args))
+    assert [row[:2] for row in packing[1:]] == [["offline plan", "-"], ["stream", "100"], ["stream", "1,000"]]
+    offline, small, large = (float(row[3]) for row in packing[1:])
+    assert 0 < small <= large <= 1 and large >= 0.95 * offline  # more look-ahead packs at least as well
+    assert [row[0] for row in loader[1:]] == ["offline (map-style)", "stream", "stream"]
+    assert all(float(row[3].replace(",", "")) > 0 for row in loader[1:])
