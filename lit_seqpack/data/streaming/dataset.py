@@ -71,6 +71,8 @@ class StreamingDataset(IterableDataset):
         overlong: the over-long policy (``"error"``, ``"truncate"``, ``"drop"``).
         document_budget: the longest document allowed (``max_tokens`` less per-document padding).
         document_multiple: packed documents are padded to a multiple of this.
+        vocab_size: the ids the model embeds (``None``: unchecked); a batch holding a larger id (a stream is never
+            scanned up front) raises naming the stream samples and the vocabulary.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class StreamingDataset(IterableDataset):
         overlong: str = "error",
         document_budget: int | None = None,
         document_multiple: int = 1,
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__()
         if not 0 <= rank < config.world_size:
@@ -91,6 +94,7 @@ class StreamingDataset(IterableDataset):
         self.source, self.config, self.rank, self.buffer_size = source, config, rank, buffer_size
         self.collator, self.overlong, self.document_multiple = collator, overlong, document_multiple
         self.document_budget = document_budget if document_budget is not None else config.max_tokens
+        self.vocab_size = vocab_size
         self.start = StreamStart()
 
     def windows(self) -> Iterator[StreamWindow]:
@@ -143,6 +147,12 @@ class StreamingDataset(IterableDataset):
             loss_tokens=int(window.loss_tokens[planned.indices].sum()) if planned.indices else 0,
         )
         batch = self.collator(Microbatch((window.samples[i] for i in planned.indices), meta=meta))
+        if self.vocab_size is not None and planned.indices and int(batch["input_ids"].max()) >= self.vocab_size:
+            raise ValueError(
+                f"token id {int(batch['input_ids'].max())} in a microbatch of stream window {window.index} (its "
+                f"samples start at stream sample {window.first_sample}) is outside the model's vocab_size="
+                f"{self.vocab_size}: raise the model's vocab_size or the stream's vocab_size"
+            )
         batch[STREAM_KEY] = {
             "epoch": self.start.epoch,
             "microbatch": number,

@@ -21,6 +21,7 @@ from lit_seqpack.data.streaming.buffer import OverlongCounter, stream_windows
 from lit_seqpack.data.streaming.dataset import StreamingDataset
 from lit_seqpack.data.streaming.loader import StreamingDataLoader
 from lit_seqpack.data.streaming.sources import StreamSource
+from lit_seqpack.data.validation import model_vocab_size
 
 if TYPE_CHECKING:
     from lit_seqpack.data.datamodule import SeqPackDataModule
@@ -89,6 +90,7 @@ def build_stream_loader(dm: SeqPackDataModule) -> StreamingDataLoader:
         overlong=hp.overlong,
         document_budget=None if counter is None else counter.max_tokens,
         document_multiple=dm.document_multiple if hp.mode == "packing" else 1,
+        vocab_size=_model_vocab(dm),
     )
     loader = StreamingDataLoader(
         dataset,
@@ -204,6 +206,15 @@ def stream_prefix_microbatches(dm: SeqPackDataModule, max_samples: int, *, world
         document_multiple=dm.document_multiple if dm.hparams.mode == "packing" else 1,
     )
     return sum(window.plan.microbatches_per_rank for window in windows)
+
+
+def _model_vocab(dm: SeqPackDataModule) -> int | None:
+    """The vocabulary of the Trainer's model (``None`` without one), after checking that it embeds the pad id."""
+    model = getattr(dm.trainer, "lightning_module", None) if dm.trainer is not None else None
+    vocab = None if model is None else model_vocab_size(model)
+    if vocab is not None and dm.hparams.pad_token_id >= vocab:
+        raise ValueError(f"pad_token_id={dm.hparams.pad_token_id} is outside the model's vocab_size={vocab}")
+    return vocab
 
 
 def _counter(dm: SeqPackDataModule) -> OverlongCounter | None:

@@ -75,3 +75,12 @@ def test_a_streamed_step_on_two_ranks_has_the_gradient_of_the_big_padded_batch(m
 def test_a_rank_outside_the_plan_is_refused() -> None:
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
         _dataset("packing", rank=2, world=2)
+
+
+def test_an_id_outside_the_model_vocabulary_is_refused_naming_the_window() -> None:
+    config = PlanConfig(mode="packing", max_tokens=48)
+    dataset = StreamingDataset(
+        _source(), config=config, rank=0, buffer_size=25, collator=PackedCollator(), vocab_size=8
+    )
+    with pytest.raises(ValueError, match=r"outside the model's vocab_size=8"):
+        next(iter(StreamingDataLoader(dataset)))

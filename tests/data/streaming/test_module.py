@@ -121,3 +121,22 @@ def test_inspect_plans_a_stream_prefix_and_compares_the_windows_with_the_offline
     assert float(line.rsplit("ratio ", 1)[1].rstrip(")")) >= 0.98
     with pytest.raises(ValueError, match="max_samples must be an int >= 1"):
         inspect_command(["--config", str(config), "--max_samples", "0"])
+
+
+def test_the_overlong_report_counts_the_stream_read_so_far_also_across_a_resume() -> None:
+    lengths = [len(s["input_ids"]) for s in script.samples()]
+    over = [n for n in lengths if n > 64]
+    full = _module(max_tokens=64, overlong="drop")
+    for _ in full.train_dataloader():
+        pass
+    assert full.overlong_report.num_dropped == len(over) > 0
+    assert full.overlong_report.tokens_dropped == sum(over)
+    first = _module(max_tokens=64, overlong="drop")
+    batches = iter(first.train_dataloader())
+    for _ in range(20):
+        next(batches)
+    resumed = _module(max_tokens=64, overlong="drop")
+    resumed.load_state_dict(first.state_dict())
+    for _ in resumed.train_dataloader():
+        pass
+    assert resumed.overlong_report == full.overlong_report
