@@ -56,6 +56,11 @@ class StreamingDataLoader(DataLoader):
         report_to: Callable[[OverlongReport], None] | None = None,
         **kwargs: Any,
     ) -> None:
+        if kwargs.get("persistent_workers"):
+            raise ValueError(
+                "persistent_workers=True would keep each worker's copy of the stream's start: an iteration after a "
+                "resume or a new epoch would replay the old one; leave persistent_workers=False with a stream"
+            )
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
         self.start_source, self.report_to = start_source, report_to
         self._epoch, self._yielded = 0, 0

@@ -84,3 +84,8 @@ def test_an_id_outside_the_model_vocabulary_is_refused_naming_the_window() -> No
     )
     with pytest.raises(ValueError, match=r"outside the model's vocab_size=8"):
         next(iter(StreamingDataLoader(dataset)))
+
+
+def test_persistent_workers_are_refused() -> None:
+    with pytest.raises(ValueError, match="persistent_workers=True would keep"):
+        StreamingDataLoader(_dataset("packing"), num_workers=1, persistent_workers=True)
