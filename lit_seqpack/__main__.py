@@ -68,6 +68,12 @@ def build_inspect_parser() -> Any:
         "samples as carry max_tokens real tokens on average)",
     )
     parser.add_argument("--epoch", type=int, default=0, help="the epoch to plan (it seeds the shuffle)")
+    parser.add_argument(
+        "--max_samples",
+        type=int,
+        default=10_000,
+        help="with data.stream: inspect the stream's first this many samples (a stream has no index)",
+    )
     parser.add_argument("--plot", type=str | None, default=None, help="write a PNG of lengths and bin fill here")
     parser.add_argument("--trainer", type=dict | None, default=None, help="a fit config's trainer section")
     for key in _FIT_ONLY_KEYS:
@@ -93,8 +99,12 @@ def _world_size(trainer: Mapping[str, Any]) -> tuple[int, str | None]:
     return devices * _positive("trainer.num_nodes", nodes), None
 
 
-def _train_split(data: Any) -> tuple[np.ndarray, np.ndarray, int]:
+def _train_split(data: Any, max_samples: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Lengths and loss tokens of the training split, as ``SeqPackDataModule.setup`` prepares them."""
+    if data._stream is not None:
+        from lit_seqpack.data.streaming.module import stream_prefix
+
+        return (*stream_prefix(data, max_samples), 0)
     data.prepare_data()
     data.setup("fit")
     splits = data.splits
@@ -105,8 +115,9 @@ def _train_split(data: Any) -> tuple[np.ndarray, np.ndarray, int]:
 
 def _header(data: Any, lengths: np.ndarray, held_out: int, world: int, accumulate: int) -> str:
     hp = data.hparams
+    source = hp.source if data._stream is None else "stream prefix"
     lines = [
-        f"data: {hp.source} ({lengths.size:,} training samples, {held_out:,} held out), {int(lengths.sum()):,} tokens; "
+        f"data: {source} ({lengths.size:,} training samples, {held_out:,} held out), {int(lengths.sum()):,} tokens; "
         f"length min/median/mean/max = {int(lengths.min())}/{np.median(lengths):g}/{lengths.mean():.1f}/"
         f"{int(lengths.max())}",
         f"plan: max_tokens={hp.max_tokens}, window={hp.window}, sequence_length_round={data.row_multiple}, "
@@ -116,6 +127,19 @@ def _header(data: Any, lengths: np.ndarray, held_out: int, world: int, accumulat
     if data.overlong_report is not None and data.overlong_report.num_overlong:
         lines.append(f"over-long: {data.overlong_report.summary()}")
     return "\n".join(lines)
+
+
+def _stream_line(data: Any, max_samples: int, kept: int, rows: Any, world: int, accumulate: int) -> str:
+    """How the streaming loader packs the prefix (windows of ``stream_buffer``) against the offline plan."""
+    from lit_seqpack.data.streaming.module import stream_prefix_microbatches
+
+    streamed = stream_prefix_microbatches(data, max_samples, world_size=world, accumulate=accumulate)
+    offline = next(row for row in rows if row.configured).stats.num_steps * accumulate
+    return (
+        f"stream: {type(data._stream).__name__}, first {kept:,} samples; windows of {data.hparams.stream_buffer:,} "
+        f"samples train them in {streamed:,} microbatches a rank (the offline plan below: {offline:,}; "
+        f"ratio {offline / streamed:.4f})"
+    )
 
 
 def inspect_command(argv: Sequence[str]) -> str:
@@ -151,7 +175,7 @@ def inspect_command(argv: Sequence[str]) -> str:
             f"world_size={world} must be a multiple of context_parallel_size x tensor_parallel_size={model_parallel}"
         )
     world //= model_parallel  # the plan is made for the data-parallel ranks
-    lengths, loss_tokens, held_out = _train_split(data)
+    lengths, loss_tokens, held_out = _train_split(data, cfg.max_samples)
     rows = compare_plans(
         lengths,
         data.plan_config(world_size=world, accumulate_grad_batches=accumulate),
@@ -162,6 +186,8 @@ def inspect_command(argv: Sequence[str]) -> str:
         epoch=cfg.epoch,
     )
     parts = [_header(data, lengths, held_out, world, accumulate)] + ([note] if note else [])
+    if data._stream is not None:
+        parts.append(_stream_line(data, cfg.max_samples, lengths.size, rows, world, accumulate))
     parts += ["", format_table(rows), "* the configured mode"]
     if cfg.plot:
         title = f"{hp.source}: max_tokens={hp.max_tokens}, world_size={world}, accumulate={accumulate}"

@@ -149,3 +149,13 @@ def test_bench_collate_table_smoke():
         ("per-document pad 8", "2"),
     ]
     assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in table[1:])
+
+
+def test_bench_stream_prints_the_packing_and_loader_tables():
+    args = ["--samples", "3000", "--loader-samples", "300", "--buffers", "100", "1000", "--median", "256"]
+    packing, loader = _tables(_run("bench_stream.py", *args))
+    assert [row[:2] for row in packing[1:]] == [["offline plan", "-"], ["stream", "100"], ["stream", "1,000"]]
+    offline, small, large = (float(row[3]) for row in packing[1:])
+    assert 0 < small <= large <= 1 and large >= 0.95 * offline  # more look-ahead packs at least as well
+    assert [row[0] for row in loader[1:]] == ["offline (map-style)", "stream", "stream"]
+    assert all(float(row[3].replace(",", "")) > 0 for row in loader[1:])

@@ -32,6 +32,7 @@ EXPECTED = {
     "hf_llama": (HFCausalLM, "packing", "first_fit_decreasing", 1),
     "ddp": (ReferenceLM, "packing", "first_fit_decreasing", 2),
     "chat_sft": (ReferenceLM, "packing", "first_fit_decreasing", 1),
+    "stream": (ReferenceLM, "packing", "best_fit_decreasing", 1),
 }
 
 
@@ -63,6 +64,8 @@ def test_config_instantiates_the_documented_classes(path, tmp_path, monkeypatch)
     assert isinstance(trainer.logger, CSVLogger) and Path(trainer.logger.root_dir).name == path.stem
     if mode != "padded":
         assert model.hparams.get("max_seq_len", data.hparams.max_tokens) >= data.hparams.max_tokens
+    if path.stem == "stream":  # no index: test_stream_config_trains_a_few_steps runs it
+        return
     # the DataModule plans without a Trainer: one epoch covers every training sample exactly once
     sampler = data.train_dataloader().batch_sampler
     seen = sorted(i for mb in sampler for i in mb)
@@ -136,6 +139,16 @@ def test_demo_config_checkpoints_mid_epoch_and_keeps_last(tmp_path, monkeypatch)
     assert checkpoint.save_last and checkpoint._every_n_train_steps > 0
     assert Path(checkpoint.dirpath) == tmp_path / "outputs" / "demo" / "checkpoints"
     assert trainer.max_steps > 0 and trainer.max_epochs == 1
+
+
+def test_stream_config_trains_a_few_steps(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    overrides = ["--trainer.max_steps=3", "--data.num_workers=0", "--data.stream.init_args.num_samples=300"]
+    cli = _cli(ROOT / "configs" / "stream.yaml", *overrides, "--trainer.enable_progress_bar=false")
+    assert cli.datamodule._stream.num_samples == 300
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 3
+    assert cli.datamodule.state_dict()["stream_loader"]["loader"]["yielded"] > 0  # a resumable position
 
 
 def test_ddp_config_is_two_cpu_processes(tmp_path, monkeypatch):

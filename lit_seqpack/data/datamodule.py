@@ -38,6 +38,14 @@ from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, P
 from lit_seqpack.data.sources import TokenizedDataset
 from lit_seqpack.data.sources_factory import SOURCES, build_dataset
 from lit_seqpack.data.splits import IndexView, Split, split_indices
+from lit_seqpack.data.streaming.module import (
+    STREAM_STATE,
+    build_stream_loader,
+    check_stream_settings,
+    load_stream_state,
+    stream_state,
+)
+from lit_seqpack.data.streaming.sources import StreamSource
 from lit_seqpack.data.synthetic import SyntheticInstructionDataset
 from lit_seqpack.data.validation import DataScan, check_vocab_range, model_vocab_size, scan_dataset
 from lit_seqpack.planning.plan import PlanConfig
@@ -135,6 +143,11 @@ class SeqPackDataModule(LightningDataModule):
         loss_weight_field: a declared token field holding per-token loss weights (finite, ``>= 0``): the default
             loss becomes ``sum(w * ce)`` over the step's weight sum, which is planned from the samples' weight sums
             (one pass over the data per loader; see :mod:`lit_seqpack.data.loss_weights`).
+        stream: a :class:`~lit_seqpack.data.streaming.StreamSource` read as a stream instead of an indexed dataset
+            (too big to index: generators, sharded JSONL/Parquet, HF ``IterableDataset``, mixtures); packed online
+            in windows of ``stream_buffer`` samples (:mod:`lit_seqpack.data.streaming`). No held-out fractions.
+        stream_buffer: samples of the look-ahead buffer planned together (memory holds one such window per loader
+            process; larger packs fuller rows).
     """
 
     def __init__(
@@ -176,6 +189,8 @@ class SeqPackDataModule(LightningDataModule):
         token_fields: dict[str, int | float] | None = None,
         sample_fields: list[str] | None = None,
         loss_weight_field: str | None = None,
+        stream: StreamSource | None = None,
+        stream_buffer: int = 1000,
     ) -> None:
         super().__init__()
         if (
@@ -184,7 +199,7 @@ class SeqPackDataModule(LightningDataModule):
             or content_check_samples < 0
         ):
             raise ValueError(f"content_check_samples must be an int >= 0, got {content_check_samples!r}")
-        self.save_hyperparameters(ignore=["dataset"])
+        self.save_hyperparameters(ignore=["dataset", "stream"])
         if isinstance(max_tokens, str) and max_tokens == "auto":
             max_tokens = self.hparams.max_tokens = None if mode == "padded" else DEFAULT_MAX_TOKENS
         check_setting_types(
@@ -241,6 +256,17 @@ class SeqPackDataModule(LightningDataModule):
             document_budget(
                 max_tokens, mode=mode, pad_to_multiple_of=pad_to_multiple_of, document_multiple=self.document_multiple
             )
+        if stream is not None:
+            check_stream_settings(
+                stream,
+                buffer_size=stream_buffer,
+                val_fraction=val_fraction,
+                test_fraction=test_fraction,
+                dataset=dataset,
+                source=source,
+                unsupported={"val_path": val_path, "test_path": test_path, "loss_weight_field": loss_weight_field},
+            )
+        self._stream = stream
         self._dataset = dataset
         self._data_scan: DataScan | None = None
         self.overlong_report: OverlongReport | None = None
@@ -303,6 +329,14 @@ class SeqPackDataModule(LightningDataModule):
     @property
     def vocab_size(self) -> int:
         """Vocabulary size the data needs, ``pad_token_id`` included (linked to the model's by the CLI)."""
+        if self._stream is not None:
+            value = getattr(self._stream, "vocab_size", None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(
+                    f"the stream {type(self._stream).__name__} has no vocab_size (a stream is never scanned): pass "
+                    "vocab_size= to the stream source, or set the model's vocab_size yourself"
+                )
+            return max(value, self.hparams.pad_token_id + 1)
         data = self.dataset
         for owner in (data, getattr(data, "config", None)):
             value = getattr(owner, "vocab_size", None)
@@ -313,7 +347,8 @@ class SeqPackDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         """Validate the samples and compute (and cache, with ``cache_dir``) the lengths once per process."""
-        self._scan()
+        if self._stream is None:  # a stream is validated window by window as it is read
+            self._scan()
         for name in self._eval_files:
             self._eval_file(name)
 
@@ -362,7 +397,7 @@ class SeqPackDataModule(LightningDataModule):
         self._layout, self._cp_rank = read_layout(
             self.trainer, self._parallel, fabric=fabric, accumulate_grad_batches=accumulate
         )
-        if self._splits:
+        if self._splits or self._stream is not None:
             return
         hp = self.hparams
         if len(self.dataset) == 0:
@@ -535,6 +570,10 @@ class SeqPackDataModule(LightningDataModule):
 
     def train_dataloader(self) -> StatefulDataLoader:
         """The training loader: a stateful DataLoader over this rank's planned microbatches."""
+        if self._stream is not None:
+            if self.trainer is None:
+                self.setup("fit")
+            return build_stream_loader(self)
         return self._loader("train")
 
     def val_dataloader(self) -> StatefulDataLoader | list:
@@ -544,6 +583,8 @@ class SeqPackDataModule(LightningDataModule):
         A validation split without a single loss token (every label -100) would log ``val/loss = nan``: it is
         skipped with a warning instead.
         """
+        if self._stream is not None:
+            return []
         if not self._splits:
             self.setup("validate")
         if "val" not in self._splits:
@@ -566,6 +607,8 @@ class SeqPackDataModule(LightningDataModule):
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """What a resume must agree with (the data and the distributed layout), and the training loader's state."""
+        if self._stream is not None:
+            return {STREAM_STATE: stream_state(self)}
         state = self._layout_state()
         state[PLAN_STATE] = self._plan_settings()
         if self._train_loader is not None:
@@ -606,6 +649,9 @@ class SeqPackDataModule(LightningDataModule):
         trainer = self.trainer
         if trainer is not None and trainer.state.fn is not None and trainer.state.fn != "fit":
             return  # validate / test only read the weights: any data layout may evaluate a checkpoint
+        if self._stream is not None:
+            load_stream_state(self, state_dict.get(STREAM_STATE))
+            return
         loader_state, self._resume_point = check_resume(state_dict, self._layout_state(), self._plan_settings())
         if loader_state is not None and self._train_loader is not None:
             self._train_loader.load_state_dict(loader_state)  # restored after the loader was built

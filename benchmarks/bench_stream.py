@@ -1,0 +1,144 @@
+"""Benchmark streaming against the offline plan: packing efficiency and loader throughput per buffer size.
+
+Two Markdown tables on lognormal lengths (``--median`` tokens, shape ``--sigma``, at most ``--max-tokens``):
+
+1. Packing: the offline plan of the whole data (``build_plan``, best fit decreasing) against the stream packed in
+   windows of ``--buffers`` samples (``stream_windows``, the least-full rows carried to the next window), both for
+   ``--world`` ranks x ``--accumulate``. Columns: microbatches over all ranks (fillers included), efficiency = real
+   tokens / (microbatches x max_tokens), streamed / offline efficiency, lock-step fillers, samples carried, planning
+   seconds (the stream's include generating its samples).
+2. Loader: one rank's DataLoader end to end (read, plan, collate into packed rows; ``num_workers=0``), the map-style
+   DataModule on the samples in memory against ``SeqPackDataModule(stream=SyntheticStream(...))``: microbatches/s
+   and real tokens/s, and the loader's peak Python memory (``tracemalloc``; the map-style loader holds the data).
+
+    .venv/bin/python benchmarks/bench_stream.py            # 200k samples for packing, 20k through the loaders
+    .venv/bin/python benchmarks/bench_stream.py --quick    # 20k and 4k
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import tracemalloc
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+from _common import machine_summary, markdown_table
+
+from lit_seqpack import SeqPackDataModule
+from lit_seqpack.data.streaming import SyntheticStream, stream_windows
+from lit_seqpack.planning.plan import PlanConfig, build_plan
+
+
+def _config(args: argparse.Namespace) -> PlanConfig:
+    return PlanConfig(
+        mode="packing",
+        max_tokens=args.max_tokens,
+        algorithm="best_fit_decreasing",
+        world_size=args.world,
+        accumulate_grad_batches=args.accumulate,
+        seed=0,
+    )
+
+
+def _stream(args: argparse.Namespace, count: int) -> SyntheticStream:
+    return SyntheticStream(
+        num_samples=count,
+        vocab_size=512,
+        median_length=args.median,
+        sigma=args.sigma,
+        max_length=args.max_tokens,
+        seed=0,
+    )
+
+
+def packing_table(args: argparse.Namespace) -> str:
+    config, stream = _config(args), _stream(args, args.samples)
+    lengths = np.array([len(s["input_ids"]) for s in stream.open()], dtype=np.int64)
+    tokens = int(lengths.sum())
+    start = time.perf_counter()
+    offline = build_plan(lengths, config, epoch=0).stats
+    rows = [["offline plan", "-", f"{offline.num_microbatches:,}", f"{offline.utilization:.4f}", "1.0000",
+             f"{offline.num_empty_microbatches}", "-", f"{time.perf_counter() - start:.2f}"]]  # fmt: skip
+    for buffer in args.buffers:
+        start = time.perf_counter()
+        microbatches = empty = carried = 0
+        for window in stream_windows(stream.open(), config=config, buffer_size=buffer, epoch=0):
+            microbatches += window.plan.stats.num_microbatches
+            empty += window.plan.stats.num_empty_microbatches
+            carried += len(window.carried_in)
+        efficiency = tokens / (microbatches * args.max_tokens)
+        rows.append(["stream", f"{buffer:,}", f"{microbatches:,}", f"{efficiency:.4f}",
+                     f"{efficiency / offline.utilization:.4f}", f"{empty}", f"{carried:,}",
+                     f"{time.perf_counter() - start:.2f}"])  # fmt: skip
+    headers = ["plan", "buffer", "microbatches", "efficiency", "vs offline", "fillers", "carried", "seconds"]
+    title = (
+        f"Packing {args.samples:,} samples ({tokens:,} tokens; lognormal median {args.median}, sigma {args.sigma}), "
+        f"max_tokens {args.max_tokens}, {args.world} ranks x accumulate {args.accumulate}"
+    )
+    return f"{title}\n\n{markdown_table(headers, rows)}"
+
+
+def _drain(make_loader: Callable[[], Iterable[dict[str, Any]]]) -> tuple[float, int, int, float]:
+    """Seconds, microbatches and real tokens of one pass, and the peak traced memory (MiB) of building + passing."""
+    tracemalloc.start()
+    try:
+        start = time.perf_counter()
+        microbatches = tokens = 0
+        for batch in make_loader():
+            microbatches += 1
+            tokens += int(batch["num_real_tokens"])
+        seconds = time.perf_counter() - start
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return seconds, microbatches, tokens, peak / 2**20
+
+
+def loader_table(args: argparse.Namespace) -> str:
+    count = args.loader_samples
+    common = {"max_tokens": args.max_tokens, "algorithm": "best_fit_decreasing", "num_workers": 0, "seed": 0}
+
+    def offline() -> Iterable[dict[str, Any]]:
+        data = list(_stream(args, count).open())  # a map-style dataset must exist in memory (or on disk) first
+        return SeqPackDataModule(dataset=data, content_check_samples=0, **common).train_dataloader()
+
+    def streamed(buffer: int) -> Callable[[], Iterable[dict[str, Any]]]:
+        return lambda: SeqPackDataModule(stream=_stream(args, count), stream_buffer=buffer, **common).train_dataloader()
+
+    rows = []
+    for name, buffer, make in [("offline (map-style)", "-", offline)] + [
+        ("stream", f"{b:,}", streamed(b)) for b in args.buffers
+    ]:
+        seconds, microbatches, tokens, peak = _drain(make)
+        rows.append([name, buffer, f"{microbatches:,}", f"{microbatches / seconds:,.0f}", f"{tokens / seconds:,.0f}",
+                     f"{peak:.1f}"])  # fmt: skip
+    headers = ["loader", "buffer", "microbatches", "microbatches/s", "real tokens/s", "peak MiB"]
+    title = f"One rank's loader over {count:,} samples (read + plan + collate, num_workers=0)"
+    return f"{title}\n\n{markdown_table(headers, rows)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=200_000, help="samples of the packing table")
+    parser.add_argument("--loader-samples", type=int, default=20_000, help="samples through the loaders")
+    parser.add_argument("--buffers", type=int, nargs="+", default=[100, 1_000, 10_000])
+    parser.add_argument("--max-tokens", type=int, default=2048)
+    parser.add_argument("--median", type=int, default=128)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--accumulate", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="20k samples for packing, 4k through the loaders")
+    args = parser.parse_args()
+    if args.quick:
+        args.samples, args.loader_samples = 20_000, 4_000
+    print(machine_summary())
+    print()
+    print(packing_table(args))
+    print()
+    print(loader_table(args))
+
+
+if __name__ == "__main__":
+    main()

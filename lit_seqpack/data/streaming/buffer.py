@@ -1,0 +1,274 @@
+"""The bounded look-ahead buffer: a stream cut into windows of ``buffer_size`` samples, each planned on its own.
+
+Every window is planned by the offline planner (:func:`~lit_seqpack.planning.plan.build_plan`, best fit decreasing
+by default) for all ranks and the accumulation at once, so:
+
+- memory holds one window of samples (plus the reader's own, e.g. one Parquet row group);
+- every optimizer step's microbatches come from one window, so its loss-token total over all ranks
+  (``step_loss_tokens``, the exact-loss normaliser) is known before the step starts, without a collective;
+- every rank gets the same number of microbatches per window (the plan adds empty lock-step fillers when a short
+  last window has fewer bins than ranks x accumulation), so ranks stay in lock step to the end of the stream;
+- every sample of the window is in exactly one microbatch of one rank.
+
+The over-long policy is applied sample by sample as the stream is read and counted in a
+:class:`OverlongCounter` (the same :class:`~lit_seqpack.data.overlong.OverlongReport` as the map-style path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from lit_seqpack.data.lengths import sample_loss_tokens
+from lit_seqpack.data.overlong import OverlongReport
+from lit_seqpack.planning.algorithms import get_packer
+from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan
+
+__all__ = ["CARRY_FILL", "OverlongCounter", "StreamWindow", "carried_over", "stream_windows"]
+
+_SHOWN = 5
+CARRY_FILL = 0.97
+"""Bins filled below this share of the budget are carried into the next window (packing, not the last window)."""
+_TOKEN_KEYS = ("input_ids", "labels", "loss_mask")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class OverlongCounter:
+    """Running counts of the over-long policy over a stream (samples are numbered from the stream's start).
+
+    Args:
+        policy: ``"error"``, ``"truncate"`` or ``"drop"``.
+        max_tokens: the longest document allowed.
+    """
+
+    policy: str
+    max_tokens: int
+    num_samples: int = 0
+    num_overlong: int = 0
+    tokens_cut: int = 0
+    shown: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def admit(self, number: int, sample: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The sample under the policy (``None``: dropped); raises under ``"error"`` for an over-long sample."""
+        length = len(sample["input_ids"])
+        if length == 0:
+            raise ValueError(f"sample {number} of the stream has no token: input_ids must hold at least one token")
+        self.num_samples += 1
+        if length <= self.max_tokens:
+            return sample
+        if self.policy == "error":
+            raise ValueError(
+                f"sample {number} of the stream has {length} tokens, more than max_tokens={self.max_tokens}; "
+                "raise max_tokens, or set overlong='truncate' or overlong='drop'"
+            )
+        self.num_overlong += 1
+        if len(self.shown) < _SHOWN:
+            self.shown.append((number, length))
+        if self.policy == "drop":
+            self.tokens_cut += length
+            return None
+        self.tokens_cut += length - self.max_tokens
+        return {k: v[: self.max_tokens] if k in _TOKEN_KEYS else v for k, v in sample.items()}
+
+    def state(self) -> dict[str, Any]:
+        """The counts as a small dict (a checkpoint keeps the counts at the start of the window it resumes in)."""
+        return {
+            "num_samples": self.num_samples,
+            "num_overlong": self.num_overlong,
+            "tokens_cut": self.tokens_cut,
+            "shown": [list(item) for item in self.shown],
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from counts saved by :meth:`state`."""
+        self.num_samples, self.num_overlong = int(state["num_samples"]), int(state["num_overlong"])
+        self.tokens_cut = int(state["tokens_cut"])
+        self.shown = [(int(i), int(n)) for i, n in state["shown"]]
+
+    def report(self) -> OverlongReport:
+        """The counts so far as an :class:`~lit_seqpack.data.overlong.OverlongReport`."""
+        dropped = self.policy == "drop"
+        return OverlongReport(
+            policy=self.policy,
+            max_tokens=self.max_tokens,
+            num_samples=self.num_samples,
+            num_overlong=self.num_overlong,
+            num_dropped=self.num_overlong if dropped else 0,
+            num_truncated=0 if dropped else self.num_overlong,
+            tokens_dropped=self.tokens_cut if dropped else 0,
+            tokens_truncated=0 if dropped else self.tokens_cut,
+            indices=tuple(i for i, _ in self.shown),
+            lengths=tuple(n for _, n in self.shown),
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StreamWindow:
+    """One planned window of the stream.
+
+    Args:
+        index: the window's number in the epoch (0-based).
+        start: the stream position of its first sample (reopening there re-reads the window).
+        first_sample: the stream number of its first sample.
+        first_microbatch: each rank's microbatches before this window in the epoch (the same on every rank).
+        first_step: optimizer steps before this window in the epoch.
+        samples: the window's planned samples after the over-long policy (plan indices point into it); those carried
+            in from the previous window come first, those carried on to the next are not here.
+        carried_in: the samples carried into this window from the previous one (a resume re-reads the window from
+            ``start`` and needs these too).
+        loss_tokens: the loss tokens of each of those samples.
+        plan: the window's plan for every rank.
+        overlong_before: the over-long counts of the stream before this window (:meth:`OverlongCounter.state`).
+        overlong_after: the counts up to the end of this window.
+    """
+
+    index: int
+    start: Any
+    first_sample: int
+    first_microbatch: int
+    first_step: int
+    samples: list[Mapping[str, Any]]
+    carried_in: list[Mapping[str, Any]]
+    loss_tokens: np.ndarray
+    plan: Plan
+    overlong_before: dict[str, Any] | None = None
+    overlong_after: dict[str, Any] | None = None
+
+
+def _round_up(lengths: np.ndarray, multiple: int) -> np.ndarray:
+    return lengths if multiple == 1 else (lengths + multiple - 1) // multiple * multiple
+
+
+def carried_over(planned: np.ndarray, eligible: np.ndarray, config: PlanConfig, limit: int) -> np.ndarray:
+    """Samples of a window to hold back for the next one: those of its least-full bins.
+
+    The window is packed once; bins below :data:`CARRY_FILL` of the budget are carried (least full first), then more
+    until the bins left fill whole optimizer steps (``world_size x accumulation``) without split bins. A bin with a
+    sample that was carried already stays (no sample waits more than one window), and at most ``limit`` samples
+    are carried, so the buffer never grows.
+
+    Args:
+        planned: the planned length of each sample of the window.
+        eligible: ``False`` for samples carried into this window.
+        config: the window's plan configuration (packing).
+        limit: the most samples carried.
+
+    Returns:
+        The positions (in the window) of the carried samples.
+
+    Example:
+        >>> config = PlanConfig(mode="packing", max_tokens=10, shuffle=False)
+        >>> carried_over(np.array([10, 7, 3, 2]), np.ones(4, dtype=bool), config, limit=2).tolist()  # bins 10, 7+3, 2
+        [3]
+    """
+    capacity = int(config.max_tokens)
+    flat, ends = get_packer(config.algorithm or "first_fit_decreasing", capacity).pack_flat(planned)
+    if limit < 1 or ends.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.concatenate(([0], ends[:-1]))
+    fills = np.add.reduceat(planned[flat], starts)
+    movable = np.logical_and.reduceat(eligible[flat], starts)
+    carried: list[int] = []
+    remaining = int(ends.size)
+    for b in np.argsort(fills, kind="stable"):
+        if fills[b] >= CARRY_FILL * capacity and remaining % config.slots_per_step == 0:
+            break
+        members = flat[starts[b] : ends[b]]
+        if not movable[b]:
+            continue
+        if len(carried) + members.size > limit or remaining == 1:
+            break
+        carried.extend(members.tolist())
+        remaining -= 1
+    return np.array(sorted(carried), dtype=np.int64)
+
+
+def stream_windows(
+    reader: Iterator[Mapping[str, Any]],
+    *,
+    config: PlanConfig,
+    buffer_size: int,
+    epoch: int,
+    counter: OverlongCounter | None = None,
+    document_multiple: int = 1,
+    start: tuple[int, int, int, int] = (0, 0, 0, 0),
+    carried: list[Mapping[str, Any]] | None = None,
+) -> Iterator[StreamWindow]:
+    """Read ``reader`` into windows of ``buffer_size`` samples and plan each one.
+
+    In packing mode the samples of a window's least-full bins (at most a fifth of the buffer) are carried into the
+    next window instead of being trained in half-empty rows (:func:`carried_over`); the last window carries nothing.
+
+    Args:
+        reader: a :class:`~lit_seqpack.data.streaming.sources.StreamReader` (its ``position`` is read at each
+            window start).
+        config: the plan of a window (``window`` and ``shuffle`` as given: shuffling reorders inside the window).
+        buffer_size: samples held and planned together (>= 1), carried ones included.
+        epoch: seeds the window plans.
+        counter: applies and counts the over-long policy (``None``: samples must fit ``config.max_tokens``).
+        document_multiple: packed documents are padded to a multiple of this (planned on the padded lengths).
+        start: ``(window, sample, microbatch, step)`` numbers of the first window (a resume).
+        carried: samples carried into the first window (a resume: the window record's ``carried``).
+
+    Example:
+        >>> from lit_seqpack.data.streaming.sources import GeneratorStream
+        >>> stream = GeneratorStream(lambda: ({"input_ids": [1] * n} for n in (5, 3, 4, 4, 2)))
+        >>> config = PlanConfig(mode="packing", max_tokens=8, shuffle=False)
+        >>> [w.plan.rank_microbatches(0) for w in stream_windows(stream.open(), config=config, buffer_size=3, epoch=0)]
+        [[[0, 1], [2]], [[0, 1]]]
+    """
+    window, number, microbatch, step = start
+    carried = list(carried or [])
+    limit = buffer_size // 5 if config.mode == "packing" else 0
+    while True:
+        position = getattr(reader, "position", None)
+        before = None if counter is None else counter.state()
+        first, carried_in = number, carried
+        samples: list[Mapping[str, Any]] = list(carried_in)
+        ended = True
+        while len(samples) < buffer_size:
+            sample = next(reader, None)
+            if sample is None:
+                break
+            kept = sample if counter is None else counter.admit(number, sample)
+            number += 1
+            if kept is not None:
+                samples.append(kept)
+        else:
+            ended = False
+        if number == first and not samples:
+            return
+        lengths = np.array([len(s["input_ids"]) for s in samples], dtype=np.int64)
+        planned = _round_up(lengths, document_multiple) if config.mode == "packing" else lengths
+        carried = []
+        if not ended and limit:
+            eligible = np.arange(len(samples)) >= len(carried_in)
+            held = carried_over(planned, eligible, config, limit)
+            carried = [samples[i] for i in held]
+            keep = np.ones(len(samples), dtype=bool)
+            keep[held] = False
+            samples, planned = [s for s, k in zip(samples, keep, strict=True) if k], planned[keep]
+        loss = np.array([sample_loss_tokens(s) for s in samples], dtype=np.int64)
+        plan = build_plan(planned, config, epoch=epoch, loss_tokens=loss) if samples else _empty_plan(config, epoch)
+        yield StreamWindow(
+            index=window,
+            start=position,
+            first_sample=first,
+            first_microbatch=microbatch,
+            first_step=step,
+            samples=samples,
+            carried_in=carried_in,
+            loss_tokens=loss,
+            plan=plan,
+            overlong_before=before,
+            overlong_after=None if counter is None else counter.state(),
+        )
+        window, microbatch, step = window + 1, microbatch + plan.microbatches_per_rank, step + plan.num_steps
+
+
+def _empty_plan(config: PlanConfig, epoch: int) -> Plan:
+    """The plan of a window whose every sample was dropped: no step, no microbatch."""
+    return build_plan(np.zeros(0, dtype=np.int64), config, epoch=epoch)

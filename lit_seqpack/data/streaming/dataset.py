@@ -1,0 +1,162 @@
+"""The torch ``IterableDataset`` of a stream: one rank's collated microbatches, window after window.
+
+Every rank (and every DataLoader worker) reads the *same* stream and plans the same windows
+(:func:`~lit_seqpack.data.streaming.buffer.stream_windows`); rank ``r`` keeps its own microbatches of each window's
+plan, so ranks need no communication to agree, and each sample is trained by exactly one rank. With ``W`` workers,
+worker ``k`` collates the rank's microbatches ``k, k + W, ...`` (counted from the start of the iteration), which a
+DataLoader's round robin over its workers returns in order. Each worker therefore holds one window.
+
+Every batch carries, under :data:`STREAM_KEY`, where it comes from (its window's start position in the stream and
+its microbatch number); :class:`~lit_seqpack.data.streaming.loader.StreamingDataLoader` takes that key out before
+the batch reaches the model and keeps the few facts a resume needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta
+from lit_seqpack.data.streaming.buffer import OverlongCounter, StreamWindow, stream_windows
+from lit_seqpack.data.streaming.sources import StreamSource
+from lit_seqpack.planning.plan import PlanConfig
+
+__all__ = ["STREAM_KEY", "StreamStart", "StreamingDataset"]
+
+STREAM_KEY = "_stream"
+"""The batch key of a microbatch's stream facts (removed by the streaming loader)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StreamStart:
+    """Where an iteration starts: the epoch, and for a resume the window to re-read and the microbatch to start at.
+
+    Args:
+        epoch: seeds the window plans.
+        window: the window record a resume re-reads (``None``: the stream's start); its keys are those of
+            :func:`window_record`.
+        microbatch: this rank's first microbatch (numbered in the epoch; ``>= window["first_microbatch"]``).
+    """
+
+    epoch: int = 0
+    window: Mapping[str, Any] | None = None
+    microbatch: int = 0
+
+
+def window_record(window: StreamWindow) -> dict[str, Any]:
+    """The facts that re-read ``window`` exactly: its stream position, numbers and over-long counts before it."""
+    return {
+        "window": window.index,
+        "start": window.start,
+        "first_sample": window.first_sample,
+        "first_microbatch": window.first_microbatch,
+        "first_step": window.first_step,
+        "overlong_before": window.overlong_before,
+        "carried": window.carried_in,
+    }
+
+
+class StreamingDataset(IterableDataset):
+    """One rank's collated microbatches of a stream, planned one look-ahead window at a time.
+
+    Args:
+        source: the stream (:class:`~lit_seqpack.data.streaming.sources.StreamSource`).
+        config: the plan of each window (world size, accumulation, budget, algorithm, ...).
+        rank: this data-parallel rank.
+        buffer_size: samples per window.
+        collator: turns a :class:`~lit_seqpack.data.microbatch.Microbatch` of samples into a batch dict.
+        overlong: the over-long policy (``"error"``, ``"truncate"``, ``"drop"``).
+        document_budget: the longest document allowed (``max_tokens`` less per-document padding).
+        document_multiple: packed documents are padded to a multiple of this.
+        vocab_size: the ids the model embeds (``None``: unchecked); a batch holding a larger id (a stream is never
+            scanned up front) raises naming the stream samples and the vocabulary.
+    """
+
+    def __init__(
+        self,
+        source: StreamSource,
+        *,
+        config: PlanConfig,
+        rank: int,
+        buffer_size: int,
+        collator: Callable[[Microbatch], dict[str, Any]],
+        overlong: str = "error",
+        document_budget: int | None = None,
+        document_multiple: int = 1,
+        vocab_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0 <= rank < config.world_size:
+            raise ValueError(f"rank must be in [0, {config.world_size}), got {rank}")
+        self.source, self.config, self.rank, self.buffer_size = source, config, rank, buffer_size
+        self.collator, self.overlong, self.document_multiple = collator, overlong, document_multiple
+        self.document_budget = document_budget if document_budget is not None else config.max_tokens
+        self.vocab_size = vocab_size
+        self.start = StreamStart()
+
+    def windows(self) -> Iterator[StreamWindow]:
+        """The planned windows from :attr:`start` (every rank and worker gets the same)."""
+        record = self.start.window
+        counter = None
+        if self.document_budget is not None:
+            counter = OverlongCounter(policy=self.overlong, max_tokens=self.document_budget)
+            if record is not None and record["overlong_before"] is not None:
+                counter.load_state(record["overlong_before"])
+        numbers = (0, 0, 0, 0)
+        if record is not None:
+            numbers = (record["window"], record["first_sample"], record["first_microbatch"], record["first_step"])
+        return stream_windows(
+            self.source.open(None if record is None else record["start"]),
+            config=self.config,
+            buffer_size=self.buffer_size,
+            epoch=self.start.epoch,
+            counter=counter,
+            document_multiple=self.document_multiple,
+            start=numbers,
+            carried=None if record is None else record["carried"],
+        )
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        first = self.start.microbatch
+        for window in self.windows():
+            record: dict[str, Any] | None = window_record(window)  # sent with this worker's first batch of it
+            for position in range(window.plan.microbatches_per_rank):
+                number = window.first_microbatch + position
+                if number < first or (number - first) % workers != worker:
+                    continue
+                yield self._collate(window, position, number, record)
+                record = None
+
+    def _collate(
+        self, window: StreamWindow, position: int, number: int, record: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        config, plan = self.config, window.plan
+        planned = plan.microbatch(self.rank, position)
+        meta = MicrobatchMeta(
+            step=window.first_step + planned.step,
+            step_loss_tokens=planned.step_loss_tokens,
+            world_size=config.world_size,
+            accumulate_grad_batches=config.accumulate_grad_batches,
+            max_tokens=config.max_tokens,
+            is_empty=not planned.indices,
+            loss_tokens=int(window.loss_tokens[planned.indices].sum()) if planned.indices else 0,
+        )
+        batch = self.collator(Microbatch((window.samples[i] for i in planned.indices), meta=meta))
+        if self.vocab_size is not None and planned.indices and int(batch["input_ids"].max()) >= self.vocab_size:
+            raise ValueError(
+                f"token id {int(batch['input_ids'].max())} in a microbatch of stream window {window.index} (its "
+                f"samples start at stream sample {window.first_sample}) is outside the model's vocab_size="
+                f"{self.vocab_size}: raise the model's vocab_size or the stream's vocab_size"
+            )
+        batch[STREAM_KEY] = {
+            "epoch": self.start.epoch,
+            "microbatch": number,
+            "record": record,
+            "overlong_after": window.overlong_after,
+        }
+        return batch

@@ -1,0 +1,359 @@
+"""Stream sources: samples read in order, never indexed, each reopenable at a saved position.
+
+A source is any object with ``open(position)`` returning a :class:`StreamReader`: an iterator of sample mappings
+(``input_ids``, optionally ``labels`` or ``loss_mask``) whose :attr:`~StreamReader.position` is where the *next*
+sample starts. ``open(reader.position)`` on a fresh object reads the same samples from there, which is how a
+checkpoint stores the start of the look-ahead buffer instead of its contents. Positions are small JSON-like values
+(ints, lists, dicts) so they travel in a checkpoint.
+
+================================  ============================================  ==================================
+source                            position                                      reopening costs
+================================  ============================================  ==================================
+:class:`GeneratorStream`          samples read so far                           re-reading (and skipping) them
+:class:`SyntheticStream`          samples read so far                           nothing (each sample is seeded)
+:class:`JsonlStream`              ``[file, byte offset]``                       one seek
+:class:`ParquetStream`            ``[file, row group, row]``                    reading one row group
+:class:`HFIterableStream`         samples read so far                           ``IterableDataset.skip`` (a read)
+:class:`MixtureStream`            the children's positions + the draw count     the children's, plus the draws
+================================  ============================================  ==================================
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "GeneratorStream",
+    "HFIterableStream",
+    "JsonlStream",
+    "MixtureStream",
+    "ParquetStream",
+    "StreamReader",
+    "StreamSource",
+    "SyntheticStream",
+]
+
+Sample = Mapping[str, Any]
+
+
+class StreamReader(Iterator[Sample]):
+    """An iterator of samples that knows where the next one starts (:attr:`position`)."""
+
+    position: Any
+
+    def __iter__(self) -> StreamReader:
+        return self
+
+
+@runtime_checkable
+class StreamSource(Protocol):
+    """What the streaming loader reads: ``open(None)`` starts at the beginning, ``open(p)`` at a saved position."""
+
+    def open(self, position: Any = None) -> StreamReader: ...
+
+
+def _expand(paths: str | Sequence[str], suffixes: tuple[str, ...], setting: str) -> list[str]:
+    """Files of ``paths`` (a glob, a folder, a file or a list of them) in sorted order, or a ``ValueError``."""
+    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    files: list[str] = []
+    for item in items:
+        item = str(item)
+        if Path(item).is_dir():
+            files += sorted(str(p) for p in Path(item).iterdir() if p.name.endswith(suffixes))
+        elif any(ch in item for ch in "*?["):
+            files += sorted(glob.glob(item))
+        elif Path(item).is_file():
+            files.append(item)
+        else:
+            raise ValueError(f"{setting}: no such file or folder: {item!r}")
+    if not files:
+        raise ValueError(f"{setting}={paths!r} matches no {'/'.join(suffixes)} file")
+    return files
+
+
+class _CountingReader(StreamReader):
+    """A reader over an iterator whose position is the number of samples read from the start."""
+
+    def __init__(self, samples: Iterator[Sample], position: int) -> None:
+        self._samples, self.position = samples, position
+
+    def __next__(self) -> Sample:
+        sample = next(self._samples)
+        self.position += 1
+        return sample
+
+
+def _check_count_position(position: Any, source: str) -> int:
+    if position is None:
+        return 0
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise ValueError(f"{source}: a position is a sample count >= 0, got {position!r}")
+    return position
+
+
+class GeneratorStream:
+    """Samples from a Python generator function (or any re-iterable), e.g. data generated on the fly.
+
+    Reopening at position ``n`` calls ``factory()`` again and skips ``n`` samples, so the factory must give the
+    same samples every call (seed it); the cost is reading those ``n`` samples again.
+
+    Args:
+        factory: a callable returning a fresh iterable of samples on every call.
+        vocab_size: the vocabulary the samples need (optional; read by ``SeqPackDataModule.vocab_size``).
+
+    Example:
+        >>> stream = GeneratorStream(lambda: ({"input_ids": [1] * n} for n in (2, 3, 4)))
+        >>> reader = stream.open(1)
+        >>> [len(s["input_ids"]) for s in reader], reader.position
+        ([3, 4], 3)
+    """
+
+    def __init__(self, factory: Callable[[], Iterable[Sample]], *, vocab_size: int | None = None) -> None:
+        if not callable(factory):
+            raise ValueError(
+                f"factory must be a callable returning a fresh iterable of samples, got {type(factory).__name__} "
+                "(a generator object cannot be read twice: pass the generator function)"
+            )
+        self.factory, self.vocab_size = factory, vocab_size
+
+    def open(self, position: Any = None) -> StreamReader:
+        start = _check_count_position(position, "GeneratorStream")
+        samples = iter(self.factory())
+        for skipped in range(start):
+            if next(samples, None) is None:
+                raise ValueError(f"GeneratorStream: position {start} is past the end ({skipped} samples)")
+        return _CountingReader(samples, start)
+
+
+class _SyntheticReader(StreamReader):
+    def __init__(self, stream: SyntheticStream, position: int) -> None:
+        self._stream, self.position = stream, position
+
+    def __next__(self) -> Sample:
+        stream = self._stream
+        if stream.num_samples is not None and self.position >= stream.num_samples:
+            raise StopIteration
+        rng = np.random.default_rng([stream.seed, self.position])
+        length = int(np.clip(round(rng.lognormal(np.log(stream.median_length), stream.sigma)), 2, stream.max_length))
+        ids = rng.integers(1, stream.vocab_size, length)
+        prompt = int(rng.integers(0, length // 2 + 1))
+        self.position += 1
+        return {"input_ids": ids.tolist(), "labels": [-100] * prompt + ids[prompt:].tolist()}
+
+
+class SyntheticStream:
+    """Generated samples with lognormal lengths and a masked prompt, as long a stream as asked (no download).
+
+    Sample ``i`` depends on ``(seed, i)`` only, so a reader reopens anywhere at no cost and the stream can be far
+    larger than memory (``num_samples=None``: endless; bound it with ``max_steps``).
+
+    Args:
+        num_samples: samples in the stream (``None``: endless).
+        vocab_size: token ids are drawn from ``[1, vocab_size)``.
+        median_length: median sample length (tokens).
+        sigma: the lognormal's shape (spread of the lengths).
+        max_length: the longest sample generated (longer draws are clipped).
+        seed: seed of the stream (>= 0).
+
+    Example:
+        >>> reader = SyntheticStream(num_samples=3, vocab_size=50).open(1)
+        >>> len(list(reader)), reader.position
+        (2, 3)
+    """
+
+    def __init__(
+        self,
+        *,
+        num_samples: int | None = 10_000,
+        vocab_size: int = 512,
+        median_length: int = 128,
+        sigma: float = 1.0,
+        max_length: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        checks = {"vocab_size": (vocab_size, 2), "median_length": (median_length, 2), "max_length": (max_length, 2)}
+        checks |= {"seed": (seed, 0)} | ({} if num_samples is None else {"num_samples": (num_samples, 0)})
+        for name, (value, minimum) in checks.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"SyntheticStream.{name} must be an int >= {minimum}, got {value!r}")
+        if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not 0 <= sigma < 10:
+            raise ValueError(f"SyntheticStream.sigma must be a number in [0, 10), got {sigma!r}")
+        self.num_samples, self.vocab_size, self.seed = num_samples, vocab_size, seed
+        self.median_length, self.sigma, self.max_length = median_length, float(sigma), max_length
+
+    def open(self, position: Any = None) -> StreamReader:
+        return _SyntheticReader(self, _check_count_position(position, "SyntheticStream"))
+
+
+class _JsonlReader(StreamReader):
+    def __init__(self, files: list[str], file: int, offset: int) -> None:
+        self._files, self.position = files, [file, offset]
+        self._handle: Any = None
+
+    def __next__(self) -> Sample:
+        while True:
+            file, offset = self.position
+            if file >= len(self._files):
+                raise StopIteration
+            if self._handle is None:
+                self._handle = open(self._files[file], "rb")  # noqa: SIM115 - closed at the file's end
+                self._handle.seek(offset)
+            line = self._handle.readline()
+            if not line:
+                self._handle.close()
+                self._handle, self.position = None, [file + 1, 0]
+                continue
+            self.position = [file, offset + len(line)]
+            if line.strip():
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{self._files[file]}: byte {offset}: not a JSON line ({err.msg})") from None
+
+
+class JsonlStream:
+    """JSON Lines shards read in order (sorted names), one sample a line; no index, the position is a byte offset.
+
+    Args:
+        paths: a file, a folder (its ``*.jsonl`` files), a glob, or a list of them.
+        vocab_size: the vocabulary the samples need (optional).
+    """
+
+    def __init__(self, paths: str | Sequence[str], *, vocab_size: int | None = None) -> None:
+        self.files, self.vocab_size = _expand(paths, (".jsonl", ".json"), "JsonlStream.paths"), vocab_size
+
+    def open(self, position: Any = None) -> StreamReader:
+        file, offset = [0, 0] if position is None else position
+        return _JsonlReader(self.files, int(file), int(offset))
+
+
+class _ParquetReader(StreamReader):
+    def __init__(self, files: list[str], position: list[int]) -> None:
+        self._files, self.position = files, list(position)
+        self._rows: list[Sample] | None = None
+
+    def __next__(self) -> Sample:
+        import pyarrow.parquet as pq
+
+        while True:
+            file, group, row = self.position
+            if file >= len(self._files):
+                raise StopIteration
+            if self._rows is None:
+                handle = pq.ParquetFile(self._files[file])
+                if group >= handle.num_row_groups:
+                    self._rows, self.position = None, [file + 1, 0, 0]
+                    continue
+                self._rows = handle.read_row_group(group).to_pylist()  # one row group in memory at a time
+            if row >= len(self._rows):
+                self._rows, self.position = None, [file, group + 1, 0]
+                continue
+            self.position = [file, group, row + 1]
+            return self._rows[row]
+
+
+class ParquetStream:
+    """Parquet shards read one row group at a time, in order; the position is ``[file, row group, row]``.
+
+    Args:
+        paths: a file, a folder (its ``*.parquet`` files), a glob, or a list of them.
+        vocab_size: the vocabulary the samples need (optional).
+    """
+
+    def __init__(self, paths: str | Sequence[str], *, vocab_size: int | None = None) -> None:
+        self.files, self.vocab_size = _expand(paths, (".parquet",), "ParquetStream.paths"), vocab_size
+
+    def open(self, position: Any = None) -> StreamReader:
+        return _ParquetReader(self.files, [0, 0, 0] if position is None else [int(p) for p in position])
+
+
+class HFIterableStream:
+    """A Hugging Face ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)`` or ``to_iterable_dataset``).
+
+    Reopening at ``n`` uses ``dataset.skip(n)``: the skipped samples are read again, so the dataset must give the
+    same order every pass (a ``shuffle`` with a fixed seed does).
+
+    Args:
+        dataset: the iterable dataset (already tokenised: rows with ``input_ids``).
+        vocab_size: the vocabulary the samples need (optional).
+    """
+
+    def __init__(self, dataset: Any, *, vocab_size: int | None = None) -> None:
+        if not hasattr(dataset, "skip") or not hasattr(dataset, "__iter__"):
+            raise ValueError(f"dataset must be a datasets.IterableDataset, got {type(dataset).__name__}")
+        self.dataset, self.vocab_size = dataset, vocab_size
+
+    def open(self, position: Any = None) -> StreamReader:
+        start = _check_count_position(position, "HFIterableStream")
+        return _CountingReader(iter(self.dataset.skip(start) if start else self.dataset), start)
+
+
+class _MixtureReader(StreamReader):
+    def __init__(self, mixture: MixtureStream, position: Mapping[str, Any] | None) -> None:
+        children = position["children"] if position else [None] * len(mixture.sources)
+        self._draws = int(position["draws"]) if position else 0
+        self._done = list(position["done"]) if position else [False] * len(mixture.sources)
+        self._readers = [s.open(p) for s, p in zip(mixture.sources, children, strict=True)]
+        self._weights = np.asarray(mixture.weights, dtype=np.float64)
+        self._seed = mixture.seed
+
+    @property
+    def position(self) -> dict[str, Any]:  # type: ignore[override]
+        return {"draws": self._draws, "done": list(self._done), "children": [r.position for r in self._readers]}
+
+    def __next__(self) -> Sample:
+        while not all(self._done):
+            weights = np.where(self._done, 0.0, self._weights)
+            # one counter-based draw per sample: the choice at draw d depends on (seed, d) only, so a reopened
+            # reader continues the same sequence without any generator state in the position
+            u = np.random.default_rng([self._seed, self._draws]).random()
+            child = int(np.searchsorted(np.cumsum(weights) / weights.sum(), u, side="right"))
+            child = min(child, len(weights) - 1)
+            self._draws += 1
+            sample = next(self._readers[child], None)
+            if sample is not None:
+                return sample
+            self._done[child] = True  # that child is exhausted: the others share its weight from now on
+        raise StopIteration
+
+
+class MixtureStream:
+    """A weighted mixture of streams: each sample comes from child ``i`` with probability ``weights[i]`` (renormalised
+    over the children not yet exhausted), drawn from ``seed`` alone, so the mixture is the same on every rank and
+    every pass. Every sample of every child is read exactly once: the mixture ends when all children end.
+
+    Args:
+        sources: the child streams.
+        weights: one positive weight per child (normalised here).
+        seed: seed of the draws (>= 0).
+
+    Example:
+        >>> a = GeneratorStream(lambda: ({"input_ids": [1]} for _ in range(3)))
+        >>> b = GeneratorStream(lambda: ({"input_ids": [2, 2]} for _ in range(2)))
+        >>> sorted(len(s["input_ids"]) for s in MixtureStream([a, b], [0.5, 0.5]).open())
+        [1, 1, 1, 2, 2]
+    """
+
+    def __init__(self, sources: Sequence[StreamSource], weights: Sequence[float], *, seed: int = 0) -> None:
+        if not sources:
+            raise ValueError("MixtureStream.sources is empty: give at least one stream")
+        if len(weights) != len(sources):
+            raise ValueError(f"MixtureStream.weights has {len(weights)} entries for {len(sources)} sources")
+        bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < np.inf]
+        if bad:
+            raise ValueError(f"MixtureStream.weights must be finite numbers > 0, got {list(weights)!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"MixtureStream.seed must be an int >= 0, got {seed!r}")
+        self.sources, self.seed = list(sources), seed
+        self.weights = [float(w) / float(sum(weights)) for w in weights]
+        sizes = [getattr(s, "vocab_size", None) for s in self.sources]
+        self.vocab_size = max(sizes) if sizes and all(isinstance(v, int) for v in sizes) else None
+
+    def open(self, position: Any = None) -> StreamReader:
+        return _MixtureReader(self, position)

@@ -1,0 +1,130 @@
+"""A small 2-process DDP CPU run on a *stream* for the streaming crash/resume test (run as a script, never collected).
+
+``python tests/reliability/_stream_train_script.py --out DIR [--kill-at-step K] [--ckpt-path CKPT]`` trains the
+tiny ``ReferenceLM`` of ``_train_script`` on :data:`NUM_SAMPLES` generated samples read as a
+:class:`~lit_seqpack.data.streaming.GeneratorStream` (windows of :data:`BUFFER` samples, so the stream spans several
+windows and ends in a short one) through ``SeqPackDataModule(stream=...)`` under ``Trainer(strategy="ddp")``. Each
+rank logs every trained microbatch to ``DIR/rank{r}.jsonl`` (``_train_script.TrainedLog`` without the plan lookup)::
+
+    {"epoch": 1, "step": 9, "batch_idx": 4, "indices": [17, 3, 40], "loss": 1.93..., "empty": false}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lit_seqpack import SeqPackDataModule  # noqa: E402
+from lit_seqpack.data.streaming import GeneratorStream, StreamingDataLoader  # noqa: E402
+from tests.reliability._train_script import (  # noqa: E402
+    ACCUMULATE,
+    CHECKPOINT_EVERY,
+    EPOCHS,
+    MAX_TOKENS,
+    VOCAB,
+    WORLD,
+    KillAtStep,
+    WithIndices,
+    make_model,
+)
+
+NUM_SAMPLES = 150
+BUFFER = 40
+
+
+def samples() -> Any:
+    """The stream: seeded documents of 2 to 120 tokens, each carrying its ``index`` (the same on every call)."""
+    rng = np.random.default_rng(0)
+    for index in range(NUM_SAMPLES):
+        length = int(np.clip(np.round(rng.lognormal(np.log(24), 0.8)), 2, 120))
+        yield {"input_ids": rng.integers(1, VOCAB, length).tolist(), "index": index}
+
+
+class RecordingStreamModule(SeqPackDataModule):
+    """A streaming ``SeqPackDataModule`` whose batches carry ``sample_indices``."""
+
+    def train_dataloader(self) -> StreamingDataLoader:
+        loader = super().train_dataloader()
+        loader.dataset.collator = WithIndices(loader.dataset.collator)
+        return loader
+
+
+class StreamTrainedLog(Callback):
+    """One JSON line per trained microbatch in ``rank{r}.jsonl``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self._step = out, -1
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        record = {
+            "epoch": trainer.current_epoch,
+            "step": self._step,
+            "batch_idx": batch_idx,
+            "indices": batch["sample_indices"],
+            "loss": float(outputs["loss"]),
+            "empty": bool(batch["is_empty"]),
+            "step_loss_tokens": int(batch["step_loss_tokens"]),
+        }
+        with open(self.out / f"rank{trainer.global_rank}.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+def make_datamodule(num_workers: int = 1) -> RecordingStreamModule:
+    """The streaming DataModule of the run (packing, best fit over each window)."""
+    return RecordingStreamModule(
+        stream=GeneratorStream(samples, vocab_size=VOCAB),
+        stream_buffer=BUFFER,
+        max_tokens=MAX_TOKENS,
+        algorithm="best_fit_decreasing",
+        num_workers=num_workers,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--kill-at-step", type=int, default=None)
+    parser.add_argument("--ckpt-path", type=str, default=None)
+    parser.add_argument("--num-workers", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    checkpoints = args.out / "checkpoints"
+    callbacks: list[Callback] = [
+        StreamTrainedLog(args.out),
+        ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=CHECKPOINT_EVERY, save_last=True, save_top_k=-1),
+    ]
+    if args.kill_at_step is not None:
+        callbacks.append(KillAtStep(args.kill_at_step, checkpoints / "last.ckpt"))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy="ddp",
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=ACCUMULATE,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.out,
+        callbacks=callbacks,
+    )
+    trainer.fit(make_model(), datamodule=make_datamodule(args.num_workers), ckpt_path=args.ckpt_path)
+    trainer.save_checkpoint(args.out / "final.ckpt")
+
+
+if __name__ == "__main__":
+    main()
