@@ -1,6 +1,6 @@
-"""Constructor checks of the DataModule's knobs that no config object of their own validates.
+"""Constructor checks of the DataModule's settings that no config object of their own validates.
 
-The planner knobs are validated by :class:`~lit_seqpack.planning.PlanConfig` and the parallel sizes by
+The planner settings are validated by :class:`~lit_seqpack.planning.PlanConfig` and the parallel sizes by
 :class:`~lit_seqpack.data.context_parallel.ParallelLayout`; these are the rest, and how they combine.
 """
 
@@ -9,24 +9,12 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-import numpy as np
+from lit_seqpack._checks import check_choice, check_flag, check_int
 
 if TYPE_CHECKING:
     from lit_seqpack.data.context_parallel import ParallelLayout
 
-__all__ = ["check_flag", "check_knobs", "check_parallel_knobs", "check_setting_types"]
-
-
-def check_flag(name: str, value: object) -> bool:
-    """``value`` if it is a real bool (``"false"``, ``"no"`` and ``1`` are refused, not read as ``True``).
-
-    Example:
-        >>> check_flag("shuffle", False)
-        False
-    """
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}={value!r} must be a bool (True or False), got {type(value).__name__}")
-    return bool(value)
+__all__ = ["check_batching_settings", "check_parallel_settings", "check_setting_types"]
 
 
 def check_setting_types(
@@ -58,11 +46,9 @@ def check_setting_types(
         TypeError: a value of the wrong type, naming the setting and the value.
     """
     for name, value, choices in (("source", source, sources), ("overlong", overlong, policies)):
-        if not isinstance(value, str) or value not in choices:
-            raise ValueError(f"{name}={value!r} must be one of {tuple(choices)}")
+        check_choice(name, value, choices)
     check_flag("shuffle", shuffle)
-    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
-        raise ValueError(f"pad_token_id={pad_token_id!r} must be an int >= 0")
+    check_int("pad_token_id", pad_token_id, minimum=0)
     for key, value in strings.items():
         name, optional = key.rstrip("?"), key.endswith("?")
         if not (isinstance(value, str) or (optional and value is None)):
@@ -72,7 +58,7 @@ def check_setting_types(
             raise TypeError(f"{name}={value!r} must be a number")
 
 
-def check_knobs(
+def check_batching_settings(
     *,
     mode: str,
     modes: Collection[str],
@@ -92,16 +78,14 @@ def check_knobs(
         pad_to_multiple_of: per-document pad multiple of a packed row.
 
     Raises:
-        ValueError: naming the first bad knob and its value.
+        ValueError: naming the first bad setting and its value.
     """
-    if mode not in modes:
-        raise ValueError(f"mode={mode!r} must be one of {tuple(modes)}")
+    check_choice("mode", mode, modes)
     for name, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         if not 0.0 <= fraction < 1.0:
             raise ValueError(f"{name}={fraction!r} must be in [0, 1)")
-    for name, value in (("num_workers", num_workers), ("pad_to_multiple_of", pad_to_multiple_of)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "num_workers" else 1):
-            raise ValueError(f"{name}={value!r} must be an int >= {0 if name == 'num_workers' else 1}")
+    check_int("num_workers", num_workers, minimum=0)
+    check_int("pad_to_multiple_of", pad_to_multiple_of, minimum=1)
     if pad_to_multiple_of > 1 and mode != "packing":
         raise ValueError(
             f"pad_to_multiple_of={pad_to_multiple_of} pads the documents of a packed row and needs mode='packing', "
@@ -109,7 +93,7 @@ def check_knobs(
         )
 
 
-def check_parallel_knobs(layout: ParallelLayout, mode: str, max_tokens: int | None, row_multiple: int) -> None:
+def check_parallel_settings(layout: ParallelLayout, mode: str, max_tokens: int | None, row_multiple: int) -> None:
     """Context parallelism splits packed rows (packing only); both need a budget their row multiple divides."""
     if layout.model_parallel_size == 1:
         return

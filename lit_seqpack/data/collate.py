@@ -20,12 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_seqpack.data.labels import IGNORE_INDEX
-from lit_seqpack.data.microbatch import MicrobatchMeta
+from lit_seqpack.batch import IGNORE_INDEX, MicrobatchMeta
 
 __all__ = ["IGNORE_INDEX", "PackedCollator", "PaddedCollator"]
-
-"""Label value that the loss skips."""
 
 
 def _check_knob(name: str, value: int | None, *, minimum: int, optional: bool = True) -> None:

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_seqpack.batch import IGNORE_INDEX, shift_labels
 from lit_seqpack.data.collate import PackedCollator
-from lit_seqpack.data.labels import IGNORE_INDEX, shift_labels
 
 __all__ = [
     "ContextParallelCollator",

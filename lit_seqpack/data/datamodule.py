@@ -12,9 +12,10 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lit_seqpack._checks import check_int
+from lit_seqpack.batch import PlannedDataset
 from lit_seqpack.data._budget import apply_document_budget, document_budget, planned_lengths
 from lit_seqpack.data._hashing import content_digest
-from lit_seqpack.data._knobs import check_knobs, check_parallel_knobs, check_setting_types
 from lit_seqpack.data._layout import read_layout
 from lit_seqpack.data._loader import ResumableDataLoader
 from lit_seqpack.data._resume import (
@@ -26,17 +27,15 @@ from lit_seqpack.data._resume import (
     plan_settings,
     rewind_fit_loop,
 )
+from lit_seqpack.data._settings import check_batching_settings, check_parallel_settings, check_setting_types
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout, TensorParallelCollator
 from lit_seqpack.data.lengths import cached_scan
-from lit_seqpack.data.microbatch import PlannedDataset
 from lit_seqpack.data.overlong import OVERLONG_POLICIES, OverlongReport
 from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
-from lit_seqpack.data.sources import TokenizedDataset
-from lit_seqpack.data.sources_factory import SOURCES, build_dataset
+from lit_seqpack.data.sources import SOURCES, SyntheticInstructionDataset, TokenizedDataset, build_dataset
 from lit_seqpack.data.splits import IndexView, Split, split_indices
-from lit_seqpack.data.synthetic import SyntheticInstructionDataset
-from lit_seqpack.data.validation import DataScan, check_vocab_range, model_vocab_size, scan_dataset
+from lit_seqpack.data.validation import DataScan, check_vocab_range, scan_dataset
 from lit_seqpack.planning.plan import PlanConfig
 
 if TYPE_CHECKING:
@@ -69,7 +68,7 @@ class SeqPackDataModule(LightningDataModule):
         source: where samples come from: ``"synthetic"`` (the embedded task, no download), ``"jsonl"``,
             ``"parquet"``, ``"hf_disk"`` (pre-tokenised) or ``"text"`` (raw text + local tokenizer).
         path: the file or folder of an on-disk source.
-        synthetic: keyword arguments of :class:`~lit_seqpack.data.synthetic.SyntheticInstructionDataset`.
+        synthetic: keyword arguments of :class:`~lit_seqpack.data.sources.SyntheticInstructionDataset`.
         tokenizer: path of a local Hugging Face tokenizer (``source="text"``).
         text_field: the JSONL field holding raw text (``source="text"``).
         mode: ``"packing"``, ``"dynamic"`` or ``"padded"`` (the baseline); one field, so packing and
@@ -165,7 +164,7 @@ class SeqPackDataModule(LightningDataModule):
             strings={"path?": path, "tokenizer?": tokenizer, "text_field": text_field, "cache_dir?": cache_dir},
             fractions={"val_fraction": val_fraction, "test_fraction": test_fraction},
         )
-        check_knobs(
+        check_batching_settings(
             mode=mode,
             modes=_SAMPLERS,
             val_fraction=val_fraction,
@@ -176,8 +175,8 @@ class SeqPackDataModule(LightningDataModule):
         self._parallel = ParallelLayout(
             context_parallel_size=context_parallel_size, tensor_parallel_size=tensor_parallel_size
         )
-        check_parallel_knobs(self._parallel, mode, max_tokens, self.row_multiple)
-        # Validate the plan knobs now (world size and accumulation are read from the Trainer in setup).
+        check_parallel_settings(self._parallel, mode, max_tokens, self.row_multiple)
+        # Validate the plan settings now (world size and accumulation are read from the Trainer in setup).
         self.plan_config(world_size=1, accumulate_grad_batches=1)
         if max_tokens is not None:
             document_budget(
@@ -248,6 +247,8 @@ class SeqPackDataModule(LightningDataModule):
 
     def _check_model_vocab(self) -> None:
         """Fail at setup when a data id or the pad id is outside the vocabulary of the Trainer's model."""
+        from lit_seqpack.model.vocab import model_vocab_size  # the model's side of the check, read at setup only
+
         model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         vocab = None if model is None else model_vocab_size(model)
         check_vocab_range(self._scan(), vocab_size=vocab, pad_token_id=self.hparams.pad_token_id)
@@ -263,11 +264,7 @@ class SeqPackDataModule(LightningDataModule):
             fabric: the launched ``lightning.fabric.Fabric``.
             accumulate_grad_batches: microbatches per rank per optimizer step of the loop.
         """
-        if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int):
-            raise ValueError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
-        if accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
-        self._fabric = (fabric, accumulate_grad_batches)
+        self._fabric = (fabric, check_int("accumulate_grad_batches", accumulate_grad_batches, minimum=1))
 
     def setup(self, stage: str | None = None) -> None:
         """Read world size, rank and accumulation from the Trainer; apply the over-long policy; split."""
@@ -318,7 +315,7 @@ class SeqPackDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------ loaders
     def plan_config(self, *, world_size: int, accumulate_grad_batches: int, train: bool = True) -> PlanConfig:
-        """The planner configuration of this DataModule's knobs for a layout (``train=False``: no shuffle).
+        """The planner configuration of this DataModule's settings for a layout (``train=False``: no shuffle).
 
         Args:
             world_size: data-parallel ranks.

@@ -19,6 +19,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 
+from lit_seqpack._imports import require
 from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model, register_attention
 from lit_seqpack.model.hf_load import (
     apply_peft,
@@ -350,9 +351,8 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         out = export_hf_model(self.model, path, dtype=dtype)
         source = tokenizer or _local_tokenizer(self.hparams.model_name_or_path)
         if source is not None:
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(source).save_pretrained(out)
+            transformers = require("transformers", purpose="saving the tokenizer")
+            transformers.AutoTokenizer.from_pretrained(source).save_pretrained(out)
         return out
 
 

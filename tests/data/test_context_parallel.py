@@ -17,7 +17,7 @@ from lit_seqpack.data.context_parallel import (
     shard_tokens,
     unshard_tokens,
 )
-from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta
+from lit_seqpack.batch import Microbatch, MicrobatchMeta
 
 X = IGNORE_INDEX
 

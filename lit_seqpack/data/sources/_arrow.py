@@ -1,40 +1,26 @@
 """Arrow tables (Parquet files, ``datasets.save_to_disk`` directories) to flat token arrays, validated per row.
 
 ``pyarrow`` and ``datasets`` are optional: they are imported here, inside the functions, and a missing
-one raises an ``ImportError`` that names the extra to install.
+one raises an ``ImportError`` (:func:`lit_seqpack._imports.require`) that names the extra to install.
 """
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from lit_seqpack.data.labels import IGNORE_INDEX
+from lit_seqpack._imports import require
+from lit_seqpack.batch import IGNORE_INDEX
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
-_EXTRAS = {"pyarrow": "parquet", "pyarrow.parquet": "parquet", "datasets": "datasets"}
-
-
-def require(module: str) -> ModuleType:
-    """Import an optional dependency or raise an ImportError naming the extra that provides it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        package = module.split(".")[0]
-        raise ImportError(
-            f"reading this format needs the optional package {package!r}: "
-            f"pip install 'lit-seqpack[{_EXTRAS[module]}]' (or pip install {package})"
-        ) from err
 
 
 def parquet_table(path: Path, columns: tuple[str, ...]) -> Any:
     """Read the wanted columns (those present) of a Parquet file as a ``pyarrow.Table``."""
-    pq = require("pyarrow.parquet")
-    pa = require("pyarrow")
+    pq = require("pyarrow.parquet", purpose="reading Parquet files")
+    pa = require("pyarrow", purpose="reading Parquet files")
     try:
         names = pq.read_schema(path).names
         return pq.read_table(path, columns=[c for c in columns if c in names])
@@ -44,7 +30,7 @@ def parquet_table(path: Path, columns: tuple[str, ...]) -> Any:
 
 def hf_disk_table(path: Path, split: str | None) -> Any:
     """Load a ``save_to_disk`` directory; return its ``input_ids``/``labels``/``loss_mask`` columns as a Table."""
-    datasets = require("datasets")
+    datasets = require("datasets", purpose="reading save_to_disk folders")
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
@@ -109,7 +95,7 @@ def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.
 
 def _list_column(column: Any, key: str, where: str, *, allow_null: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Values (int64), per-row lengths (0 for null rows) and the validity mask of a list-of-int column."""
-    pa = require("pyarrow")
+    pa = require("pyarrow", purpose="reading Arrow tables")
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     list_type = pa.types.is_list(array.type) or pa.types.is_large_list(array.type)
     value_type = array.type.value_type if list_type else None

@@ -1,4 +1,4 @@
-"""Build a dataset from the DataModule's ``source`` knobs (what a YAML config can say)."""
+"""Build a dataset from the DataModule's ``source`` settings (what a YAML config can say)."""
 
 from __future__ import annotations
 
@@ -26,19 +26,19 @@ def build_dataset(
             ``"hf_disk"`` (pre-tokenised data at ``path``), or ``"text"`` (raw text at ``path``,
             tokenised with the local Hugging Face tokenizer at ``tokenizer``).
         path: the file or folder of an on-disk source.
-        synthetic: keyword arguments of :class:`~lit_seqpack.data.synthetic.SyntheticInstructionDataset`.
+        synthetic: keyword arguments of :class:`~lit_seqpack.data.sources.synthetic.SyntheticInstructionDataset`.
         tokenizer: path of a local Hugging Face tokenizer (``source="text"`` only).
         text_field: the JSONL field holding the text (``source="text"`` only).
 
     Raises:
-        ValueError: an unknown ``source``, a missing ``path`` or ``tokenizer``, or knobs of another source.
+        ValueError: an unknown ``source``, a missing ``path`` or ``tokenizer``, or settings of another source.
     """
     if source not in SOURCES:
         raise ValueError(f"source={source!r} must be one of {SOURCES}")
     if source == "synthetic":
         if path is not None:
             raise ValueError(f"path={path!r} is only read by on-disk sources, not source='synthetic'")
-        from lit_seqpack.data.synthetic import SyntheticInstructionDataset
+        from lit_seqpack.data.sources.synthetic import SyntheticInstructionDataset
 
         return SyntheticInstructionDataset(**dict(synthetic or {}))
     if synthetic:
@@ -53,9 +53,9 @@ def build_dataset(
                 f"tokenizer={tokenizer!r} is not a local folder: source='text' reads a Hugging Face tokenizer saved "
                 "with save_pretrained (no download); pass its folder"
             )
-        from lit_seqpack.data.text import TextDataset
+        from lit_seqpack.data.sources.text import TextDataset
 
         return TextDataset(path, tokenizer, text_field=text_field)
-    from lit_seqpack.data.sources import load_tokenized
+    from lit_seqpack.data.sources.tokenized import load_tokenized
 
     return load_tokenized(path, format=source)

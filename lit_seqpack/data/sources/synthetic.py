@@ -40,8 +40,8 @@ from dataclasses import astuple, dataclass
 import numpy as np
 import torch
 
+from lit_seqpack.batch import IGNORE_INDEX
 from lit_seqpack.data._hashing import hashed_uniform
-from lit_seqpack.data.labels import IGNORE_INDEX
 
 __all__ = [
     "BOS_ID",
@@ -137,9 +137,9 @@ class SyntheticTaskConfig:
             ),
             (isinstance(self.seed, int) and 0 <= self.seed < 2**63, "seed", "must be an int in [0, 2**63)"),
         ]
-        for ok, knob, rule in rules:
+        for ok, setting, rule in rules:
             if not ok:
-                raise ValueError(f"{knob}={getattr(self, knob)!r} {rule}")
+                raise ValueError(f"{setting}={getattr(self, setting)!r} {rule}")
 
 
 def _min_payload(min_length: int) -> int:

@@ -1,6 +1,6 @@
 """Raw text tokenised once, at construction, with a local Hugging Face tokenizer.
 
-The result is a :class:`~lit_seqpack.data.sources.TokenizedDataset` (flat token buffer, free
+The result is a :class:`~lit_seqpack.data.sources.tokenized.TokenizedDataset` (flat token buffer, free
 ``lengths``), so nothing is tokenised again in DataLoader workers and the tokenizer is not pickled.
 ``transformers`` is optional: it is imported only when ``tokenizer`` is given as a path or name.
 """
@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from lit_seqpack.data._files import text_lines
-from lit_seqpack.data._knobs import check_flag
-from lit_seqpack.data.sources import TokenizedDataset
+from lit_seqpack._checks import check_flag, check_int
+from lit_seqpack._imports import require
+from lit_seqpack.data.sources._files import text_lines
+from lit_seqpack.data.sources.tokenized import TokenizedDataset
 
 __all__ = ["TextDataset"]
 
@@ -56,8 +57,7 @@ class TextDataset(TokenizedDataset):
         text_field: str = "text",
         batch_size: int = 1024,
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+        batch_size = check_int("batch_size", batch_size, minimum=1)
         add_eos = check_flag("add_eos", add_eos)
         add_special_tokens = check_flag("add_special_tokens", add_special_tokens)
         tok = load_tokenizer(tokenizer)
@@ -90,13 +90,8 @@ def load_tokenizer(tokenizer: Any) -> Any:
     text = os.path.expanduser(str(tokenizer))
     if _looks_like_a_path(text) and not Path(text).exists():
         raise ValueError(f"tokenizer={str(tokenizer)!r} does not exist (a local tokenizer folder was expected)")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as err:
-        raise ImportError(
-            "TextDataset with a tokenizer path needs 'transformers': pip install 'lit-seqpack[transformers]'"
-        ) from err
-    return AutoTokenizer.from_pretrained(text)
+    transformers = require("transformers", purpose="TextDataset with a tokenizer path")
+    return transformers.AutoTokenizer.from_pretrained(text)
 
 
 def _looks_like_a_path(text: str) -> bool:

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_seqpack.data._files import file_fingerprint as _file_fingerprint
-from lit_seqpack.data._files import text_lines
-from lit_seqpack.data.labels import IGNORE_INDEX
+from lit_seqpack.batch import IGNORE_INDEX
+from lit_seqpack.data.sources._files import file_fingerprint as _file_fingerprint
+from lit_seqpack.data.sources._files import text_lines
 
 __all__ = ["TOKENIZED_FORMATS", "TokenizedDataset", "load_tokenized"]
 
@@ -119,7 +119,7 @@ class TokenizedDataset:
     @classmethod
     def from_parquet(cls, path: str | os.PathLike[str]) -> TokenizedDataset:
         """Read a Parquet file: an ``input_ids`` list-of-int column, optional ``labels`` or ``loss_mask`` columns."""
-        from lit_seqpack.data._arrow import parquet_table, table_to_arrays
+        from lit_seqpack.data.sources._arrow import parquet_table, table_to_arrays
 
         path = Path(path)
         tokens, offsets, labels = table_to_arrays(parquet_table(path, ("input_ids", "labels", "loss_mask")), str(path))
@@ -130,7 +130,7 @@ class TokenizedDataset:
     @classmethod
     def from_hf_disk(cls, path: str | os.PathLike[str], *, split: str | None = None) -> TokenizedDataset:
         """Read a directory written by ``datasets.Dataset.save_to_disk`` (``split`` picks one of a DatasetDict)."""
-        from lit_seqpack.data._arrow import hf_disk_table, table_to_arrays
+        from lit_seqpack.data.sources._arrow import hf_disk_table, table_to_arrays
 
         path = Path(path)
         where = f"{path}" if split is None else f"{path} [split {split!r}]"
