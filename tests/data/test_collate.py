@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_seqpack.data.collate import IGNORE_INDEX, PackedCollator, PaddedCollator
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
+from lit_seqpack.data.collate import IGNORE_INDEX, PackedCollator, PaddedCollator
 
 X = IGNORE_INDEX
 DOCS = [[11, 12, 13], [21, 22, 23, 24, 25], [31, 32]]  # DESIGN.md's example: 3, 5, 2 tokens
