@@ -68,7 +68,7 @@ def deprecated_exports(
         )
         return getattr(importlib.import_module(target), name)
 
-    def __dir__() -> list[str]:
-        return sorted(set(namespace) | set(moved))
+    def __dir__() -> list[str]:  # the moved names stay out: tools that scan dir() (pytest's fixtures) never warn
+        return sorted(namespace)
 
     return __getattr__, __dir__
