@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from lit_seqpack._imports import require
-from lit_seqpack.batch import IGNORE_INDEX
+from lit_seqpack.batch import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -38,8 +38,8 @@ def hf_disk_table(path: Path, split: str | None) -> Any:
         loaded = loaded[split]
     elif split is not None:
         raise ValueError(f"split={split!r} was given but {path} holds a single Dataset, not a DatasetDict")
-    columns = [c for c in ("input_ids", "labels", "loss_mask") if c in loaded.column_names]
-    if "input_ids" not in columns:
+    columns = [c for c in (INPUT_IDS, LABELS, LOSS_MASK) if c in loaded.column_names]
+    if INPUT_IDS not in columns:
         raise ValueError(f"{path}: no 'input_ids' column (columns: {loaded.column_names})")
     return loaded.select_columns(columns).with_format("arrow")[:]
 
@@ -53,16 +53,16 @@ def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.
     Returns:
         ``(tokens, offsets, labels)``; ``labels`` is ``None`` when the table has neither column.
     """
-    if "input_ids" not in table.column_names:
+    if INPUT_IDS not in table.column_names:
         raise ValueError(f"{where}: no 'input_ids' column (columns: {table.column_names})")
     if table.num_rows == 0:
         raise ValueError(f"{where}: no samples")
-    tokens, lengths, _ = _list_column(table.column("input_ids"), "input_ids", where, allow_null=False)
+    tokens, lengths, _ = _list_column(table.column(INPUT_IDS), INPUT_IDS, where, allow_null=False)
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     if (lengths == 0).any():
         raise ValueError(f"{where}, row {int(np.argmax(lengths == 0))}: 'input_ids' is empty")
-    _check_values(tokens, tokens < 0, offsets, "input_ids", where, "ids must be >= 0")
-    present = [key for key in ("labels", "loss_mask") if key in table.column_names]
+    _check_values(tokens, tokens < 0, offsets, INPUT_IDS, where, "ids must be >= 0")
+    present = [key for key in (LABELS, LOSS_MASK) if key in table.column_names]
     if not present:
         return tokens, offsets, None
     labels = tokens.copy()
@@ -79,7 +79,7 @@ def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.
             raise ValueError(f"{where}, row {int(np.argmax(both))}: give either 'labels' or 'loss_mask', not both")
         with_labels |= valid
         positions = np.repeat(valid, lengths)
-        if key == "labels":
+        if key == LABELS:
             labels[positions] = values
             continue
         bad = (values != 0) & (values != 1)
@@ -88,7 +88,7 @@ def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.
             raise ValueError(f"{where}, row {row}: 'loss_mask' must hold only 0 and 1, got {int(values[bad][0])}")
         labels[positions] = np.where(values == 1, tokens[positions], IGNORE_INDEX)
     _check_values(
-        labels, (labels < 0) & (labels != IGNORE_INDEX), offsets, "labels", where, "labels are ids >= 0 or -100"
+        labels, (labels < 0) & (labels != IGNORE_INDEX), offsets, LABELS, where, "labels are ids >= 0 or -100"
     )
     return tokens, offsets, labels
 
@@ -99,7 +99,7 @@ def _list_column(column: Any, key: str, where: str, *, allow_null: bool) -> tupl
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     list_type = pa.types.is_list(array.type) or pa.types.is_large_list(array.type)
     value_type = array.type.value_type if list_type else None
-    mask_type = key == "loss_mask" and value_type is not None and pa.types.is_boolean(value_type)
+    mask_type = key == LOSS_MASK and value_type is not None and pa.types.is_boolean(value_type)
     if not list_type or not (pa.types.is_integer(value_type) or mask_type):
         raise ValueError(f"{where}: column '{key}' must hold lists of ints, its type is {array.type}")
     valid = np.asarray(array.is_valid().to_numpy(zero_copy_only=False), dtype=bool)

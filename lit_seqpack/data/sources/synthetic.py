@@ -40,7 +40,7 @@ from dataclasses import astuple, dataclass
 import numpy as np
 import torch
 
-from lit_seqpack.batch import IGNORE_INDEX
+from lit_seqpack.batch import IGNORE_INDEX, INPUT_IDS, LABELS
 from lit_seqpack.data._hashing import hashed_uniform
 
 __all__ = [
@@ -242,7 +242,7 @@ class SyntheticInstructionDataset:
         input_ids = np.concatenate((prompt, response))
         labels = input_ids.copy()
         labels[: len(prompt)] = IGNORE_INDEX
-        return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels)}
+        return {INPUT_IDS: torch.from_numpy(input_ids), LABELS: torch.from_numpy(labels)}
 
     def response_for(self, prompt: np.ndarray | list[int] | torch.Tensor) -> np.ndarray:
         """The response (payload transformation then EOS) that answers ``[BOS, TASK, x1..xn, SEP]``.
