@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -66,3 +68,13 @@ def test_synthetic_to_cached_lengths_to_overlong_through_spawned_workers(tmp_pat
             assert torch.equal(sample["input_ids"], direct["input_ids"])
             assert torch.equal(sample["labels"], direct["labels"])
             assert len(sample["input_ids"]) == kept_lengths[index]
+
+
+def test_importing_one_data_module_does_not_load_the_datamodule():
+    code = (
+        "import sys, lit_seqpack.data.splits\n"
+        "assert 'lit_seqpack.data.datamodule' not in sys.modules and 'lightning' not in sys.modules\n"
+        "print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
