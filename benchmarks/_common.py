@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_seqpack.data.synthetic import SyntheticInstructionDataset
+from lit_seqpack.data.sources.synthetic import SyntheticInstructionDataset
 from lit_seqpack.planning.plan import PlanConfig, build_plan
 
 PROFILES: dict[str, dict[str, Any]] = {

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_seqpack.batch import IGNORE_INDEX
 from lit_seqpack.data.collate import PackedCollator, _round_up, _scalars
-from lit_seqpack.data.labels import IGNORE_INDEX
 
 
 class LegacyPackedCollator(PackedCollator):

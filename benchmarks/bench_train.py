@@ -65,7 +65,7 @@ from _common import (  # benchmarks/ is sys.path[0] when run as a script
 )
 from _train_loop import ModeRun, datamodule_loader, held_out_batches, held_out_loss, profile_steps
 
-from lit_seqpack.data.synthetic import SYNTHETIC_TASKS
+from lit_seqpack.data.sources.synthetic import SYNTHETIC_TASKS
 from lit_seqpack.planning import PACKING_ALGORITHMS
 
 HEADLINE = "packing first_fit_decreasing"

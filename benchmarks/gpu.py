@@ -50,8 +50,8 @@ from _common import (  # benchmarks/ is sys.path[0] when run as a script
 from _train_loop import ModeRun, held_out_loss
 from bench_attention import attention_cases, doc_lengths, median_times
 
+from lit_seqpack.batch import PlannedDataset
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.microbatch import PlannedDataset
 from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
 from lit_seqpack.model.attention import available_backends
 

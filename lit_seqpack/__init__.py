@@ -24,7 +24,8 @@ _EXPORTS: dict[str, str] = {
     "PlanStats": "lit_seqpack.planning",
     "build_plan": "lit_seqpack.planning",
     # data
-    "MicrobatchMeta": "lit_seqpack.data.microbatch",
+    "MicrobatchMeta": "lit_seqpack.batch",
+    "PlannedDataset": "lit_seqpack.batch",
     "PackedBatchSampler": "lit_seqpack.data.samplers",
     "DynamicBatchSampler": "lit_seqpack.data.samplers",
     "PaddedBatchSampler": "lit_seqpack.data.samplers",
@@ -42,10 +43,11 @@ _EXPORTS: dict[str, str] = {
     "ReferenceConfig": "lit_seqpack.model.reference",
     "apply_overlong_policy": "lit_seqpack.data.overlong",
     "OverlongReport": "lit_seqpack.data.overlong",
-    "TextDataset": "lit_seqpack.data.text",
+    "TextDataset": "lit_seqpack.data.sources",
     "load_tokenized": "lit_seqpack.data.sources",
+    "TokenDataset": "lit_seqpack.data.sources",
     "TokenizedDataset": "lit_seqpack.data.sources",
-    "SyntheticInstructionDataset": "lit_seqpack.data.synthetic",
+    "SyntheticInstructionDataset": "lit_seqpack.data.sources",
     # model
     "varlen_attention": "lit_seqpack.model.attention",
     "available_backends": "lit_seqpack.model.attention",
@@ -83,6 +85,7 @@ __all__ = [
     "PlanConfig",
     "PlannedBatchSampler",
     "PlanStats",
+    "PlannedDataset",
     "RankImbalance",
     "ReferenceConfig",
     "ReferenceDecoder",
@@ -91,6 +94,7 @@ __all__ = [
     "SeqPackDataModule",
     "SyntheticInstructionDataset",
     "TextDataset",
+    "TokenDataset",
     "TokenizedDataset",
     "TokensPerSecond",
     "apply_overlong_policy",
@@ -109,17 +113,21 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
+    from lit_seqpack.batch import MicrobatchMeta, PlannedDataset
     from lit_seqpack.callbacks import PackingMonitor
     from lit_seqpack.cli import SeqPackCLI
     from lit_seqpack.data.collate import PackedCollator, PaddedCollator
     from lit_seqpack.data.datamodule import SeqPackDataModule
-    from lit_seqpack.data.microbatch import MicrobatchMeta
     from lit_seqpack.data.overlong import OverlongReport, apply_overlong_policy
     from lit_seqpack.data.planned_sampler import PlannedBatchSampler
     from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
-    from lit_seqpack.data.sources import TokenizedDataset, load_tokenized
-    from lit_seqpack.data.synthetic import SyntheticInstructionDataset
-    from lit_seqpack.data.text import TextDataset
+    from lit_seqpack.data.sources import (
+        SyntheticInstructionDataset,
+        TextDataset,
+        TokenDataset,
+        TokenizedDataset,
+        load_tokenized,
+    )
     from lit_seqpack.metrics import PackingEfficiency, PaddingRatio, RankImbalance, TokensPerSecond
     from lit_seqpack.model.attention import available_backends, varlen_attention
     from lit_seqpack.model.hf import prepare_hf_model

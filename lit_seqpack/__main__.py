@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from lit_seqpack._checks import check_int
+
 __all__ = ["build_inspect_parser", "inspect_command", "main"]
 
 # top-level keys of a `lit-seqpack fit` config that inspect accepts and ignores
@@ -82,9 +84,7 @@ def build_inspect_parser() -> Any:
 
 
 def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an int >= 1")
-    return value
+    return check_int(name, value, minimum=1)
 
 
 def _world_size(trainer: Mapping[str, Any]) -> tuple[int, str | None]:
@@ -146,7 +146,7 @@ def inspect_command(argv: Sequence[str]) -> str:
     """Run ``lit-seqpack inspect`` with ``argv`` (after the word ``inspect``); return the report text.
 
     Raises:
-        ValueError: a bad knob (named), or a dataset without samples.
+        ValueError: a bad setting (named), or a dataset without samples.
         ImportError: ``--plot`` without matplotlib.
     """
     from lit_seqpack.inspection import compare_plans, format_table, plot_inspection

@@ -37,9 +37,10 @@ import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lit_seqpack._checks import check_int
 from lit_seqpack.data._vocab import vocab_hint
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.data.validation import model_vocab_size
+from lit_seqpack.model.vocab import model_vocab_size
 
 __all__ = ["DEFAULT_MODEL", "SUBCOMMANDS", "TRAINER_DEFAULTS", "SeqPackCLI", "check_vocab", "model_vocab_size"]
 
@@ -196,9 +197,7 @@ class SeqPackCLI(LightningCLI):
         """Apply ``torch_num_threads``; remember the model's configured ``vocab_size`` (the link replaces it)."""
         threads = self._get(self.config, "torch_num_threads")
         if threads is not None:
-            if isinstance(threads, bool) or threads < 1:
-                raise ValueError(f"torch_num_threads={threads!r} must be an int >= 1 (or null for torch's default)")
-            torch.set_num_threads(threads)
+            torch.set_num_threads(check_int("torch_num_threads (null: torch's default)", threads, minimum=1))
         init_args = self._get(self.config, "model").get("init_args")
         self._configured_vocab = None if init_args is None else init_args.get("vocab_size")
 

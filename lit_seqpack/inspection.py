@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from lit_seqpack._checks import check_optional_int, round_up
+from lit_seqpack._imports import require
 from lit_seqpack.planning.algorithms import PACKING_ALGORITHMS
-from lit_seqpack.planning.dynamic import round_up
 from lit_seqpack.planning.plan import Plan, PlanConfig, PlanStats, as_counts, build_plan
 
 __all__ = ["PlanComparison", "compare_plans", "default_padded_batch_size", "format_table", "plot_inspection"]
@@ -119,7 +120,7 @@ def compare_plans(
         padded_batch_size: samples per padded microbatch (default: ``config.batch_size`` in padded mode, else
             :func:`default_padded_batch_size`).
         pad_to_multiple_of: packed rows plan every document padded to a multiple of this, like
-            ``SeqPackDataModule``'s knob of the same name.
+            ``SeqPackDataModule``'s setting of the same name.
         epoch: the epoch to plan.
 
     Returns:
@@ -132,9 +133,8 @@ def compare_plans(
     max_tokens = config.max_tokens if max_tokens is None else max_tokens
     if max_tokens is None:
         raise ValueError("max_tokens is None: the comparison needs the token budget of packing and dynamic batching")
-    for name, value in (("padded_batch_size", padded_batch_size), ("pad_to_multiple_of", pad_to_multiple_of)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    check_optional_int("padded_batch_size", padded_batch_size, minimum=1)
+    check_optional_int("pad_to_multiple_of", pad_to_multiple_of, minimum=1)
     if padded_batch_size is None:
         padded_batch_size = config.batch_size or default_padded_batch_size(lengths, max_tokens)
     base = dataclasses.replace(config, mode="packing", max_tokens=max_tokens, algorithm=None, batch_size=None)
@@ -257,14 +257,9 @@ def plot_inspection(
     Raises:
         ImportError: matplotlib is not installed (the message says how to install it).
     """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as error:
-        raise ImportError(
-            "plotting needs matplotlib: pip install 'lit-seqpack[plotting]' (or pip install matplotlib)"
-        ) from error
+    figure_type = require("matplotlib.figure", purpose="plotting").Figure
     lengths = as_counts("lengths", lengths)
-    figure = Figure(figsize=(12, 4.8), layout="constrained")
+    figure = figure_type(figsize=(12, 4.8), layout="constrained")
     hist, fill = figure.subplots(1, 2)
     _draw_lengths(hist, lengths, next((row.config.max_tokens for row in rows if row.config.max_tokens), None))
     _draw_fills(fill, rows)

@@ -88,7 +88,7 @@ def test_model_and_data_modules_import_no_config_packages():
         "lit_seqpack.model.lm",
         "lit_seqpack.data.collate",
         "lit_seqpack.data.samplers",
-        "lit_seqpack.data.microbatch",
+        "lit_seqpack.batch",
         "lit_seqpack.planning.plan",
     ]
     code = (

@@ -140,7 +140,7 @@ def test_tokens_per_second_rejects_bad_elapsed(elapsed):
 def test_tokens_per_second_rejects_an_empty_update_and_a_bad_kind():
     with pytest.raises(ValueError, match="needs a batch"):
         TokensPerSecond().update()
-    with pytest.raises(ValueError, match="tokens must be"):
+    with pytest.raises(ValueError, match="tokens=.padding. must be one of"):
         TokensPerSecond(tokens="padding")
 
 

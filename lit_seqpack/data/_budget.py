@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_seqpack.data.lengths import sample_loss_tokens
 from lit_seqpack.data.overlong import DroppedDataset, OverlongReport, TruncatedDataset, apply_overlong_policy
+from lit_seqpack.data.sources.protocol import declared_counts
 
 __all__ = ["apply_document_budget", "budget_note", "document_budget", "planned_lengths", "view_loss_tokens"]
 
@@ -119,10 +120,9 @@ def view_loss_tokens(view: Any, full_lengths: np.ndarray, full_loss_tokens: np.n
     """
     if not isinstance(view, (DroppedDataset, TruncatedDataset)):  # the data itself: its (validated) counts
         return full_loss_tokens
-    offered = getattr(view, "loss_tokens", None)
+    offered = declared_counts(view, "loss_tokens")
     if offered is not None:
-        offered = np.asarray(offered)
-        return offered if offered.dtype in (np.int32, np.int64) else offered.astype(np.int64)
+        return offered
     if isinstance(view, DroppedDataset):
         return full_loss_tokens[view.original_indices]
     if isinstance(view, TruncatedDataset):

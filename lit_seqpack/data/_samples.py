@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_seqpack.data.labels import IGNORE_INDEX
+from lit_seqpack.batch import IGNORE_INDEX
 
 __all__ = ["read_samples", "sample_name"]
 

@@ -7,8 +7,8 @@ the token, 0 = do not); extra per-token and per-sample fields travel when declar
 shifted: models shift them by one (Hugging Face convention), so the collators put ``-100`` on the first token of
 every document, which has no previous token to be predicted from, and on every padding position. The counts the
 loss and the metrics need travel as Python scalars (never tensors, so reading them costs no device sync); the
-plan's facts come from the :class:`~lit_seqpack.data.microbatch.MicrobatchMeta` that
-:class:`~lit_seqpack.data.microbatch.PlannedDataset` attaches to the list of samples.
+plan's facts come from the :class:`~lit_seqpack.batch.MicrobatchMeta` that
+:class:`~lit_seqpack.batch.PlannedDataset` attaches to the list of samples.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_seqpack.batch import IGNORE_INDEX, MicrobatchMeta
 from lit_seqpack.data._collate_fields import (
     declare_fields,
     empty_collator_fields,
@@ -30,9 +31,7 @@ from lit_seqpack.data._collate_fields import (
 )
 from lit_seqpack.data._samples import read_samples
 from lit_seqpack.data.fields import FieldValues, pad_token_field, scatter_tokens
-from lit_seqpack.data.labels import IGNORE_INDEX
 from lit_seqpack.data.loss_weights import LOSS_MASK
-from lit_seqpack.data.microbatch import MicrobatchMeta
 
 __all__ = ["IGNORE_INDEX", "PackedCollator", "PaddedCollator"]
 

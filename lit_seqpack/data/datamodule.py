@@ -12,10 +12,11 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lit_seqpack._checks import check_int
+from lit_seqpack.batch import PlannedDataset
 from lit_seqpack.data._budget import apply_document_budget, document_budget, planned_lengths
 from lit_seqpack.data._eval_data import EvalFile, check_padded_batch_size, eval_budget, eval_files, eval_split
 from lit_seqpack.data._hashing import content_digest
-from lit_seqpack.data._knobs import check_knobs, check_parallel_knobs, check_setting_types
 from lit_seqpack.data._layout import read_layout
 from lit_seqpack.data._loader import ResumableDataLoader
 from lit_seqpack.data._resume import (
@@ -27,16 +28,15 @@ from lit_seqpack.data._resume import (
     plan_settings,
     rewind_fit_loop,
 )
+from lit_seqpack.data._settings import check_batching_settings, check_parallel_settings, check_setting_types
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout, TensorParallelCollator
 from lit_seqpack.data.fields import check_fields
 from lit_seqpack.data.lengths import cached_scan
 from lit_seqpack.data.loss_weights import check_datamodule_weight_field, with_step_loss_weights
-from lit_seqpack.data.microbatch import PlannedDataset
 from lit_seqpack.data.overlong import OVERLONG_POLICIES, OverlongReport
 from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
-from lit_seqpack.data.sources import TokenizedDataset
-from lit_seqpack.data.sources_factory import SOURCES, build_dataset
+from lit_seqpack.data.sources import SOURCES, SyntheticInstructionDataset, TokenizedDataset, build_dataset
 from lit_seqpack.data.splits import IndexView, Split, split_indices
 from lit_seqpack.data.streaming.module import (
     STREAM_STATE,
@@ -46,8 +46,7 @@ from lit_seqpack.data.streaming.module import (
     stream_state,
 )
 from lit_seqpack.data.streaming.sources import StreamSource
-from lit_seqpack.data.synthetic import SyntheticInstructionDataset
-from lit_seqpack.data.validation import DataScan, check_vocab_range, model_vocab_size, scan_dataset
+from lit_seqpack.data.validation import DataScan, check_vocab_range, scan_dataset
 from lit_seqpack.planning.plan import PlanConfig
 
 if TYPE_CHECKING:
@@ -79,13 +78,13 @@ class SeqPackDataModule(LightningDataModule):
     Args:
         source: where samples come from: ``"synthetic"`` (the embedded task, no download), ``"jsonl"``,
             ``"parquet"``, ``"hf_disk"`` (pre-tokenised), ``"text"`` (raw text + local tokenizer) or ``"chat"``
-            (conversations + the local tokenizer's chat template, :class:`~lit_seqpack.data.chat.ChatDataset`).
+            (conversations + the local tokenizer's chat template, :class:`~lit_seqpack.data.sources.chat.ChatDataset`).
         path: the file or folder of an on-disk source.
-        synthetic: keyword arguments of :class:`~lit_seqpack.data.synthetic.SyntheticInstructionDataset`.
+        synthetic: keyword arguments of :class:`~lit_seqpack.data.sources.SyntheticInstructionDataset`.
         tokenizer: path of a local Hugging Face tokenizer (``source="text"`` or ``"chat"``); the vocabulary the data
             needs (:attr:`vocab_size`, linked to the model's by the CLI) is then the tokenizer's.
         text_field: the JSONL field holding raw text (``source="text"``).
-        chat: keyword arguments of :class:`~lit_seqpack.data.chat.ChatDataset` (``source="chat"``):
+        chat: keyword arguments of :class:`~lit_seqpack.data.sources.chat.ChatDataset` (``source="chat"``):
             ``chat_template``, ``train_on``, ``mask_method``, ``messages_field``.
         split: the split of ``path`` when it is a saved ``DatasetDict`` folder (``hf_disk`` or ``chat``).
         val_path: a file or folder of validation samples, read like ``path`` (instead of ``val_fraction``).
@@ -222,7 +221,7 @@ class SeqPackDataModule(LightningDataModule):
             },
             fractions={"val_fraction": val_fraction, "test_fraction": test_fraction},
         )
-        check_knobs(
+        check_batching_settings(
             mode=mode,
             modes=_SAMPLERS,
             val_fraction=val_fraction,
@@ -235,7 +234,7 @@ class SeqPackDataModule(LightningDataModule):
         self._parallel = ParallelLayout(
             context_parallel_size=context_parallel_size, tensor_parallel_size=tensor_parallel_size
         )
-        check_parallel_knobs(self._parallel, mode, max_tokens, self.row_multiple)
+        check_parallel_settings(self._parallel, mode, max_tokens, self.row_multiple)
         check_padded_batch_size(mode, batch_size)
         self._eval_max_tokens = eval_budget(
             eval_max_tokens, max_tokens=max_tokens, mode=mode, row_multiple=self.row_multiple
@@ -250,7 +249,7 @@ class SeqPackDataModule(LightningDataModule):
             dataset_given=dataset is not None,
         )
         self._eval_data: dict[str, tuple[Sequence[Mapping[str, Any]], DataScan]] = {}
-        # Validate the plan knobs now (world size and accumulation are read from the Trainer in setup).
+        # Validate the plan settings now (world size and accumulation are read from the Trainer in setup).
         self.plan_config(world_size=1, accumulate_grad_batches=1)
         if max_tokens is not None:
             document_budget(
@@ -370,6 +369,8 @@ class SeqPackDataModule(LightningDataModule):
 
     def _check_model_vocab(self) -> None:
         """Fail at setup when a data id or the pad id is outside the vocabulary of the Trainer's model."""
+        from lit_seqpack.model.vocab import model_vocab_size  # the model's side of the check, read at setup only
+
         model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         vocab = None if model is None else model_vocab_size(model)
         check_vocab_range(self._scan(), vocab_size=vocab, pad_token_id=self.hparams.pad_token_id)
@@ -385,11 +386,7 @@ class SeqPackDataModule(LightningDataModule):
             fabric: the launched ``lightning.fabric.Fabric``.
             accumulate_grad_batches: microbatches per rank per optimizer step of the loop.
         """
-        if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int):
-            raise ValueError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
-        if accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
-        self._fabric = (fabric, accumulate_grad_batches)
+        self._fabric = (fabric, check_int("accumulate_grad_batches", accumulate_grad_batches, minimum=1))
 
     def setup(self, stage: str | None = None) -> None:
         """Read world size, rank and accumulation from the Trainer; apply the over-long policy; split."""
@@ -435,6 +432,8 @@ class SeqPackDataModule(LightningDataModule):
 
     def _setup_eval_files(self) -> None:
         """The ``val_path`` / ``test_path`` splits, validated and under the training document budget."""
+        from lit_seqpack.model.vocab import model_vocab_size  # the model's side of the check, read at setup only
+
         hp, model = self.hparams, getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         for name in self._eval_files:
             data, scan = self._eval_file(name)
@@ -462,7 +461,7 @@ class SeqPackDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------ loaders
     def plan_config(self, *, world_size: int, accumulate_grad_batches: int, train: bool = True) -> PlanConfig:
-        """The planner configuration of this DataModule's knobs for a layout (``train=False``: no shuffle).
+        """The planner configuration of this DataModule's settings for a layout (``train=False``: no shuffle).
 
         Args:
             world_size: data-parallel ranks.

@@ -1,74 +1,37 @@
-"""Data sources: one import for every dataset, the length statistics the planner needs, and the over-long policy.
+"""Deprecated alias of the old path: the index of every dataset moved to :mod:`lit_seqpack.data`.
 
-=====================================  ==========================================================
-name                                   what
-=====================================  ==========================================================
-:class:`SyntheticInstructionDataset`   embedded default: a generated, learnable instruction task
-                                       with heavy-tailed lengths (``synthetic.py``)
-:class:`TokenizedDataset`              pre-tokenised JSONL / Parquet / ``save_to_disk`` data;
-:func:`load_tokenized`                 ``load_tokenized(path)`` picks the reader (``sources.py``)
-:class:`TextDataset`                   raw text with a local Hugging Face tokenizer (``text.py``)
-:func:`compute_lengths`, ...           lengths and loss tokens, fast path or one read; a cache
-                                       keyed by the dataset's fingerprint (``lengths.py``)
-:func:`apply_overlong_policy`          ``overlong: error | truncate | drop`` with a report
-                                       (``overlong.py``)
-=====================================  ==========================================================
-
-Every dataset here is map-style, picklable (DataLoader workers) and returns samples
-``{"input_ids": LongTensor[L], "labels": LongTensor[L]}`` (``labels`` omitted when every token is
-trained on), and offers ``lengths``, ``loss_tokens`` and ``fingerprint`` attributes.
+Each name still resolves to the same object, with a ``DeprecationWarning``; this module will be removed.
 """
 
 from __future__ import annotations
 
-from lit_seqpack.data.lengths import (
-    cache_path,
-    cached_lengths,
-    cached_lengths_and_loss_tokens,
-    cached_loss_tokens,
-    compute_lengths,
-    compute_lengths_and_loss_tokens,
-    compute_loss_tokens,
-    dataset_fingerprint,
-    sample_loss_tokens,
-)
-from lit_seqpack.data.overlong import (
-    OVERLONG_POLICIES,
-    DroppedDataset,
-    OverlongReport,
-    TruncatedDataset,
-    apply_overlong_policy,
-)
-from lit_seqpack.data.sources import TOKENIZED_FORMATS, TokenizedDataset, load_tokenized
-from lit_seqpack.data.synthetic import (
-    LENGTH_DISTRIBUTIONS,
-    SYNTHETIC_TASKS,
-    SyntheticInstructionDataset,
-    SyntheticTaskConfig,
-)
-from lit_seqpack.data.text import TextDataset
+from lit_seqpack._lazy import deprecated_exports
 
-__all__ = [
-    "LENGTH_DISTRIBUTIONS",
-    "OVERLONG_POLICIES",
-    "SYNTHETIC_TASKS",
-    "TOKENIZED_FORMATS",
-    "DroppedDataset",
-    "OverlongReport",
-    "SyntheticInstructionDataset",
-    "SyntheticTaskConfig",
-    "TextDataset",
-    "TokenizedDataset",
-    "TruncatedDataset",
-    "apply_overlong_policy",
-    "cache_path",
-    "cached_lengths",
-    "cached_lengths_and_loss_tokens",
-    "cached_loss_tokens",
-    "compute_lengths",
-    "compute_lengths_and_loss_tokens",
-    "compute_loss_tokens",
-    "dataset_fingerprint",
-    "load_tokenized",
-    "sample_loss_tokens",
-]
+_MOVED = {
+    "cache_path": "lit_seqpack.data.lengths",
+    "cached_lengths": "lit_seqpack.data.lengths",
+    "cached_lengths_and_loss_tokens": "lit_seqpack.data.lengths",
+    "cached_loss_tokens": "lit_seqpack.data.lengths",
+    "compute_lengths": "lit_seqpack.data.lengths",
+    "compute_lengths_and_loss_tokens": "lit_seqpack.data.lengths",
+    "compute_loss_tokens": "lit_seqpack.data.lengths",
+    "dataset_fingerprint": "lit_seqpack.data.lengths",
+    "sample_loss_tokens": "lit_seqpack.data.lengths",
+    "OVERLONG_POLICIES": "lit_seqpack.data.overlong",
+    "DroppedDataset": "lit_seqpack.data.overlong",
+    "OverlongReport": "lit_seqpack.data.overlong",
+    "TruncatedDataset": "lit_seqpack.data.overlong",
+    "apply_overlong_policy": "lit_seqpack.data.overlong",
+    "TOKENIZED_FORMATS": "lit_seqpack.data.sources",
+    "TokenizedDataset": "lit_seqpack.data.sources",
+    "load_tokenized": "lit_seqpack.data.sources",
+    "LENGTH_DISTRIBUTIONS": "lit_seqpack.data.sources",
+    "SYNTHETIC_TASKS": "lit_seqpack.data.sources",
+    "SyntheticInstructionDataset": "lit_seqpack.data.sources",
+    "SyntheticTaskConfig": "lit_seqpack.data.sources",
+    "TextDataset": "lit_seqpack.data.sources",
+}
+
+__all__ = sorted(_MOVED)
+
+__getattr__, __dir__ = deprecated_exports(__name__, _MOVED, globals())

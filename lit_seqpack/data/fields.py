@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_seqpack.parallel import SHIFT_PREFIX
+from lit_seqpack.batch import CONTRACT_KEYS, SHIFT_PREFIX
 
 __all__ = [
     "CONTRACT_KEYS",
@@ -59,30 +59,6 @@ log = logging.getLogger(__name__)
 
 SAMPLE_KEYS = frozenset({"input_ids", "labels", "loss_mask"})
 """The keys of a sample the collators always read."""
-
-CONTRACT_KEYS = SAMPLE_KEYS | {
-    "attention_mask",
-    "position_ids",
-    "cu_seqlens",
-    "cu_seqlens_unpadded",
-    "max_seqlen",
-    "num_documents",
-    "num_real_tokens",
-    "num_padding_tokens",
-    "num_loss_tokens",
-    "step_loss_tokens",
-    "world_size",
-    "accumulate_grad_batches",
-    "max_tokens",
-    "is_empty",
-    "context_parallel_size",
-    "context_parallel_rank",
-    "tensor_parallel_size",
-    "loss_weights",
-    "num_loss_weight",
-    "step_loss_weight",
-}
-"""Keys of the batch contract: no declared field may take one of these names."""
 
 
 def check_fields(

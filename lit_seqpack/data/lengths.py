@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from lit_seqpack.data.labels import IGNORE_INDEX
+from lit_seqpack.batch import IGNORE_INDEX
+from lit_seqpack.data.sources.protocol import declared_counts, declared_fingerprint
 from lit_seqpack.data.validation import DataScan, scan_dataset
 
 __all__ = [
@@ -94,10 +95,7 @@ def compute_lengths_and_loss_tokens(dataset: Sequence[Mapping[str, Any]]) -> tup
 
 def dataset_fingerprint(dataset: object) -> str | None:
     """The dataset's ``fingerprint`` attribute (a stable identity of its content), or ``None``."""
-    value = getattr(dataset, "fingerprint", None)
-    if value is not None and not isinstance(value, str):
-        raise TypeError(f"dataset.fingerprint must be a str or None, got {type(value).__name__}")
-    return value
+    return declared_fingerprint(dataset)
 
 
 def cache_path(dataset: Sequence[Any], cache_dir: str | os.PathLike[str], key: str | None = None) -> Path:
@@ -181,13 +179,8 @@ def cached_loss_tokens(
 
 
 def _fast_path(dataset: Sequence[Any], name: str) -> np.ndarray | None:
-    value = getattr(dataset, name, None)
-    if value is None or callable(value):
-        return None
-    array = np.array(value, dtype=np.int64)
-    if array.shape != (len(dataset),):
-        raise ValueError(f"dataset.{name} has shape {array.shape} but the dataset has {len(dataset)} samples")
-    return array
+    array = declared_counts(dataset, name)
+    return None if array is None else array.astype(np.int64)  # a copy: the caller's array is never aliased
 
 
 def _scan(dataset: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:

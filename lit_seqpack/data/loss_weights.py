@@ -27,8 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_seqpack.data.labels import IGNORE_INDEX
-from lit_seqpack.data.microbatch import Microbatch
+from lit_seqpack.batch import IGNORE_INDEX, LOSS_WEIGHTS, Microbatch
 
 __all__ = [
     "LOSS_MASK",
@@ -42,9 +41,6 @@ __all__ = [
     "sample_loss_weight",
     "with_step_loss_weights",
 ]
-
-LOSS_WEIGHTS = "loss_weights"
-"""The batch key of the placed per-token loss weights."""
 
 LOSS_MASK = "loss_mask"
 """``loss_weight_field="loss_mask"``: the samples' ``loss_mask`` holds weights in ``[0, 1]``."""

@@ -19,7 +19,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta
+from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.planning._windows import compact_counts
 from lit_seqpack.planning.config import PlanConfig
 from lit_seqpack.planning.lazy import LazyPlan

@@ -1,8 +1,8 @@
 """Rank-aware, resumable batch samplers: one rank's view of the global :class:`~lit_seqpack.planning.Plan`.
 
 Every rank builds the same plan (a pure function of the lengths, the config, the seed and the epoch)
-and yields its own column of it, as :class:`~lit_seqpack.data.microbatch.Microbatch` lists of dataset
-indices carrying a :class:`~lit_seqpack.data.microbatch.MicrobatchMeta` (step, loss tokens of the whole
+and yields its own column of it, as :class:`~lit_seqpack.batch.Microbatch` lists of dataset
+indices carrying a :class:`~lit_seqpack.batch.MicrobatchMeta` (step, loss tokens of the whole
 step over all ranks, world size, accumulation, budget, empty filler or not)::
 
     plan, epoch e        step 0        step 1       ...

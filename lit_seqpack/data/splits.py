@@ -1,4 +1,4 @@
-"""Deterministic train/validation splits as index views (no copy of the data)."""
+"""Deterministic train/validation splits as index views (no copy of the data), and the way back to a source index."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["IndexView", "Split", "split_indices"]
+from lit_seqpack.data.overlong import DroppedDataset, TruncatedDataset
+
+__all__ = ["IndexView", "Split", "source_index", "split_indices"]
 
 
 class Split(NamedTuple):
@@ -69,3 +71,21 @@ class IndexView:
 
     def __getitem__(self, index: int) -> Mapping[str, Any]:
         return self.dataset[int(self.indices[index])]
+
+
+def source_index(dataset: Any, index: int) -> int:
+    """The index in the original dataset of ``dataset[index]``, through split, drop and truncate views.
+
+    Example:
+        >>> source_index(IndexView(list(range(10)), [2, 5, 7]), 1)
+        5
+    """
+    while True:
+        if isinstance(dataset, IndexView):
+            index, dataset = int(dataset.indices[index]), dataset.dataset
+        elif isinstance(dataset, DroppedDataset):
+            index, dataset = int(dataset.original_indices[index]), dataset.dataset
+        elif isinstance(dataset, TruncatedDataset):
+            dataset = dataset.dataset
+        else:
+            return index

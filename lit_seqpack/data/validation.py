@@ -27,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from lit_seqpack.data.labels import IGNORE_INDEX
+from lit_seqpack._lazy import deprecated_exports
+from lit_seqpack.batch import IGNORE_INDEX
+from lit_seqpack.data.sources.protocol import declared_counts
 
-__all__ = ["DataScan", "check_vocab_range", "model_vocab_size", "scan_dataset"]
+__all__ = ["DataScan", "check_vocab_range", "scan_dataset"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +58,7 @@ def scan_dataset(dataset: Sequence[Mapping[str, Any]]) -> DataScan:
         ValueError: the first bad sample, naming its dataset index and the rule it breaks; or ``lengths`` /
             ``loss_tokens`` attributes that disagree with the samples.
     """
-    from lit_seqpack.data.sources import TokenizedDataset
-    from lit_seqpack.data.synthetic import SyntheticInstructionDataset
+    from lit_seqpack.data.sources import SyntheticInstructionDataset, TokenizedDataset
 
     if isinstance(dataset, TokenizedDataset):
         return _scan_columnar(dataset)
@@ -114,7 +115,7 @@ _Facts = tuple[np.ndarray, np.ndarray, int, int]
 
 
 def _slow_chunk(samples: list[Any], start: int) -> _Facts:
-    from lit_seqpack.data.sources import validate_record
+    from lit_seqpack.data.sources.tokenized import validate_record
 
     lengths = np.empty(len(samples), dtype=np.int64)
     loss_tokens = np.empty(len(samples), dtype=np.int64)
@@ -218,12 +219,9 @@ def _flat_ints(parts: list[Any], *, allow_bool: bool) -> np.ndarray | None:
 
 def _check_offered(dataset: Any, name: str, scanned: np.ndarray) -> None:
     """A ``lengths`` / ``loss_tokens`` attribute must agree with the samples (the planner trusts it)."""
-    offered = getattr(dataset, name, None)
-    if offered is None or callable(offered):
+    offered = declared_counts(dataset, name)
+    if offered is None:
         return
-    offered = np.asarray(offered, dtype=np.int64)
-    if offered.shape != scanned.shape:
-        raise ValueError(f"dataset.{name} has shape {offered.shape} but the dataset has {len(scanned)} samples")
     wrong = np.flatnonzero(offered != scanned)
     if wrong.size:
         i = int(wrong[0])
@@ -260,18 +258,5 @@ def check_vocab_range(scan: DataScan, *, vocab_size: int | None, pad_token_id: i
         )
 
 
-def model_vocab_size(model: Any) -> int | None:
-    """The number of token ids ``model`` can embed, or ``None`` when it does not say.
-
-    Looked up, in order: the ``config.vocab_size`` of the wrapped network ``model.model`` (the reference decoder
-    and transformers models both have one), then the hyperparameter ``vocab_size``, then the ``vocab_size`` of a
-    ``config`` hyperparameter (:class:`~lit_seqpack.model.lm.HFCausalLM` built from a config dict).
-    """
-    inner_config = getattr(getattr(model, "model", None), "config", None)
-    value = getattr(inner_config, "vocab_size", None)
-    hparams = getattr(model, "hparams", None) or {}
-    if value is None:
-        value = hparams.get("vocab_size")
-    if value is None and isinstance(hparams.get("config"), Mapping):
-        value = hparams["config"].get("vocab_size")
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+# model_vocab_size is the model's side of the vocabulary check: it lives in lit_seqpack.model.vocab now
+__getattr__, _ = deprecated_exports(__name__, {"model_vocab_size": "lit_seqpack.model.vocab"}, globals())

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import torch
 
+from lit_seqpack._checks import check_choice, check_int, check_optional_int
+
 __all__ = ["BatchCounts", "TokenKind", "batch_counts", "check_token_kind"]
 
 TokenKind = Literal["real", "computed"]
@@ -41,13 +43,8 @@ class BatchCounts:
 
     def __post_init__(self) -> None:
         for name in ("real_tokens", "padding_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if self.max_tokens is not None and (
-            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=0))
+        object.__setattr__(self, "max_tokens", check_optional_int("max_tokens", self.max_tokens, minimum=1))
 
     @property
     def computed_tokens(self) -> int:
@@ -76,10 +73,8 @@ class BatchCounts:
 
 
 def check_token_kind(tokens: str) -> TokenKind:
-    """Validate a ``tokens=`` knob."""
-    if tokens not in ("real", "computed"):
-        raise ValueError(f"tokens must be 'real' or 'computed', got {tokens!r}")
-    return tokens  # type: ignore[return-value]
+    """Validate a ``tokens=`` setting."""
+    return check_choice("tokens", tokens, ("real", "computed"))  # type: ignore[return-value]
 
 
 def _scalar(batch: Mapping[str, Any], key: str) -> int:

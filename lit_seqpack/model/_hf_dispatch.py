@@ -30,6 +30,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from lit_seqpack._imports import require
+
 RECORD_ATTR = "_lit_seqpack_attention_record"
 """The attribute of the top-level model that holds its :class:`AttentionRecord`."""
 
@@ -76,10 +78,9 @@ class AttentionRecord:
 
 def model_configs(model: Any) -> list[Any]:
     """Every distinct config object of ``model``: its sub-models' configs and, recursively, their sub-configs."""
-    from transformers import PreTrainedModel
-
+    pretrained = require("transformers", purpose="a transformers model").PreTrainedModel
     found: dict[int, Any] = {}
-    stack = [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
+    stack = [m.config for m in model.modules() if isinstance(m, pretrained)]
     while stack:
         config = stack.pop(0)
         if id(config) in found:
@@ -179,10 +180,9 @@ def _post_hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outpu
 
 def install_hooks(model: Any) -> None:
     """Register the call-kind hooks on every sub-model of ``model`` (once)."""
-    from transformers import PreTrainedModel
-
+    pretrained = require("transformers", purpose="a transformers model").PreTrainedModel
     for module in model.modules():
-        if isinstance(module, PreTrainedModel) and _pre_hook not in module._forward_pre_hooks.values():
+        if isinstance(module, pretrained) and _pre_hook not in module._forward_pre_hooks.values():
             module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
             module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
 
@@ -215,9 +215,8 @@ def original_mask(**kwargs: Any) -> Any:
                 "train this model with mode: dynamic"
             )
         return None
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    mask_function = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(original_implementation(kwargs["config"]))
+    masks = require("transformers.masking_utils", purpose="a transformers model").ALL_MASK_ATTENTION_FUNCTIONS
+    mask_function = masks._global_mapping.get(original_implementation(kwargs["config"]))
     if mask_function is None or mask_function is original_mask:  # the stock model builds no mask either
         return None
     if kind == "right_padded" and _causal_without_offsets(kwargs):
@@ -248,7 +247,7 @@ def delegate(module: Any, *args: Any, **kwargs: Any) -> Any:
         PackingLeakError: a causal layer is called without ``cu_seq_lens_q`` inside a packed call: something
             between the model and this layer dropped the boundary keywords, and its documents would see each other.
     """
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    functions = require("transformers.modeling_utils", purpose="a transformers model").ALL_ATTENTION_FUNCTIONS
 
     if _CALLS and _CALLS[-1] == "packed" and kwargs.get("is_causal", getattr(module, "is_causal", True)):
         from lit_seqpack.model.hf import PackingLeakError
@@ -268,4 +267,4 @@ def delegate(module: Any, *args: Any, **kwargs: Any) -> Any:
             f"{type(module).__module__} has no eager_attention_forward to delegate to; call "
             "lit_seqpack.model.hf.restore_hf_attention(model) before using it outside packed rows"
         )
-    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)(module, *args, **kwargs)
+    return functions.get_interface(implementation, eager)(module, *args, **kwargs)

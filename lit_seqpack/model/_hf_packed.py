@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from lit_seqpack._checks import check_int
+
 ATTENTION_NAME = "lit_seqpack_varlen"
 """The name of lit_seqpack's attention function in transformers' ``AttentionInterface``."""
 
@@ -38,9 +40,8 @@ def attention_extras(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> dict
         )
     extras: dict[str, Any] = {}
     if sliding_window is not None:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            raise ValueError(f"{type(module).__name__}: sliding_window must be a positive int, got {sliding_window!r}")
-        extras["window"] = (sliding_window - 1, 0)
+        window = check_int(f"{type(module).__name__}: sliding_window", sliding_window, minimum=1)
+        extras["window"] = (window - 1, 0)
     if kwargs.get("softcap") is not None:
         extras["softcap"] = float(kwargs["softcap"])
     if kwargs.get("s_aux") is not None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from lit_seqpack._imports import require
+
 __all__ = ["Trace", "cross_document_entries", "first_leaking_module", "tracing"]
 
 
@@ -89,20 +91,19 @@ def _recording_attention(model: torch.nn.Module, trace: Trace) -> Iterator[None]
     if not any(getattr(c, "_attn_implementation", None) == ATTENTION_NAME for c in configs):
         yield
         return
-    from transformers import AttentionInterface
-
-    original = AttentionInterface._global_mapping[ATTENTION_NAME]
+    interface = require("transformers", purpose="tracing a transformers model").AttentionInterface
+    original = interface._global_mapping[ATTENTION_NAME]
 
     def recording(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         trace.attention_calls.append((module, kwargs.get("cu_seq_lens_q") is not None))
         return original(module, *args, **kwargs)
 
     trace.attention_wrapped = True
-    AttentionInterface.register(ATTENTION_NAME, recording)
+    interface.register(ATTENTION_NAME, recording)
     try:
         yield
     finally:
-        AttentionInterface.register(ATTENTION_NAME, original)
+        interface.register(ATTENTION_NAME, original)
 
 
 def cross_document_entries(

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from lit_seqpack._checks import check_int
 from lit_seqpack.model.mixin import check_batch_layout
 
 __all__ = ["FabricAccumulation"]
@@ -38,12 +39,8 @@ class FabricAccumulation:
     """
 
     def __init__(self, fabric: Any, *, accumulate_grad_batches: int = 1) -> None:
-        if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int):
-            raise ValueError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
-        if accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
         self.fabric = fabric
-        self.accumulate_grad_batches = accumulate_grad_batches
+        self.accumulate_grad_batches = check_int("accumulate_grad_batches", accumulate_grad_batches, minimum=1)
         self.microbatches = 0
 
     def check(self, batch: Mapping[str, Any]) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from lit_seqpack._imports import require
 from lit_seqpack.model import _hf_dispatch
 from lit_seqpack.model._hf_packed import ATTENTION_NAME, attention_extras, reject_unsupported
 from lit_seqpack.model.attention import varlen_attention
@@ -65,11 +66,10 @@ def register_attention() -> str:
     The mask function registered under the same name builds the mask of each model's original implementation
     (none on a packed row).
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(ATTENTION_NAME, hf_varlen_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, _hf_dispatch.original_mask)
+    transformers = require("transformers", purpose="prepare_hf_model")
+    masking = require("transformers.masking_utils", purpose="prepare_hf_model")
+    transformers.AttentionInterface.register(ATTENTION_NAME, hf_varlen_attention)
+    masking.AttentionMaskInterface.register(ATTENTION_NAME, _hf_dispatch.original_mask)
     return ATTENTION_NAME
 
 

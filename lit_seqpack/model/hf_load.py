@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from lit_seqpack._imports import require
+
 __all__ = [
     "DTYPES",
     "apply_peft",
@@ -67,7 +69,7 @@ def load_hf_model(
         dtype: the weights' dtype, ``"float32"`` (master weights for any Lightning precision), ``"bfloat16"``,
             ``"float16"`` or ``"auto"`` (the checkpoint's).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    transformers = require("transformers", purpose="HFCausalLM")
 
     kwargs = dict(model_kwargs or {})
     for key, use in _RESERVED_KWARGS.items():
@@ -76,10 +78,10 @@ def load_hf_model(
     torch_dtype = _torch_dtype(dtype)
     hub = {k: kwargs[k] for k in ("revision", "trust_remote_code", "cache_dir", "token", "subfolder") if k in kwargs}
     if model_name_or_path is not None:
-        model_config = AutoConfig.from_pretrained(model_name_or_path, **hub)
+        model_config = transformers.AutoConfig.from_pretrained(model_name_or_path, **hub)
     else:
         settings = dict(config or {})
-        model_config = AutoConfig.for_model(settings.pop("model_type", "llama"), **settings)
+        model_config = transformers.AutoConfig.for_model(settings.pop("model_type", "llama"), **settings)
     for key, value in (config_overrides or {}).items():
         if not hasattr(model_config, key):
             raise ValueError(
@@ -88,12 +90,14 @@ def load_hf_model(
             )
         setattr(model_config, key, value)
     if model_name_or_path is not None:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = transformers.AutoModelForCausalLM.from_pretrained(
             model_name_or_path, config=model_config, dtype=torch_dtype, **kwargs
         )
     else:
         build = {k: v for k, v in kwargs.items() if k not in hub or k == "trust_remote_code"}
-        model = AutoModelForCausalLM.from_config(model_config, dtype=None if dtype == "auto" else torch_dtype, **build)
+        model = transformers.AutoModelForCausalLM.from_config(
+            model_config, dtype=None if dtype == "auto" else torch_dtype, **build
+        )
     return model.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes
 
 
@@ -103,12 +107,9 @@ def apply_peft(model: Any, peft_config: Mapping[str, Any]) -> Any:
     ``{"r": 8, "target_modules": ["q_proj", "v_proj"]}`` gives LoRA; ``{"peft_type": "IA3", ...}`` another method.
     ``task_type`` defaults to ``"CAUSAL_LM"``. Only the adapters (and ``modules_to_save``) stay trainable.
     """
-    try:
-        from peft import get_peft_config, get_peft_model
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("peft_config needs peft: pip install 'lit-seqpack[peft]'") from err
+    peft = require("peft", purpose="peft_config")
     settings = {"peft_type": "LORA", "task_type": "CAUSAL_LM", **peft_config}
-    return get_peft_model(model, get_peft_config(settings)).train()
+    return peft.get_peft_model(model, peft.get_peft_config(settings)).train()
 
 
 def attention_dropout_settings(model: torch.nn.Module) -> list[tuple[str, float]]:

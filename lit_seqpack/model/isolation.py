@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lit_seqpack.data.labels import IGNORE_INDEX
+from lit_seqpack.batch import IGNORE_INDEX
 from lit_seqpack.model._isolation_trace import cross_document_entries, first_leaking_module, tracing
 from lit_seqpack.model._leak_message import leak_message, probe_lengths
 

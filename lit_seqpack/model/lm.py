@@ -19,6 +19,8 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 
+from lit_seqpack._checks import check_choice, check_int
+from lit_seqpack._imports import require
 from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model, register_attention
 from lit_seqpack.model.hf_load import (
     apply_peft,
@@ -58,12 +60,10 @@ def _check_optim(lr: float, weight_decay: float, warmup_steps: int, min_lr_ratio
         raise ValueError(f"lr must be > 0, got {lr}")
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    if warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    check_int("warmup_steps", warmup_steps, minimum=0)
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-    if schedule not in ("constant", "cosine"):
-        raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {schedule!r}")
+    check_choice("lr_schedule", schedule, ("constant", "cosine"))
 
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -362,9 +362,8 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         out = export_hf_model(self.model, path, dtype=dtype)
         source = tokenizer or _local_tokenizer(self.hparams.model_name_or_path)
         if source is not None:
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(source).save_pretrained(out)
+            transformers = require("transformers", purpose="saving the tokenizer")
+            transformers.AutoTokenizer.from_pretrained(source).save_pretrained(out)
         return out
 
 

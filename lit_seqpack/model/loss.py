@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lit_seqpack.data.labels import IGNORE_INDEX, shift_labels
+from lit_seqpack.batch import IGNORE_INDEX, shift_labels
 
 __all__ = [
     "IGNORE_INDEX",

@@ -1,7 +1,7 @@
 """``PackedSequenceMixin``: train, validate and test a causal LM on packed or dynamic batches, with an exact loss.
 
 Mix it in front of ``LightningModule``; it implements ``training_step``, ``validation_step`` and ``test_step``
-for the batch contract of :mod:`lit_seqpack.data.collate` and owns no state, so ``__init__``,
+for the batch contract of :mod:`lit_seqpack.batch` and owns no state, so ``__init__``,
 ``save_hyperparameters`` and LightningCLI introspection stay the user's::
 
     class MyLM(PackedSequenceMixin, LightningModule):
@@ -60,9 +60,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lit_seqpack.data.validation import model_vocab_size
+from lit_seqpack.batch import is_packed_batch
 from lit_seqpack.model.cp_attention import context_parallel_scope
 from lit_seqpack.model.loss import LossOutput, exact_loss, token_cross_entropy
+from lit_seqpack.model.vocab import model_vocab_size
 from lit_seqpack.parallel import mesh_layout, strategy_mesh
 
 if TYPE_CHECKING:
@@ -76,11 +77,6 @@ _VOCAB_CHECKS: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKey
 
 VOCAB_CHECKED_BATCHES = 8
 """Batches per module whose ids are checked against the vocabulary on an accelerator (every batch on a CPU)."""
-
-
-def is_packed_batch(batch: Mapping[str, Any]) -> bool:
-    """Whether ``batch`` is a packed row (it carries ``cu_seqlens``) rather than a padded ``[B, L]`` batch."""
-    return batch.get("cu_seqlens") is not None
 
 
 class PackedSequenceMixin:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_seqpack._checks import check_choice, check_int
 from lit_seqpack.model.attention import varlen_attention
 
 __all__ = ["REFERENCE_PRESETS", "ReferenceConfig", "ReferenceDecoder"]
@@ -78,9 +79,7 @@ class ReferenceConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -93,8 +92,7 @@ class ReferenceConfig:
     @classmethod
     def preset(cls, name: str, **overrides: object) -> ReferenceConfig:
         """A named size from :data:`REFERENCE_PRESETS`, with ``overrides`` applied."""
-        if name not in REFERENCE_PRESETS:
-            raise ValueError(f"preset must be one of {sorted(REFERENCE_PRESETS)}, got {name!r}")
+        check_choice("preset", name, sorted(REFERENCE_PRESETS))
         return cls(**(REFERENCE_PRESETS[name] | overrides))
 
     @property

@@ -30,8 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lit_seqpack.data.labels import IGNORE_INDEX, shift_labels
-from lit_seqpack.data.loss_weights import LOSS_WEIGHTS
+from lit_seqpack.batch import IGNORE_INDEX, LOSS_WEIGHTS, SHIFT_PREFIX, shift_labels
 from lit_seqpack.parallel.layout import check_int
 
 __all__ = [
@@ -45,7 +44,6 @@ __all__ = [
 ]
 
 _CP_KEYS = ("context_parallel_size", "context_parallel_rank")
-SHIFT_PREFIX = "shift_"
 """Under context parallelism ``shift_<name>`` holds the targets' values of the per-token tensor ``<name>``."""
 
 

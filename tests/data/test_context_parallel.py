@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.collate import IGNORE_INDEX, PackedCollator
 from lit_seqpack.data.context_parallel import (
     ContextParallelCollator,
@@ -17,7 +18,6 @@ from lit_seqpack.data.context_parallel import (
     shard_tokens,
     unshard_tokens,
 )
-from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta
 
 X = IGNORE_INDEX
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator, TensorParallelCollator
 from lit_seqpack.data.fields import check_fields, sample_field_tensor
-from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta
 from lit_seqpack.parallel import context_parallel_index, gather_packed_batches, shard_packed_batch
 
 DOCS = [[11, 12, 13], [21, 22, 23, 24, 25], [31, 32]]

@@ -18,7 +18,7 @@ from lit_seqpack.data.lengths import (
     dataset_fingerprint,
     sample_loss_tokens,
 )
-from lit_seqpack.data.synthetic import SyntheticInstructionDataset
+from lit_seqpack.data.sources.synthetic import SyntheticInstructionDataset
 
 SAMPLES = [
     {"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]},

@@ -15,7 +15,7 @@ from lit_seqpack.data.overlong import (
     apply_overlong_policy,
 )
 from lit_seqpack.data.sources import TokenizedDataset
-from lit_seqpack.data.synthetic import SyntheticInstructionDataset
+from lit_seqpack.data.sources.synthetic import SyntheticInstructionDataset
 
 LENGTHS = [3, 9, 4, 12, 5, 7]
 

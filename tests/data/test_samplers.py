@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lit_seqpack import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler, PlannedBatchSampler
-from lit_seqpack.data.microbatch import Microbatch, PlannedDataset
+from lit_seqpack.batch import Microbatch, PlannedDataset
 from lit_seqpack.planning import PlanConfig, build_plan
 
 SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.collate import PackedCollator
 from lit_seqpack.data.context_parallel import shard_packed_batch
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta
 from tests.model.test_exact_loss import (
     assert_gradients_match,
     loss_tokens,

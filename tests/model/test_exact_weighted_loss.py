@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from lit_seqpack.batch import Microbatch, MicrobatchMeta, PlannedDataset
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator
 from lit_seqpack.data.loss_weights import StepWeightedBatchSampler, sample_loss_weight
-from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta, PlannedDataset
 from lit_seqpack.data.samplers import PackedBatchSampler
 from lit_seqpack.parallel import gather_packed_batches, shard_packed_batch
 from tests.model.test_exact_loss import (

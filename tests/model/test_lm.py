@@ -48,12 +48,13 @@ def test_warmup_then_cosine_to_the_floor() -> None:
     [
         ({"lr": 0.0}, "lr"),
         ({"weight_decay": -1.0}, "weight_decay"),
-        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": -1}, "warmup_steps must be an int >= 0, got -1"),
+        ({"warmup_steps": 2.5}, "warmup_steps must be an int >= 0, got 2.5"),  # was silently a fractional warmup
         ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
-        ({"lr_schedule": "linear"}, "lr_schedule"),
+        ({"lr_schedule": "linear"}, r"lr_schedule='linear' must be one of \('constant', 'cosine'\)"),
     ],
 )
-def test_reference_lm_rejects_bad_optimizer_knobs(kwargs: dict[str, Any], match: str) -> None:
+def test_reference_lm_rejects_bad_optimizer_settings(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ReferenceLM(**TINY, **kwargs)
 

@@ -149,8 +149,8 @@ def test_tied_embeddings_share_the_output_projection():
         ({"n_embd": 30}, "must split into n_head=4 heads of even size"),
         ({"n_embd": 12}, "heads of even size"),
         ({"n_kv_head": 3}, "n_kv_head=3 must divide n_head=4"),
-        ({"n_layer": 0}, "n_layer must be a positive int, got 0"),
-        ({"vocab_size": 1.5}, "vocab_size must be a positive int"),
+        ({"n_layer": 0}, "n_layer must be an int >= 1, got 0"),
+        ({"vocab_size": 1.5}, "vocab_size must be an int >= 1, got 1.5"),
         ({"norm_eps": 0.0}, "norm_eps must be a positive finite number"),
         ({"rope_theta": float("nan")}, "rope_theta must be a positive finite number"),
     ],
@@ -158,7 +158,7 @@ def test_tied_embeddings_share_the_output_projection():
 def test_bad_config_names_the_knob(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ReferenceConfig.preset("tiny", **kwargs)
-    with pytest.raises(ValueError, match="preset must be one of"):
+    with pytest.raises(ValueError, match="preset=.huge. must be one of"):
         ReferenceConfig.preset("huge")
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lit_seqpack import SeqPackDataModule, TokenizedDataset
-from lit_seqpack.data.text import TextDataset
+from lit_seqpack.data.sources.text import TextDataset
 
 GOOD = '{"input_ids": [1, 2, 3]}\n'
 

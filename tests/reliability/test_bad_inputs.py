@@ -29,8 +29,8 @@ from lit_seqpack import (
     TokenizedDataset,
     varlen_attention,
 )
+from lit_seqpack.batch import PlannedDataset
 from lit_seqpack.cli import SeqPackCLI
-from lit_seqpack.data.microbatch import PlannedDataset
 from lit_seqpack.model.attention import BackendUnavailableError
 from lit_seqpack.model.hf import PackingLeakError
 

@@ -215,8 +215,8 @@ def test_the_mixin_checks_the_vocabulary_at_the_model_boundary(key: str) -> None
         ({"shuffle": 1}, TypeError, "shuffle=1 must be a bool"),
         ({"source": "csv"}, ValueError, "source='csv' must be one of"),
         ({"overlong": "skip"}, ValueError, "overlong='skip' must be one of"),
-        ({"pad_token_id": -1}, ValueError, "pad_token_id=-1 must be an int >= 0"),
-        ({"pad_token_id": True}, ValueError, "pad_token_id=True must be an int >= 0"),
+        ({"pad_token_id": -1}, ValueError, "pad_token_id must be an int >= 0, got -1"),
+        ({"pad_token_id": True}, ValueError, "pad_token_id must be an int >= 0, got True"),
         ({"val_fraction": "0.1"}, TypeError, "val_fraction='0.1' must be a number"),
         ({"text_field": 1}, TypeError, "text_field=1 must be a str"),
         ({"cache_dir": 3}, TypeError, "cache_dir=3 must be a str or None"),
@@ -272,7 +272,7 @@ def test_the_vectorised_scan_agrees_with_the_per_sample_rules(form: str) -> None
 
 @pytest.mark.parametrize("knob", ["add_eos", "add_special_tokens"])
 def test_text_dataset_flags_must_be_bools(knob: str) -> None:
-    from lit_seqpack.data.text import TextDataset
+    from lit_seqpack.data.sources.text import TextDataset
 
     with pytest.raises(TypeError, match=rf"{knob}='false' must be a bool"):
         TextDataset(["a"], tokenizer=lambda texts, **_: {"input_ids": [[1] for _ in texts]}, **{knob: "false"})
@@ -286,7 +286,7 @@ def test_collator_errors_map_positions_through_drop_and_split_views() -> None:
         sample["labels"] = None  # corrupted after setup
     with pytest.raises(ValueError, match=r"sample 0 of the microbatch \(dataset index (0|2|3|5)\)"):
         list(dm.train_dataloader())
-    from lit_seqpack.data.microbatch import source_index
+    from lit_seqpack.data.splits import source_index
 
     view = dm.splits["train"].dataset
     assert [source_index(view, i) for i in range(len(view))] == [0, 2, 3, 5]  # 30 and 40 were dropped

@@ -22,8 +22,8 @@ from lit_seqpack import (
     PaddedBatchSampler,
     SeqPackDataModule,
 )
+from lit_seqpack.batch import PlannedDataset
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.microbatch import PlannedDataset
 from lit_seqpack.model.attention import varlen_attention
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
 from tests.reliability.conftest import FUZZ_SETTINGS

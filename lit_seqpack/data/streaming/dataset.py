@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lit_seqpack.data.microbatch import Microbatch, MicrobatchMeta
+from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.streaming.buffer import OverlongCounter, StreamWindow, stream_windows
 from lit_seqpack.data.streaming.sources import StreamSource
 from lit_seqpack.planning.plan import PlanConfig
@@ -67,7 +67,7 @@ class StreamingDataset(IterableDataset):
         config: the plan of each window (world size, accumulation, budget, algorithm, ...).
         rank: this data-parallel rank.
         buffer_size: samples per window.
-        collator: turns a :class:`~lit_seqpack.data.microbatch.Microbatch` of samples into a batch dict.
+        collator: turns a :class:`~lit_seqpack.batch.Microbatch` of samples into a batch dict.
         overlong: the over-long policy (``"error"``, ``"truncate"``, ``"drop"``).
         document_budget: the longest document allowed (``max_tokens`` less per-document padding).
         document_multiple: packed documents are padded to a multiple of this.

@@ -21,7 +21,6 @@ from lit_seqpack.data.streaming.buffer import OverlongCounter, stream_windows
 from lit_seqpack.data.streaming.dataset import StreamingDataset
 from lit_seqpack.data.streaming.loader import StreamingDataLoader
 from lit_seqpack.data.streaming.sources import StreamSource
-from lit_seqpack.data.validation import model_vocab_size
 
 if TYPE_CHECKING:
     from lit_seqpack.data.datamodule import SeqPackDataModule
@@ -233,6 +232,8 @@ def stream_prefix_microbatches(dm: SeqPackDataModule, max_samples: int, *, world
 
 def _model_vocab(dm: SeqPackDataModule) -> int | None:
     """The vocabulary of the Trainer's model (``None`` without one), after checking that it embeds the pad id."""
+    from lit_seqpack.model.vocab import model_vocab_size  # the model's side of the check, read at setup only
+
     model = getattr(dm.trainer, "lightning_module", None) if dm.trainer is not None else None
     vocab = None if model is None else model_vocab_size(model)
     if vocab is not None and dm.hparams.pad_token_id >= vocab:

@@ -28,6 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from lit_seqpack._imports import require
+
 __all__ = [
     "GeneratorStream",
     "HFIterableStream",
@@ -239,7 +241,7 @@ class _ParquetReader(StreamReader):
         self._rows: list[Sample] | None = None
 
     def __next__(self) -> Sample:
-        import pyarrow.parquet as pq
+        pq = require("pyarrow.parquet", purpose="streaming Parquet files")
 
         while True:
             file, group, row = self.position

@@ -10,7 +10,7 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-from lit_seqpack.data.text import TextDataset, load_tokenizer  # noqa: E402
+from lit_seqpack.data.sources.text import TextDataset, load_tokenizer  # noqa: E402
 
 CORPUS = ["the cat sat", "the dog ran far", "a cat ran", "dog"]
 
@@ -64,7 +64,7 @@ def test_tokenizer_loaded_from_a_local_path_and_jsonl(tmp_path, tok):
 def test_text_file_one_document_per_line(tmp_path, tok, caplog):
     path = tmp_path / "docs.txt"
     path.write_text("the cat sat\n\n  \ndog\n")
-    with caplog.at_level(logging.INFO, logger="lit_seqpack.data.text"):
+    with caplog.at_level(logging.INFO, logger="lit_seqpack.data.sources.text"):
         ds = TextDataset(path, tokenizer=tok)
     assert len(ds) == 2 and ds.lengths.tolist() == [4, 2]
     assert "skipped 2 blank lines" in caplog.text
@@ -98,7 +98,7 @@ def test_errors(tmp_path, tok):
         TextDataset([], tokenizer=tok)
     with pytest.raises(ValueError, match="is not a file"):
         TextDataset("the cat sat", tokenizer=tok)
-    with pytest.raises(ValueError, match="batch_size=0"):
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
         TextDataset(CORPUS, tokenizer=tok, batch_size=0)
     with pytest.raises(TypeError, match="tokenizer must be"):
         load_tokenizer(42)

@@ -32,11 +32,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from lit_seqpack.data._conversations import check_messages, read_conversations
+from lit_seqpack.batch import IGNORE_INDEX
 from lit_seqpack.data._vocab import tokenizer_vocab_size
-from lit_seqpack.data.labels import IGNORE_INDEX
-from lit_seqpack.data.sources import TokenizedDataset
-from lit_seqpack.data.text import load_tokenizer
+from lit_seqpack.data.sources._conversations import check_messages, read_conversations
+from lit_seqpack.data.sources.text import load_tokenizer
+from lit_seqpack.data.sources.tokenized import TokenizedDataset
 
 __all__ = ["MASK_METHODS", "TRAIN_ON", "ChatDataset", "has_generation_tags"]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lit_seqpack.data.synthetic import (
+from lit_seqpack.data.sources.synthetic import (
     BOS_ID,
     EOS_ID,
     FIRST_PAYLOAD_ID,
@@ -53,7 +53,7 @@ def test_same_seed_same_samples_different_seed_different_samples():
 
 def test_samples_identical_in_another_process():
     code = (
-        "from lit_seqpack.data.synthetic import SyntheticInstructionDataset as D\n"
+        "from lit_seqpack.data.sources.synthetic import SyntheticInstructionDataset as D\n"
         "d = D(num_samples=300, seed=11, length_distribution='power_law')\n"
         "print([d[i]['input_ids'].tolist() for i in range(0, 300, 37)])\n"
         "print(d.lengths.tolist())"

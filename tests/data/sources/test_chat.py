@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
-from lit_seqpack.data.chat import ChatDataset, has_generation_tags  # noqa: E402
-from lit_seqpack.data.labels import IGNORE_INDEX  # noqa: E402
+from lit_seqpack.batch import IGNORE_INDEX  # noqa: E402
+from lit_seqpack.data.sources.chat import ChatDataset, has_generation_tags  # noqa: E402
 from tests.data._chat_tiny import PLAIN, TAGGED, build_tokenizer, conversation  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "answer with a number"}

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_seqpack.data._files import file_fingerprint as _file_fingerprint
-from lit_seqpack.data._files import text_lines
-from lit_seqpack.data.labels import IGNORE_INDEX
+from lit_seqpack.batch import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
+from lit_seqpack.data.sources._files import file_fingerprint as _file_fingerprint
+from lit_seqpack.data.sources._files import text_lines
 
 __all__ = ["TOKENIZED_FORMATS", "TokenizedDataset", "load_tokenized"]
 
@@ -88,9 +88,9 @@ class TokenizedDataset:
         if not 0 <= i < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
         start, stop = self.offsets[i], self.offsets[i + 1]
-        sample = {"input_ids": torch.from_numpy(self.tokens[start:stop].astype(np.int64))}
+        sample = {INPUT_IDS: torch.from_numpy(self.tokens[start:stop].astype(np.int64))}
         if self.labels is not None:
-            sample["labels"] = torch.from_numpy(self.labels[start:stop].astype(np.int64))
+            sample[LABELS] = torch.from_numpy(self.labels[start:stop].astype(np.int64))
         return sample
 
     @property
@@ -119,10 +119,10 @@ class TokenizedDataset:
     @classmethod
     def from_parquet(cls, path: str | os.PathLike[str]) -> TokenizedDataset:
         """Read a Parquet file: an ``input_ids`` list-of-int column, optional ``labels`` or ``loss_mask`` columns."""
-        from lit_seqpack.data._arrow import parquet_table, table_to_arrays
+        from lit_seqpack.data.sources._arrow import parquet_table, table_to_arrays
 
         path = Path(path)
-        tokens, offsets, labels = table_to_arrays(parquet_table(path, ("input_ids", "labels", "loss_mask")), str(path))
+        tokens, offsets, labels = table_to_arrays(parquet_table(path, (INPUT_IDS, LABELS, LOSS_MASK)), str(path))
         return cls(
             tokens, offsets, labels, source=str(path), fingerprint=functools.partial(_file_fingerprint, "parquet", path)
         )
@@ -130,7 +130,7 @@ class TokenizedDataset:
     @classmethod
     def from_hf_disk(cls, path: str | os.PathLike[str], *, split: str | None = None) -> TokenizedDataset:
         """Read a directory written by ``datasets.Dataset.save_to_disk`` (``split`` picks one of a DatasetDict)."""
-        from lit_seqpack.data._arrow import hf_disk_table, table_to_arrays
+        from lit_seqpack.data.sources._arrow import hf_disk_table, table_to_arrays
 
         path = Path(path)
         where = f"{path}" if split is None else f"{path} [split {split!r}]"
@@ -229,26 +229,26 @@ def validate_record(record: Any, where: str, *, null_is_absent: bool = False) ->
     """
     if not isinstance(record, Mapping):
         raise ValueError(f"{where}: expected an object with 'input_ids', got {type(record).__name__}")
-    if "input_ids" not in record:
+    if INPUT_IDS not in record:
         raise ValueError(f"{where}: missing 'input_ids' (keys: {sorted(record)})")
-    ids = _int_array(record["input_ids"], "input_ids", where)
+    ids = _int_array(record[INPUT_IDS], INPUT_IDS, where)
     if len(ids) == 0:
         raise ValueError(f"{where}: 'input_ids' is empty")
     if ids.min() < 0:
         position = int(np.argmax(ids < 0))
         raise ValueError(f"{where}: 'input_ids' has negative id {int(ids[position])} at position {position}")
     if not null_is_absent:
-        for key in ("labels", "loss_mask"):
+        for key in (LABELS, LOSS_MASK):
             if key in record and record[key] is None:
                 raise ValueError(f"{where}: '{key}' is None; omit the key to train on every token")
-    labels = record.get("labels")
-    if record.get("loss_mask") is not None:
+    labels = record.get(LABELS)
+    if record.get(LOSS_MASK) is not None:
         if labels is not None:
             raise ValueError(f"{where}: give either 'labels' or 'loss_mask', not both")
-        return ids, _mask_to_labels(ids, record["loss_mask"], where)
+        return ids, _mask_to_labels(ids, record[LOSS_MASK], where)
     if labels is None:
         return ids, None
-    labels = _int_array(labels, "labels", where)
+    labels = _int_array(labels, LABELS, where)
     if len(labels) != len(ids):
         raise ValueError(f"{where}: 'labels' has {len(labels)} entries but 'input_ids' has {len(ids)}")
     bad = (labels < 0) & (labels != IGNORE_INDEX)
@@ -262,7 +262,7 @@ def validate_record(record: Any, where: str, *, null_is_absent: bool = False) ->
 
 def _mask_to_labels(ids: np.ndarray, loss_mask: Any, where: str) -> np.ndarray:
     """``loss_mask`` (1 = train on the token, 0 = do not) as labels: the id where 1, -100 where 0."""
-    mask = _int_array(loss_mask, "loss_mask", where, allow_bool=True)
+    mask = _int_array(loss_mask, LOSS_MASK, where, allow_bool=True)
     if len(mask) != len(ids):
         raise ValueError(f"{where}: 'loss_mask' has {len(mask)} entries but 'input_ids' has {len(ids)}")
     if ((mask != 0) & (mask != 1)).any():

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lit_seqpack.data._arrow import require
-from lit_seqpack.data._files import text_lines
+from lit_seqpack.data.sources._arrow import require
+from lit_seqpack.data.sources._files import text_lines
 
 __all__ = ["CHAT_FORMATS", "ROLES", "check_messages", "read_conversations"]
 

@@ -1,0 +1,364 @@
+"""The batch contract: every key that travels from the collators to the model, the loss and the metrics.
+
+This module is the one declaration of what a batch holds. The data layer writes it, the model layer and the
+metrics read it, and both import only this module (plus :mod:`lit_seqpack.parallel` for sharding), never each
+other. A batch stays a plain ``dict`` (Lightning's ``transfer_batch_to_device`` moves every tensor in it); the
+:class:`PackedBatch` and :class:`PaddedBatch` ``TypedDict`` views only tell a type checker which keys it has.
+
+A packed microbatch is one row of ``T`` tokens. Documents of 3, 5 and 2 tokens padded to a multiple of 4
+(``-`` is :data:`IGNORE_INDEX`, ``p`` the pad token)::
+
+    docs          a a a b b b b b c c p p      the padding tail is a segment of its own
+    input_ids     a a a b b b b b c c p p      int64 [1, T]
+    labels        - a a - b b b b - c - -      int64 [1, T]: -100 at each document's first token and on padding
+    position_ids  0 1 2 0 1 2 3 4 0 1 0 1      int64 [1, T]: restart per document and for the tail
+    cu_seqlens    0     3         8   10  12   int32 [segments + 1], cu_seqlens[-1] == T
+    max_seqlen    5                            Python int (no device sync)
+
+A padded (or dynamic) microbatch is ``[B, L]``: ``input_ids``, ``labels``, ``attention_mask`` (1 on real
+tokens) and ``position_ids``, no ``cu_seqlens``. Both kinds carry the Python scalars of :data:`SCALAR_KEYS`.
+
+**The shift convention, stated once.** Collators do *not* shift labels (Hugging Face convention): a per-token
+field at position ``t`` is aligned with ``input_ids[t]``, and ``labels[t]`` is the token at ``t`` itself (or
+``-100``). The model's loss shifts (:func:`shift_labels`): the logits at ``t`` predict ``labels[t + 1]``. So a
+document's first label is ``-100`` (no earlier token of the document predicts it), and no position is ever
+trained to predict across a document boundary. The only pre-shifted key is ``shift_labels``, written by the
+context-parallel sharder, whose next-token target of a chunk's last token lives on another rank.
+
+Example:
+    >>> batch = {INPUT_IDS: torch.tensor([[5, 6, 7]]), CU_SEQLENS: torch.tensor([0, 3], dtype=torch.int32)}
+    >>> is_packed_batch(batch)
+    True
+    >>> shift_labels(torch.tensor([[-100, 6, 7]])).tolist()
+    [[6, 7, -100]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+import torch
+import torch.nn.functional as F
+
+from lit_seqpack._checks import check_int
+
+__all__ = [
+    "ACCUMULATE_GRAD_BATCHES",
+    "ATTENTION_MASK",
+    "CONTEXT_PARALLEL_RANK",
+    "CONTEXT_PARALLEL_SIZE",
+    "CONTRACT_KEYS",
+    "CU_SEQLENS",
+    "CU_SEQLENS_UNPADDED",
+    "IGNORE_INDEX",
+    "INPUT_IDS",
+    "IS_EMPTY",
+    "LABELS",
+    "LOSS_MASK",
+    "LOSS_WEIGHTS",
+    "MAX_SEQLEN",
+    "MAX_TOKENS",
+    "NUM_DOCUMENTS",
+    "NUM_LOSS_TOKENS",
+    "NUM_LOSS_WEIGHT",
+    "NUM_PADDING_TOKENS",
+    "NUM_REAL_TOKENS",
+    "POSITION_IDS",
+    "SCALAR_KEYS",
+    "SHIFT_LABELS",
+    "SHIFT_PREFIX",
+    "STEP_LOSS_TOKENS",
+    "STEP_LOSS_WEIGHT",
+    "TENSOR_PARALLEL_SIZE",
+    "WORLD_SIZE",
+    "Microbatch",
+    "MicrobatchMeta",
+    "PackedBatch",
+    "PaddedBatch",
+    "PlannedDataset",
+    "is_packed_batch",
+    "shift_labels",
+]
+
+# ------------------------------------------------------------------------------------------ per-token keys
+INPUT_IDS = "input_ids"
+"""Token ids, int64 ``[1, T]`` (packed) or ``[B, L]`` (padded); also the sample key a dataset returns."""
+LABELS = "labels"
+"""Unshifted targets aligned with ``input_ids``; :data:`IGNORE_INDEX` where no loss is taken."""
+LOSS_MASK = "loss_mask"
+"""Sample key only: 1 to train on a token, 0 not to (the collators turn it into ``labels``)."""
+POSITION_IDS = "position_ids"
+"""Positions, int64, restarting at 0 for every document of a packed row."""
+ATTENTION_MASK = "attention_mask"
+"""Padded batches only: 1 on real tokens, 0 on padding. Never sent with a packed row."""
+SHIFT_LABELS = "shift_labels"
+"""Context-parallel shards only: each local token's next-token target, shifted on the whole row."""
+SHIFT_PREFIX = "shift_"
+"""Context-parallel shards carry ``shift_<name>`` for every declared token field (and ``shift_labels``): the value
+of each local token's target, shifted on the whole row like the labels. Declared names may not start with it."""
+LOSS_WEIGHTS = "loss_weights"
+"""With a ``loss_weight_field`` only: float32 per-token loss weights, 0 wherever ``labels`` is ``IGNORE_INDEX``."""
+
+# ------------------------------------------------------------------------------- packed-row layout keys
+CU_SEQLENS = "cu_seqlens"
+"""Packed rows only: int32 cumulative segment boundaries, ``cu_seqlens[-1] == T`` (FlashAttention-2 name)."""
+CU_SEQLENS_UNPADDED = "cu_seqlens_unpadded"
+"""Packed rows with per-document padding only: the boundaries of the real tokens (same number of entries)."""
+MAX_SEQLEN = "max_seqlen"
+"""Packed rows only: the longest segment, a Python int."""
+
+# ----------------------------------------------------------------------------------- scalar counts (ints)
+NUM_DOCUMENTS = "num_documents"
+NUM_REAL_TOKENS = "num_real_tokens"
+NUM_PADDING_TOKENS = "num_padding_tokens"
+NUM_LOSS_TOKENS = "num_loss_tokens"
+STEP_LOSS_TOKENS = "step_loss_tokens"
+"""Loss tokens of the whole optimizer step over all ranks: the exact-loss normaliser."""
+WORLD_SIZE = "world_size"
+"""Data-parallel ranks the plan was made for."""
+ACCUMULATE_GRAD_BATCHES = "accumulate_grad_batches"
+MAX_TOKENS = "max_tokens"
+"""The plan's token budget of a microbatch (``None`` for the padded baseline)."""
+IS_EMPTY = "is_empty"
+"""A lock-step filler: a zero-weight dummy batch that the plan had no sample for."""
+CONTEXT_PARALLEL_SIZE = "context_parallel_size"
+CONTEXT_PARALLEL_RANK = "context_parallel_rank"
+TENSOR_PARALLEL_SIZE = "tensor_parallel_size"
+NUM_LOSS_WEIGHT = "num_loss_weight"
+"""With a ``loss_weight_field`` only: this microbatch's weight sum (a Python float)."""
+STEP_LOSS_WEIGHT = "step_loss_weight"
+"""With a ``loss_weight_field`` only: the weight sum of the whole optimizer step over all ranks (the normaliser)."""
+
+SCALAR_KEYS: tuple[str, ...] = (
+    NUM_DOCUMENTS,
+    NUM_REAL_TOKENS,
+    NUM_PADDING_TOKENS,
+    NUM_LOSS_TOKENS,
+    STEP_LOSS_TOKENS,
+    WORLD_SIZE,
+    ACCUMULATE_GRAD_BATCHES,
+    MAX_TOKENS,
+    IS_EMPTY,
+)
+"""The Python scalars every collator writes (never tensors, so reading them costs no device sync)."""
+
+CONTRACT_KEYS: frozenset[str] = frozenset(
+    {
+        INPUT_IDS,
+        LABELS,
+        LOSS_MASK,
+        POSITION_IDS,
+        ATTENTION_MASK,
+        SHIFT_LABELS,
+        CU_SEQLENS,
+        CU_SEQLENS_UNPADDED,
+        MAX_SEQLEN,
+        *SCALAR_KEYS,
+        CONTEXT_PARALLEL_SIZE,
+        CONTEXT_PARALLEL_RANK,
+        TENSOR_PARALLEL_SIZE,
+        LOSS_WEIGHTS,
+        NUM_LOSS_WEIGHT,
+        STEP_LOSS_WEIGHT,
+    }
+)
+"""Every key the library itself writes or reads: no declared token or sample field may take one of these names."""
+
+IGNORE_INDEX = -100
+"""The label of a position that carries no loss (a prompt token, a document's first token, padding)."""
+
+
+class _BatchScalars(TypedDict):
+    num_documents: int
+    num_real_tokens: int
+    num_padding_tokens: int
+    num_loss_tokens: int
+    step_loss_tokens: int
+    world_size: int
+    accumulate_grad_batches: int
+    max_tokens: int | None
+    is_empty: bool
+
+
+class PackedBatch(_BatchScalars, total=False):
+    """Typed view of a packed row (``B == 1``); at run time a plain ``dict``.
+
+    ``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens`` and ``max_seqlen`` are always there;
+    ``cu_seqlens_unpadded`` with per-document padding; the ``context_parallel_*`` / ``tensor_parallel_size`` keys
+    and ``shift_labels`` on a context-parallel shard.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    cu_seqlens_unpadded: torch.Tensor
+    shift_labels: torch.Tensor
+    context_parallel_size: int
+    context_parallel_rank: int
+    tensor_parallel_size: int
+
+
+class PaddedBatch(_BatchScalars):
+    """Typed view of a padded or dynamic ``[B, L]`` batch; at run time a plain ``dict``."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+
+
+def is_packed_batch(batch: Mapping[str, Any]) -> bool:
+    """Whether ``batch`` is a packed row (it carries ``cu_seqlens``) rather than a padded ``[B, L]`` batch.
+
+    Example:
+        >>> is_packed_batch({"input_ids": torch.zeros(2, 4), "attention_mask": torch.ones(2, 4)})
+        False
+    """
+    return batch.get(CU_SEQLENS) is not None
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Labels aligned with the logits: ``out[..., t] = labels[..., t + 1]``, the last position ignored.
+
+    Shifting the labels (a copy of ``[B, T]`` integers) rather than slicing the logits keeps the ``[B, T, V]``
+    logits contiguous, so they flatten without a copy.
+
+    Example:
+        >>> shift_labels(torch.tensor([[-100, 5, 6]])).tolist()
+        [[5, 6, -100]]
+    """
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+# ---------------------------------------------------------------------- what a batch sampler hands over
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MicrobatchMeta:
+    """Plan facts about one microbatch that the model side needs.
+
+    A DataLoader hands what its batch sampler yields to ``dataset.__getitems__`` and that method's return value to
+    ``collate_fn``. The samplers yield :class:`Microbatch` lists of indices carrying a ``MicrobatchMeta``;
+    :class:`PlannedDataset` returns the samples as a :class:`Microbatch` with the same metadata, so the collator
+    can write the exact-loss normaliser into the batch without any collective. Both pickle, so they cross
+    DataLoader worker processes unchanged.
+
+    Args:
+        step: index of the optimizer step within the epoch.
+        step_loss_tokens: loss tokens of every microbatch of this optimizer step, summed over all ranks.
+        world_size: number of ranks the plan was made for.
+        accumulate_grad_batches: microbatches per rank per optimizer step in the plan.
+        max_tokens: the token budget of a microbatch (``None`` for the padded baseline).
+        is_empty: the plan had no sample for this slot (lock-step filler); the collator emits a
+            zero-weight dummy batch.
+        loss_tokens: the loss tokens the plan counted for this microbatch (``None``: not checked); the
+            collator compares them with the samples' labels, so a wrong count cannot skew the exact loss.
+        step_loss_weight: the loss-weight sum of this optimizer step over all ranks, for a weighted loss
+            (:mod:`lit_seqpack.data.loss_weights`); ``None`` without one.
+
+    Example:
+        >>> MicrobatchMeta(step=0, step_loss_tokens=12, world_size=2, accumulate_grad_batches=1).max_tokens is None
+        True
+    """
+
+    step: int
+    step_loss_tokens: int
+    world_size: int
+    accumulate_grad_batches: int
+    max_tokens: int | None = None
+    is_empty: bool = False
+    loss_tokens: int | None = None
+    step_loss_weight: float | None = None
+
+    def __post_init__(self) -> None:
+        check_int("step_loss_tokens", self.step_loss_tokens, minimum=0)
+        check_int("world_size", self.world_size, minimum=1)
+        check_int("accumulate_grad_batches", self.accumulate_grad_batches, minimum=1)
+        if self.step_loss_weight is not None and not self.step_loss_weight >= 0:
+            raise ValueError(f"step_loss_weight must be >= 0 or None, got {self.step_loss_weight}")
+
+
+class Microbatch(list):
+    """A ``list`` (of dataset indices, or of samples) with an optional :class:`MicrobatchMeta`.
+
+    Example:
+        >>> mb = Microbatch([3, 1], meta=None)
+        >>> list(mb), mb.meta
+        ([3, 1], None)
+    """
+
+    __slots__ = ("indices", "meta")
+
+    def __init__(
+        self, items: Iterable[Any] = (), meta: MicrobatchMeta | None = None, indices: Sequence[int] | None = None
+    ) -> None:
+        super().__init__(items)
+        self.meta = meta
+        self.indices = indices  # the dataset indices of fetched samples (named in the collators' errors)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Microbatch, (list(self), self.meta, self.indices))
+
+    def __repr__(self) -> str:
+        return f"Microbatch({list.__repr__(self)}, meta={self.meta!r})"
+
+
+class PlannedDataset:
+    """Wraps a map-style dataset so that a batch sampler's :class:`Microbatch` metadata reaches the collator.
+
+    Use it to wire a planned batch sampler and a collator into a plain ``DataLoader`` by hand (the DataModule does
+    it for you).
+
+    Args:
+        dataset: any object with ``__getitem__`` and ``__len__`` returning sample mappings.
+
+    Example:
+        >>> planned = PlannedDataset([{"input_ids": [5, 6]}, {"input_ids": [7]}])
+        >>> batch = planned.__getitems__(Microbatch([1, 0], meta=None))
+        >>> [sample["input_ids"] for sample in batch], list(batch.indices)
+        ([[7], [5, 6]], [1, 0])
+    """
+
+    def __init__(self, dataset: Sequence[Mapping[str, Any]]) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Mapping[str, Any]:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: Sequence[int]) -> Microbatch:
+        return Microbatch(
+            (self.dataset[i] for i in indices),
+            meta=getattr(indices, "meta", None),
+            indices=SourceIndices(self.dataset, indices),
+        )
+
+
+class SourceIndices(Sequence[int]):
+    """The original dataset indices of a microbatch's samples, resolved only when asked (in an error message).
+
+    Args:
+        dataset: the (possibly split, dropped or truncated) dataset the indices point into.
+        indices: positions in ``dataset``.
+    """
+
+    def __init__(self, dataset: Any, indices: Sequence[int]) -> None:
+        self._dataset, self._indices = dataset, list(indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, position: Any) -> Any:
+        # the data layer's views (split, drop, truncate) know how to map back; resolved on the error path only
+        from lit_seqpack.data.splits import source_index
+
+        if isinstance(position, slice):
+            return [source_index(self._dataset, int(i)) for i in self._indices[position]]
+        return source_index(self._dataset, int(self._indices[position]))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # never ship the dataset: the resolved indices are small
+        return (list, (list(self),))

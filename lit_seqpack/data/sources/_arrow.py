@@ -1,0 +1,136 @@
+"""Arrow tables (Parquet files, ``datasets.save_to_disk`` directories) to flat token arrays, validated per row.
+
+``pyarrow`` and ``datasets`` are optional: they are imported here, inside the functions, and a missing
+one raises an ``ImportError`` (:func:`lit_seqpack._imports.require`) that names the extra to install.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lit_seqpack._imports import require
+from lit_seqpack.batch import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def parquet_table(path: Path, columns: tuple[str, ...]) -> Any:
+    """Read the wanted columns (those present) of a Parquet file as a ``pyarrow.Table``."""
+    pq = require("pyarrow.parquet", purpose="reading Parquet files")
+    pa = require("pyarrow", purpose="reading Parquet files")
+    try:
+        names = pq.read_schema(path).names
+        return pq.read_table(path, columns=[c for c in columns if c in names])
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(f"{path}: not a readable Parquet file ({type(err).__name__}: {err})") from None
+
+
+def hf_disk_table(path: Path, split: str | None) -> Any:
+    """Load a ``save_to_disk`` directory; return its ``input_ids``/``labels``/``loss_mask`` columns as a Table."""
+    datasets = require("datasets", purpose="reading save_to_disk folders")
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(
+                f"{path} holds a DatasetDict with splits {sorted(loaded)}; split={split!r} is not one: choose one "
+                "with data.split (data.val_split / data.test_split for val_path / test_path)"
+            )
+        loaded = loaded[split]
+    elif split is not None:
+        raise ValueError(f"split={split!r} was given but {path} holds a single Dataset, not a DatasetDict")
+    columns = [c for c in (INPUT_IDS, LABELS, LOSS_MASK) if c in loaded.column_names]
+    if INPUT_IDS not in columns:
+        raise ValueError(f"{path}: no 'input_ids' column (columns: {loaded.column_names})")
+    return loaded.select_columns(columns).with_format("arrow")[:]
+
+
+def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Validate a table with an ``input_ids`` column (and optional ``labels`` / ``loss_mask``) and flatten it.
+
+    ``loss_mask`` (0/1 or bool per token, 1 = train on it) becomes labels, as in JSONL; a row may have labels or
+    a loss mask, not both. Rows whose ``labels`` and ``loss_mask`` are null train on every token.
+
+    Returns:
+        ``(tokens, offsets, labels)``; ``labels`` is ``None`` when the table has neither column.
+    """
+    if INPUT_IDS not in table.column_names:
+        raise ValueError(f"{where}: no 'input_ids' column (columns: {table.column_names})")
+    if table.num_rows == 0:
+        raise ValueError(f"{where}: no samples")
+    tokens, lengths, _ = _list_column(table.column(INPUT_IDS), INPUT_IDS, where, allow_null=False)
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    if (lengths == 0).any():
+        raise ValueError(f"{where}, row {int(np.argmax(lengths == 0))}: 'input_ids' is empty")
+    _check_values(tokens, tokens < 0, offsets, INPUT_IDS, where, "ids must be >= 0")
+    present = [key for key in (LABELS, LOSS_MASK) if key in table.column_names]
+    if not present:
+        return tokens, offsets, None
+    labels = tokens.copy()
+    with_labels = np.zeros(len(lengths), dtype=bool)
+    for key in present:
+        values, value_lengths, valid = _list_column(table.column(key), key, where, allow_null=True)
+        mismatch = valid & (value_lengths != lengths)
+        if mismatch.any():
+            row = int(np.argmax(mismatch))
+            counts = f"{int(value_lengths[row])} entries but 'input_ids' has {int(lengths[row])}"
+            raise ValueError(f"{where}, row {row}: '{key}' has {counts}")
+        both = valid & with_labels
+        if both.any():
+            raise ValueError(f"{where}, row {int(np.argmax(both))}: give either 'labels' or 'loss_mask', not both")
+        with_labels |= valid
+        positions = np.repeat(valid, lengths)
+        if key == LABELS:
+            labels[positions] = values
+            continue
+        bad = (values != 0) & (values != 1)
+        if bad.any():
+            row = _row_of(int(np.flatnonzero(positions)[int(np.argmax(bad))]), offsets)
+            raise ValueError(f"{where}, row {row}: 'loss_mask' must hold only 0 and 1, got {int(values[bad][0])}")
+        labels[positions] = np.where(values == 1, tokens[positions], IGNORE_INDEX)
+    _check_values(
+        labels, (labels < 0) & (labels != IGNORE_INDEX), offsets, LABELS, where, "labels are ids >= 0 or -100"
+    )
+    return tokens, offsets, labels
+
+
+def _list_column(column: Any, key: str, where: str, *, allow_null: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Values (int64), per-row lengths (0 for null rows) and the validity mask of a list-of-int column."""
+    pa = require("pyarrow", purpose="reading Arrow tables")
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    list_type = pa.types.is_list(array.type) or pa.types.is_large_list(array.type)
+    value_type = array.type.value_type if list_type else None
+    mask_type = key == LOSS_MASK and value_type is not None and pa.types.is_boolean(value_type)
+    if not list_type or not (pa.types.is_integer(value_type) or mask_type):
+        raise ValueError(f"{where}: column '{key}' must hold lists of ints, its type is {array.type}")
+    valid = np.asarray(array.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    if not allow_null and not valid.all():
+        raise ValueError(f"{where}, row {int(np.argmin(valid))}: '{key}' is null")
+    lengths = np.asarray(array.value_lengths().fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+    flat = array.flatten()
+    if flat.null_count:
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        first = int(np.argmin(np.asarray(flat.is_valid().to_numpy(zero_copy_only=False), dtype=bool)))
+        raise ValueError(f"{where}, row {_row_of(first, offsets)}: '{key}' contains a null")
+    values = np.asarray(flat.to_numpy(zero_copy_only=False))
+    if values.size and values.max() > _INT32_MAX:
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        raise ValueError(
+            f"{where}, row {_row_of(int(np.argmax(values)), offsets)}: '{key}' has an id above {_INT32_MAX}"
+        )
+    return values.astype(np.int64), lengths, valid
+
+
+def _check_values(values: np.ndarray, bad: np.ndarray, offsets: np.ndarray, key: str, where: str, rule: str) -> None:
+    if bad.any():
+        first = int(np.argmax(bad))
+        row = _row_of(first, offsets)
+        raise ValueError(
+            f"{where}, row {row}: '{key}' has {int(values[first])} at position {first - offsets[row]}; {rule}"
+        )
+
+
+def _row_of(flat_index: int, offsets: np.ndarray) -> int:
+    return int(np.searchsorted(offsets, flat_index, side="right") - 1)

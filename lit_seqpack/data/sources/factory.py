@@ -1,0 +1,76 @@
+"""Build a dataset from the DataModule's ``source`` settings (what a YAML config can say)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SOURCES", "build_dataset"]
+
+SOURCES: tuple[str, ...] = ("synthetic", "jsonl", "parquet", "hf_disk", "text", "chat")
+
+
+def build_dataset(
+    source: str,
+    *,
+    path: str | None = None,
+    synthetic: Mapping[str, Any] | None = None,
+    tokenizer: str | None = None,
+    text_field: str = "text",
+    chat: Mapping[str, Any] | None = None,
+    split: str | None = None,
+) -> Sequence[Mapping[str, Any]]:
+    """The map-style dataset that ``source`` names.
+
+    Args:
+        source: ``"synthetic"`` (the embedded task, no download), ``"jsonl"``, ``"parquet"`` or
+            ``"hf_disk"`` (pre-tokenised data at ``path``), or ``"text"`` (raw text at ``path``,
+            tokenised with the local Hugging Face tokenizer at ``tokenizer``), or ``"chat"`` (conversations at
+            ``path``, rendered with that tokenizer's chat template,
+            :class:`~lit_seqpack.data.sources.chat.ChatDataset`).
+        path: the file or folder of an on-disk source.
+        synthetic: keyword arguments of :class:`~lit_seqpack.data.sources.synthetic.SyntheticInstructionDataset`.
+        tokenizer: path of a local Hugging Face tokenizer (``source="text"`` only).
+        text_field: the JSONL field holding the text (``source="text"`` only).
+        chat: keyword arguments of :class:`~lit_seqpack.data.sources.chat.ChatDataset` (``source="chat"`` only).
+        split: the split of a saved ``DatasetDict`` folder (``hf_disk`` data, or ``chat`` read from a folder).
+
+    Raises:
+        ValueError: an unknown ``source``, a missing ``path`` or ``tokenizer``, or settings of another source.
+    """
+    if source not in SOURCES:
+        raise ValueError(f"source={source!r} must be one of {SOURCES}")
+    if source == "synthetic":
+        if path is not None:
+            raise ValueError(f"path={path!r} is only read by on-disk sources, not source='synthetic'")
+        from lit_seqpack.data.sources.synthetic import SyntheticInstructionDataset
+
+        return SyntheticInstructionDataset(**dict(synthetic or {}))
+    if synthetic:
+        raise ValueError(f"synthetic={dict(synthetic)!r} is only read by source='synthetic', not {source!r}")
+    if path is None:
+        raise ValueError(f"source={source!r} needs path= (the file or folder to read)")
+    if chat and source != "chat":
+        raise ValueError(f"chat={dict(chat)!r} is only read by source='chat', not {source!r}")
+    if split is not None and source not in ("hf_disk", "chat"):
+        raise ValueError(f"split={split!r} picks a split of a DatasetDict folder (source 'hf_disk' or 'chat')")
+    if source in ("text", "chat"):
+        if tokenizer is None:
+            raise ValueError(f"source={source!r} needs tokenizer= (the path of a local Hugging Face tokenizer)")
+        if not Path(tokenizer).expanduser().is_dir():
+            raise ValueError(
+                f"tokenizer={tokenizer!r} is not a local folder: source={source!r} reads a Hugging Face tokenizer "
+                "saved with save_pretrained (no download); pass its folder"
+            )
+    if source == "chat":
+        from lit_seqpack.data.sources.chat import ChatDataset
+
+        return ChatDataset(path, tokenizer, split=split, **dict(chat or {}))
+    if source == "text":
+        from lit_seqpack.data.sources.text import TextDataset
+
+        return TextDataset(path, tokenizer, text_field=text_field)
+    from lit_seqpack.data.sources.tokenized import load_tokenized
+
+    return load_tokenized(path, format=source, split=split)

@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import importlib
+import pickle
+import warnings
+
+import pytest
+import torch
+
+from lit_seqpack import batch as contract
+from lit_seqpack.batch import (
+    IGNORE_INDEX,
+    SCALAR_KEYS,
+    Microbatch,
+    MicrobatchMeta,
+    PackedBatch,
+    PaddedBatch,
+    PlannedDataset,
+    is_packed_batch,
+    shift_labels,
+)
+from lit_seqpack.data.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.splits import IndexView
+
+DOCS = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]
+DECLARED = {value for name, value in vars(contract).items() if name.isupper() and isinstance(value, str)}
+
+
+def _meta(**kwargs):
+    base = {"step": 2, "step_loss_tokens": 17, "world_size": 2, "accumulate_grad_batches": 3, "max_tokens": 64}
+    base.update(kwargs)
+    return MicrobatchMeta(**base)
+
+
+def test_shift_labels_aligns_each_position_with_the_next_label():
+    labels = torch.tensor([[IGNORE_INDEX, 5, 6, IGNORE_INDEX, 7]])
+    assert shift_labels(labels).tolist() == [[5, 6, IGNORE_INDEX, 7, IGNORE_INDEX]]
+    assert labels.tolist() == [[IGNORE_INDEX, 5, 6, IGNORE_INDEX, 7]]  # the input is not modified
+
+
+@pytest.mark.parametrize(
+    ("collator", "view", "row_keys"),
+    [
+        (PackedCollator(), PackedBatch, {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen"}),
+        (PackedCollator(pad_document_to_multiple_of=4), PackedBatch, {"cu_seqlens", "cu_seqlens_unpadded"}),
+        (PaddedCollator(), PaddedBatch, {"input_ids", "labels", "attention_mask", "position_ids"}),
+    ],
+)
+def test_the_collators_write_only_declared_keys_and_every_required_one(collator, view, row_keys):
+    out = collator(DOCS)
+    assert set(out) <= DECLARED
+    assert set(out) <= set(view.__annotations__) | set(SCALAR_KEYS)
+    assert set(view.__required_keys__) | row_keys <= set(out)
+    assert all(not isinstance(out[key], torch.Tensor) for key in SCALAR_KEYS)  # no device sync to read them
+
+
+def test_labels_travel_unshifted_and_aligned_with_input_ids():
+    out = PackedCollator()([{"input_ids": [5, 6, 7], "labels": [IGNORE_INDEX, 6, 7]}, {"input_ids": [8, 9]}])
+    assert out[contract.INPUT_IDS].tolist() == [[5, 6, 7, 8, 9]]
+    assert out[contract.LABELS].tolist() == [[IGNORE_INDEX, 6, 7, IGNORE_INDEX, 9]]  # labels[t] is input_ids[t]
+
+
+def test_is_packed_batch_tells_packed_rows_from_padded_batches():
+    assert is_packed_batch(PackedCollator()(DOCS))
+    assert not is_packed_batch(PaddedCollator()(DOCS))
+    assert not is_packed_batch({"input_ids": torch.zeros(1, 3), "cu_seqlens": None})
+
+
+def test_microbatch_pickles_with_meta():
+    mb = Microbatch([4, 1, 9], meta=_meta())
+    clone = pickle.loads(pickle.dumps(mb))
+    assert isinstance(clone, Microbatch)
+    assert list(clone) == [4, 1, 9]
+    assert clone.meta == mb.meta
+
+
+def test_planned_dataset_forwards_meta_to_samples():
+    data = [{"input_ids": [i] * (i + 1)} for i in range(5)]
+    planned = PlannedDataset(data)
+    samples = planned.__getitems__(Microbatch([3, 0], meta=_meta(step=5)))
+    assert [s["input_ids"] for s in samples] == [[3, 3, 3, 3], [0]]
+    assert samples.meta.step == 5
+    assert planned.__getitems__([1]).meta is None
+    assert len(planned) == 5
+
+
+def test_planned_dataset_names_the_original_index_through_a_split():
+    view = IndexView([{"input_ids": [i + 1]} for i in range(10)], [2, 5, 7])
+    samples = PlannedDataset(view).__getitems__([2, 0])
+    assert list(samples.indices) == [7, 2]
+    assert pickle.loads(pickle.dumps(samples.indices)) == [7, 2]  # resolved: the dataset is not shipped
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("step_loss_tokens", -1), ("world_size", 0), ("accumulate_grad_batches", 0), ("world_size", 2.0)],
+)
+def test_meta_rejects_bad_values(setting, value):
+    with pytest.raises(ValueError, match=rf"{setting} must be an int >= \d, got {value!r}"):
+        _meta(**{setting: value})
+
+
+@pytest.mark.parametrize(
+    ("old", "name", "new"),
+    [
+        ("lit_seqpack.data.labels", "IGNORE_INDEX", "lit_seqpack.batch"),
+        ("lit_seqpack.data.labels", "shift_labels", "lit_seqpack.batch"),
+        ("lit_seqpack.data.microbatch", "MicrobatchMeta", "lit_seqpack.batch"),
+        ("lit_seqpack.data.microbatch", "PlannedDataset", "lit_seqpack.batch"),
+        ("lit_seqpack.data.microbatch", "source_index", "lit_seqpack.data.splits"),
+        ("lit_seqpack.data.sources_factory", "build_dataset", "lit_seqpack.data.sources"),
+        ("lit_seqpack.data.synthetic", "SyntheticInstructionDataset", "lit_seqpack.data.sources.synthetic"),
+        ("lit_seqpack.data.text", "TextDataset", "lit_seqpack.data.sources.text"),
+        ("lit_seqpack.data.validation", "model_vocab_size", "lit_seqpack.model.vocab"),
+    ],
+)
+def test_old_paths_still_import_with_a_deprecation_warning(old, name, new):
+    module = importlib.import_module(old)
+    with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} moved to {new}\.{name}"):
+        value = getattr(module, name)
+    assert value is getattr(importlib.import_module(new), name)
+    with pytest.raises(AttributeError, match=f"module '{old}' has no attribute 'nope'"):
+        module.nope  # noqa: B018
+
+
+def test_names_that_did_not_move_import_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from lit_seqpack.data.sources import TokenizedDataset, load_tokenized  # the package took the module's path
+        from lit_seqpack.data.validation import scan_dataset
+    assert callable(load_tokenized) and callable(scan_dataset)
+    assert TokenizedDataset.__module__ == "lit_seqpack.data.sources.tokenized"
