@@ -29,7 +29,7 @@ from lit_seqpack.planning._partition import karmarkar_karp
 from lit_seqpack.planning._windows import DEFAULT_ALGORITHM, as_counts
 from lit_seqpack.planning.dynamic import dynamic_group_sizes, round_up
 
-__all__ = ["KEEP_TOGETHER", "ROLLOUT_MODES", "RolloutPlan", "RolloutPlanConfig", "plan_rollout"]
+__all__ = ["KEEP_TOGETHER", "ROLLOUT_MODES", "RolloutPlan", "RolloutPlanConfig", "dense_group_labels", "plan_rollout"]
 
 ROLLOUT_MODES: tuple[str, ...] = ("packing", "dynamic")
 KEEP_TOGETHER: tuple[str | None, ...] = (None, "microbatch", "rank")
@@ -195,7 +195,7 @@ def plan_rollout(
     if n == 0:
         raise ValueError("the rollout has no sample")
     loss = np.maximum(lengths - 1, 0) if loss_tokens is None else as_counts("loss_tokens", loss_tokens, n)
-    groups = _group_labels(group_ids, n)
+    groups = dense_group_labels(group_ids, n)
     _check_budget(lengths, groups, config)
     units = _units(groups, config)
     steps = _cut_steps(units, n, config)
@@ -226,8 +226,13 @@ def plan_rollout(
     )
 
 
-def _group_labels(group_ids: Sequence[int] | np.ndarray | None, n: int) -> np.ndarray:
-    """Dense group labels ``0..G-1`` in order of first appearance (every sample its own group by default)."""
+def dense_group_labels(group_ids: Sequence[int] | np.ndarray | None, n: int) -> np.ndarray:
+    """Dense group labels ``0..G-1`` in order of first appearance (every sample its own group by default).
+
+    Example:
+        >>> dense_group_labels([7, 3, 7, 5], 4).tolist()
+        [0, 1, 0, 2]
+    """
     if group_ids is None:
         return np.arange(n, dtype=np.int64)
     ids = np.asarray(group_ids)
