@@ -70,3 +70,58 @@ def alone_logprobs(module: LightningModule, rollout: Rollout) -> list[torch.Tens
 def policy_logprobs(module: LightningModule):
     """The ``fn`` of ``compute_per_token``: the module's own packed or padded forward, then token log-probs."""
     return lambda batch: token_logprobs(module.seqpack_forward(batch), batch["labels"])
+
+
+def with_policy_fields(module: LightningModule, rollout: Rollout, seed: int = 0) -> Rollout:
+    """Adds ``old_logprobs`` (the policy's own, perturbed so some ratios clip) and GRPO ``advantages``
+    (group-normalised random rewards, repeated over each sample's tokens) as token fields, ``reward`` per sample."""
+    gen = torch.Generator().manual_seed(seed)
+    old = [lp + 0.3 * torch.randn(lp.shape, generator=gen) for lp in alone_logprobs(module, rollout)]
+    rewards = torch.rand(len(rollout), generator=gen)
+    groups = rollout.group_ids if rollout.group_ids is not None else torch.zeros(len(rollout), dtype=torch.long)
+    advantages = torch.zeros(len(rollout))
+    for g in groups.unique():
+        members = groups == g
+        advantages[members] = rewards[members] - rewards[members].mean()
+    per_token = [torch.full((len(ids),), float(a)) for ids, a in zip(rollout.input_ids, advantages, strict=True)]
+    return rollout.with_fields(
+        token_fields={"old_logprobs": old, "advantages": per_token}, sample_fields={"reward": rewards}
+    )
+
+
+def padded_reference_gradients(
+    module: LightningModule, rollout: Rollout, steps: list[list[int]], normalize: str
+) -> dict[str, torch.Tensor]:
+    """Gradient (float64) of the clipped policy loss of the first step's samples as one big right-padded batch,
+    normalised over the step by tokens, sequences or groups; computed without lit_seqpack's batching."""
+    from lit_seqpack.rl import clipped_policy_loss
+
+    model = stock_model(module).double()
+    samples = steps[0]
+    width = int(rollout.lengths[samples].max())
+    shape = (len(samples), width)
+    ids, mask, attention = (
+        torch.zeros(shape, dtype=torch.long),
+        torch.zeros(shape, dtype=torch.bool),
+        torch.zeros(shape),
+    )
+    old, adv = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+    for row, i in enumerate(samples):
+        n = int(rollout.lengths[i])
+        ids[row, :n], mask[row, :n], attention[row, :n] = rollout.input_ids[i], rollout.loss_mask[i], 1
+        old[row, :n] = rollout.token_fields["old_logprobs"][i].double()
+        adv[row, :n] = rollout.token_fields["advantages"][i].double()
+    logits = plain_logits(model, ids, attention.long())
+    logprobs = token_logprobs(logits, torch.where(mask, ids, -100))
+    loss = torch.where(mask, clipped_policy_loss(logprobs, old, adv), 0.0)
+    per_sample, tokens = loss.sum(dim=1), mask.sum(dim=1).double()
+    if normalize == "token":
+        total = per_sample.sum() / tokens.sum()
+    elif normalize == "sequence":
+        total = (per_sample / tokens).mean()
+    else:
+        groups = rollout.group_ids[samples]
+        parts = [per_sample[groups == g].sum() / tokens[groups == g].sum() for g in groups.unique()]
+        total = torch.stack(parts).mean()
+    total.backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
