@@ -11,10 +11,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
-from lit_seqpack.data._layout import mesh_layout, strategy_mesh
-from lit_seqpack.data.context_parallel import ParallelLayout
 from lit_seqpack.metrics.counts import TokenKind, check_token_kind
 from lit_seqpack.metrics.tracker import PackingTracker, RunTotals
+from lit_seqpack.parallel import ParallelLayout, mesh_layout, strategy_mesh
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer

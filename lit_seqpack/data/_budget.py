@@ -64,6 +64,7 @@ def apply_document_budget(
     overlong: str,
     pad_to_multiple_of: int,
     document_multiple: int,
+    token_fields: Sequence[str] = (),
 ) -> tuple[Sequence[Mapping[str, Any]], np.ndarray, np.ndarray, OverlongReport]:
     """Apply the over-long policy at the document budget; log a summary when some samples were over it.
 
@@ -76,6 +77,7 @@ def apply_document_budget(
         overlong: ``"error"``, ``"truncate"`` or ``"drop"``.
         pad_to_multiple_of: the user's per-document pad multiple.
         document_multiple: the multiple every document is really padded to.
+        token_fields: the declared per-token fields, truncated with the tokens.
 
     Returns:
         The policy's view of the data, its lengths and loss tokens, and the over-long report.
@@ -83,7 +85,7 @@ def apply_document_budget(
     pads = {"pad_to_multiple_of": pad_to_multiple_of, "document_multiple": document_multiple}
     budget = document_budget(max_tokens, mode=mode, **pads)
     try:
-        view, view_lengths, report = apply_overlong_policy(data, lengths, budget, overlong)
+        view, view_lengths, report = apply_overlong_policy(data, lengths, budget, overlong, token_fields)
     except ValueError as err:
         if budget == max_tokens:
             raise

@@ -2,30 +2,30 @@
 
 A sample is a mapping with ``input_ids`` (a list or 1-D tensor of non-negative ints) and optionally either
 ``labels`` (same length, ``-100`` masks a position, e.g. prompt tokens) or ``loss_mask`` (same length, 1 = train on
-the token, 0 = do not); other keys are ignored. Labels are not shifted: models shift them by one (Hugging Face
-convention), so the collators put ``-100`` on the first token of every document, which has no previous token to
-be predicted from, and on every padding position. The counts the loss and the metrics need travel as Python
-scalars (never tensors, so reading them costs no device sync); the plan's facts come from the
-:class:`~lit_seqpack.data.microbatch.MicrobatchMeta` that :class:`~lit_seqpack.data.microbatch.PlannedDataset`
-attaches to the list of samples.
+the token, 0 = do not); extra per-token and per-sample fields travel when declared (``token_fields``,
+``sample_fields``, see :mod:`lit_seqpack.data.fields`), and any other key is reported once. Labels are not
+shifted: models shift them by one (Hugging Face convention), so the collators put ``-100`` on the first token of
+every document, which has no previous token to be predicted from, and on every padding position. The counts the
+loss and the metrics need travel as Python scalars (never tensors, so reading them costs no device sync); the
+plan's facts come from the :class:`~lit_seqpack.data.microbatch.MicrobatchMeta` that
+:class:`~lit_seqpack.data.microbatch.PlannedDataset` attaches to the list of samples.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from lit_seqpack.data.fields import FieldValues, check_fields, empty_fields, pad_token_field, read_fields
 from lit_seqpack.data.labels import IGNORE_INDEX
 from lit_seqpack.data.microbatch import MicrobatchMeta
 
 __all__ = ["IGNORE_INDEX", "PackedCollator", "PaddedCollator"]
-
-"""Label value that the loss skips."""
 
 
 def _check_knob(name: str, value: int | None, *, minimum: int, optional: bool = True) -> None:
@@ -150,6 +150,18 @@ def _is_empty(samples: Sequence[Any], meta: MicrobatchMeta | None) -> bool:
     return len(samples) == 0
 
 
+def _declare(collator: Any) -> None:
+    """Validate and normalise a collator's ``token_fields`` / ``sample_fields`` (frozen, so via ``object``)."""
+    tokens, samples = check_fields(collator.token_fields, collator.sample_fields)
+    object.__setattr__(collator, "token_fields", tokens)
+    object.__setattr__(collator, "sample_fields", samples)
+
+
+def _read_fields(collator: Any, samples: Sequence[Mapping[str, Any]], docs: list[torch.Tensor]) -> FieldValues:
+    names = [_sample_name(samples, i) for i in range(len(samples))]
+    return read_fields(samples, docs, names, collator.token_fields, collator.sample_fields, collator._reported)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PackedCollator:
     """Concatenates a microbatch's documents into one packed row (``B == 1``) for varlen attention.
@@ -176,6 +188,12 @@ class PackedCollator:
     Both tensors always have the same number of entries: a padding tail added by ``pad_to_multiple_of`` on top
     appears in ``cu_seqlens_unpadded`` as a segment of length 0.
 
+    A declared token field (``token_fields={"weights": 0.0}``) is placed like ``input_ids``, with its pad value
+    on every padding position; a sample field (``sample_fields=["reward"]``) holds one value a document::
+
+        weights       1 1 1 .5 .5 .5 .5 .5 0 0 0 0     [1, T], unshifted (value t belongs to token t)
+        reward        [r_a, r_b, r_c]                   [num_documents], in cu_seqlens order
+
     The output dict holds ``input_ids``, ``labels``, ``position_ids`` (int64 ``[1, T]``), ``cu_seqlens`` (int32
     ``[segments + 1]``), ``max_seqlen`` (int), ``cu_seqlens_unpadded`` when documents are padded, and the
     scalars ``num_documents``, ``num_real_tokens``, ``num_padding_tokens``, ``num_loss_tokens``,
@@ -186,6 +204,9 @@ class PackedCollator:
         pad_token_id: token id written on padding positions.
         pad_to_multiple_of: round the row length ``T`` up to a multiple of this (e.g. 8 or 64 for kernels).
         pad_document_to_multiple_of: round every document's length up to a multiple of this.
+        token_fields: extra per-token fields to carry, each name mapped to its pad value; each arrives as a
+            ``[1, T]`` tensor aligned with ``input_ids`` (see :mod:`lit_seqpack.data.fields`).
+        sample_fields: extra per-sample fields to carry; each arrives as a ``[num_documents]`` tensor.
 
     Example:
         >>> batch = PackedCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
@@ -196,22 +217,33 @@ class PackedCollator:
     pad_token_id: int = 0
     pad_to_multiple_of: int | None = None
     pad_document_to_multiple_of: int | None = None
+    token_fields: Mapping[str, float | int] | None = None
+    sample_fields: Sequence[str] | None = None
+    _reported: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_knob("pad_token_id", self.pad_token_id, minimum=0, optional=False)
         _check_knob("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
         _check_knob("pad_document_to_multiple_of", self.pad_document_to_multiple_of, minimum=1)
+        _declare(self)
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         meta = getattr(samples, "meta", None)
         if _is_empty(samples, meta):
             length = math.lcm(self.pad_to_multiple_of or 1, self.pad_document_to_multiple_of or 1)
-            return self._layout([], torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), meta, length)
+            empty = torch.empty(0, dtype=torch.int64)
+            return self._layout([], empty, empty, empty_fields(self.token_fields, self.sample_fields), meta, length)
         docs, ids, labels = _read_samples(samples)
-        return self._layout(docs, ids, labels, meta, None)
+        return self._layout(docs, ids, labels, _read_fields(self, samples, docs), meta, None)
 
     def _layout(
-        self, docs: list[torch.Tensor], ids: torch.Tensor, labels: torch.Tensor, meta: Any, dummy: int | None
+        self,
+        docs: list[torch.Tensor],
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        fields: FieldValues,
+        meta: Any,
+        dummy: int | None,
     ) -> dict[str, Any]:
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         padded = -(-lengths // (self.pad_document_to_multiple_of or 1)) * (self.pad_document_to_multiple_of or 1)
@@ -220,18 +252,16 @@ class PackedCollator:
         segments = np.append(padded, total - body) if total > body else padded
         cu_seqlens = np.concatenate([[0], np.cumsum(segments)])
         starts = torch.from_numpy(cu_seqlens[: len(docs)])
+        dest: slice | torch.Tensor = slice(0, body)
+        if self.pad_document_to_multiple_of is not None:  # scatter each document to its padded start
+            real_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(docs) else lengths
+            dest = torch.from_numpy(np.arange(len(ids)) + np.repeat(cu_seqlens[: len(docs)] - real_starts, lengths))
         input_ids = torch.full((total,), self.pad_token_id, dtype=torch.int64)
         out_labels = torch.full((total,), IGNORE_INDEX, dtype=torch.int64)
-        if self.pad_document_to_multiple_of is None:
-            input_ids[:body], out_labels[:body] = ids, labels
-        else:  # scatter each document to its padded start, in one indexed copy
-            real_starts = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(docs) else lengths)
-            dest = torch.arange(len(ids)) + torch.repeat_interleave(starts - real_starts, torch.from_numpy(lengths))
-            input_ids[dest], out_labels[dest] = ids, labels
+        input_ids[dest], out_labels[dest] = ids, labels
         out_labels[starts] = IGNORE_INDEX
-        position_ids = torch.arange(total) - torch.repeat_interleave(
-            torch.from_numpy(cu_seqlens[:-1]), torch.from_numpy(segments)
-        )
+        # numpy, not torch.repeat_interleave: its CPU kernel wakes every torch thread on each call
+        position_ids = torch.from_numpy(np.arange(total) - np.repeat(cu_seqlens[:-1], segments))
         batch = {
             "input_ids": input_ids[None],
             "labels": out_labels[None],
@@ -242,6 +272,9 @@ class PackedCollator:
         if self.pad_document_to_multiple_of is not None:
             real = np.append(lengths, 0) if len(segments) > len(lengths) else lengths
             batch["cu_seqlens_unpadded"] = torch.from_numpy(np.concatenate([[0], np.cumsum(real)])).to(torch.int32)
+        for key, parts in fields.tokens.items():
+            batch[key] = pad_token_field(parts, self.token_fields[key], (total,), dest)[None]
+        batch |= fields.samples
         loss = int((out_labels != IGNORE_INDEX).sum())
         stats = _scalars(meta, documents=len(docs), real=len(ids), total=total, loss=loss, is_empty=dummy is not None)
         return batch | stats
@@ -266,6 +299,9 @@ class PaddedCollator:
     Args:
         pad_token_id: token id written on padding positions.
         pad_to_multiple_of: round ``L`` up to a multiple of this (the plan's ``sequence_length_round``).
+        token_fields: extra per-token fields to carry, each name mapped to its pad value; each arrives as a
+            ``[B, L]`` tensor aligned with ``input_ids`` (see :mod:`lit_seqpack.data.fields`).
+        sample_fields: extra per-sample fields to carry; each arrives as a ``[B]`` tensor (one value a row).
 
     Example:
         >>> batch = PaddedCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
@@ -275,10 +311,14 @@ class PaddedCollator:
 
     pad_token_id: int = 0
     pad_to_multiple_of: int | None = None
+    token_fields: Mapping[str, float | int] | None = None
+    sample_fields: Sequence[str] | None = None
+    _reported: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_knob("pad_token_id", self.pad_token_id, minimum=0, optional=False)
         _check_knob("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
+        _declare(self)
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         meta = getattr(samples, "meta", None)
@@ -291,8 +331,10 @@ class PaddedCollator:
                 "attention_mask": torch.ones_like(input_ids),
                 "position_ids": torch.arange(width)[None],
             }
+            batch |= self._fields(empty_fields(self.token_fields, self.sample_fields), (1, width), slice(0, 0))
             return batch | _scalars(meta, documents=0, real=0, total=width, loss=0, is_empty=True)
         docs, ids, labels = _read_samples(samples)
+        fields = _read_fields(self, samples, docs)
         lengths = torch.tensor([len(d) for d in docs])
         rows, width = len(docs), _round_up(int(lengths.max()), self.pad_to_multiple_of)
         real = torch.arange(width) < lengths[:, None]
@@ -306,5 +348,12 @@ class PaddedCollator:
             "attention_mask": real.long(),
             "position_ids": torch.arange(width).expand(rows, width).contiguous(),
         }
+        batch |= self._fields(fields, (rows, width), real.view(-1))
         loss = int((out_labels != IGNORE_INDEX).sum())
         return batch | _scalars(meta, documents=rows, real=len(ids), total=rows * width, loss=loss, is_empty=False)
+
+    def _fields(self, fields: FieldValues, shape: tuple[int, int], where: slice | torch.Tensor) -> dict[str, Any]:
+        tokens = {
+            key: pad_token_field(parts, self.token_fields[key], shape, where) for key, parts in fields.tokens.items()
+        }
+        return tokens | fields.samples

@@ -1,38 +1,28 @@
-"""Context parallelism (CP) for packed rows: the pad multiples, the rank layout, and sharding a packed batch.
+"""Collators for context and tensor parallelism: each rank's batch of a packed (or padded) microbatch.
 
-CP splits every sequence of a packed row across ``cp`` ranks. Each segment of ``cu_seqlens`` (a document padded
-to a multiple of ``2 * cp``, or the padding tail) is cut into ``2 * cp`` equal chunks and CP rank ``r`` keeps
-chunks ``r`` and ``2 * cp - 1 - r`` of every segment, so that every rank holds as much causal attention work as
-any other (an early, cheap chunk with a late, expensive one). Two documents of 8 and 4 tokens, ``cp = 2``::
-
-    global row      a0 a1 a2 a3 a4 a5 a6 a7 b0 b1 b2 b3      cu_seqlens  0 8 12
-    chunks          [0:a0 a1][1:a2 a3][2:a4 a5][3:a6 a7][0:b0][1:b1][2:b2][3:b3]
-    rank 0 keeps    a0 a1 a6 a7 b0 b3                      position_ids 0 1 6 7 0 3   (global positions)
-    rank 1 keeps    a2 a3 a4 a5 b1 b2                      position_ids 2 3 4 5 1 2
-
-A rank's shard (Transformer Engine / Megatron "thd" layout) holds its local ``input_ids``, ``labels``,
-``position_ids`` and ``shift_labels`` (``[1, T / cp]``) with the *global* ``cu_seqlens`` (padded boundaries),
-``cu_seqlens_unpadded`` and ``max_seqlen``. Labels cannot be shifted locally (the target of a chunk's last token
-lives in the next chunk, on another rank), so ``shift_labels`` holds each local token's target, shifted on the
-whole row before sharding (the name transformers' losses use for the same purpose).
-
-Every pad multiple comes from one :class:`ParallelLayout`: the DataModule plans on lengths padded to
-``document_multiple`` and collates with the same value, so the planner, the collator and the model cannot
-disagree.
+:class:`ContextParallelCollator` collates the whole microbatch and keeps this rank's context-parallel shard
+(:func:`~lit_seqpack.parallel.shard_packed_batch`, drawn in :mod:`lit_seqpack.parallel`); declared token fields are
+sharded with the tokens and get their ``shift_<name>`` like ``shift_labels``. :class:`TensorParallelCollator` only
+records the tensor-parallel size. The layout, sharding and mesh functions live in :mod:`lit_seqpack.parallel`
+(shared by the data and model layers); they are re-exported here so the old import paths keep working.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
 from lit_seqpack.data.collate import PackedCollator
-from lit_seqpack.data.labels import IGNORE_INDEX, shift_labels
+from lit_seqpack.parallel import (
+    ParallelLayout,
+    _check_int,
+    context_parallel_index,
+    gather_packed_batches,
+    shard_packed_batch,
+    shard_tokens,
+    unshard_tokens,
+)
 
 __all__ = [
     "ContextParallelCollator",
@@ -44,239 +34,6 @@ __all__ = [
     "shard_tokens",
     "unshard_tokens",
 ]
-
-_CP_KEYS = ("context_parallel_size", "context_parallel_rank", "shift_labels")
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ParallelLayout:
-    """How ranks split the work, and the pad multiples that follow from it (the single source of truth).
-
-    Global ranks are laid out tensor-parallel innermost, then context-parallel, then data-parallel (Megatron's
-    default order): ``global_rank = (dp_rank * cp + cp_rank) * tp + tp_rank``. The ``cp * tp`` ranks of one
-    data-parallel rank get the same microbatches; only data-parallel ranks get different ones.
-
-    * ``document_multiple``: with CP every document is padded to a multiple of ``2 * cp * tp`` (``2 * cp`` equal
-      chunks, each split evenly by sequence parallelism), combined (lcm) with the user's own multiple.
-    * ``row_multiple``: sequence parallelism alone (``cp == 1``) splits the packed row, not each document, into
-      ``tp`` shards, so the row length must be a multiple of ``tp``; with CP the row is a multiple of
-      ``document_multiple`` (its padding tail is a segment split like a document).
-
-    Args:
-        context_parallel_size: ranks that split every sequence (``cp``).
-        tensor_parallel_size: tensor-parallel ranks with sequence parallelism (``tp``).
-
-    Example:
-        >>> layout = ParallelLayout(context_parallel_size=2, tensor_parallel_size=2)
-        >>> layout.document_multiple(pad_to_multiple_of=3), layout.row_multiple(sequence_length_round=8)
-        (24, 8)
-        >>> layout.coordinates(global_rank=6), layout.data_parallel_size(world_size=8)
-        ((1, 1, 0), 2)
-    """
-
-    context_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        _check_int("context_parallel_size", self.context_parallel_size, 1)
-        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
-
-    @property
-    def model_parallel_size(self) -> int:
-        """Ranks that share one data-parallel rank's microbatches: ``cp * tp``."""
-        return self.context_parallel_size * self.tensor_parallel_size
-
-    def document_multiple(self, pad_to_multiple_of: int = 1) -> int:
-        """Every document is padded to a multiple of this (``pad_to_multiple_of`` itself when ``cp == 1``)."""
-        own = _check_int("pad_to_multiple_of", pad_to_multiple_of, 1)
-        return math.lcm(own, 2 * self.model_parallel_size) if self.context_parallel_size > 1 else own
-
-    def row_multiple(self, sequence_length_round: int = 1, pad_to_multiple_of: int = 1) -> int:
-        """Every packed row is padded to a multiple of this (``sequence_length_round`` when ``cp == tp == 1``)."""
-        own = _check_int("sequence_length_round", sequence_length_round, 1)
-        if self.context_parallel_size > 1:
-            return math.lcm(own, self.document_multiple(pad_to_multiple_of))
-        return math.lcm(own, self.tensor_parallel_size)
-
-    def data_parallel_size(self, world_size: int) -> int:
-        """Data-parallel ranks among ``world_size`` processes (``ValueError`` unless ``cp * tp`` divides it)."""
-        world = _check_int("world_size", world_size, 1)
-        if world % self.model_parallel_size:
-            raise ValueError(
-                f"world_size={world} is not a multiple of context_parallel_size x tensor_parallel_size = "
-                f"{self.context_parallel_size} x {self.tensor_parallel_size}"
-            )
-        return world // self.model_parallel_size
-
-    def coordinates(self, global_rank: int) -> tuple[int, int, int]:
-        """``(dp_rank, cp_rank, tp_rank)`` of a global rank."""
-        rank = _check_int("global_rank", global_rank, 0)
-        tp, cp = self.tensor_parallel_size, self.context_parallel_size
-        return rank // (cp * tp), (rank // tp) % cp, rank % tp
-
-    def context_parallel_groups(self, world_size: int) -> list[list[int]]:
-        """The global ranks of every CP group, each listed by CP rank (for ``new_subgroups_by_enumeration``)."""
-        tp, cp = self.tensor_parallel_size, self.context_parallel_size
-        return [
-            [(dp * cp + c) * tp + t for c in range(cp)]
-            for dp in range(self.data_parallel_size(world_size))
-            for t in range(tp)
-        ]
-
-
-def _segment_lengths(cu_seqlens: torch.Tensor, context_parallel_size: int) -> np.ndarray:
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be a 1-D tensor [segments + 1], got {getattr(cu_seqlens, 'shape', None)}")
-    bounds = np.asarray(cu_seqlens.tolist(), dtype=np.int64)
-    lengths = np.diff(bounds)
-    if bounds[0] != 0 or (lengths < 0).any():
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {bounds.tolist()}")
-    chunks = 2 * context_parallel_size
-    bad = np.flatnonzero(lengths % chunks)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(
-            f"segment {i} of cu_seqlens has {int(lengths[i])} tokens, not a multiple of 2 x context_parallel_size = "
-            f"{chunks}: collate with pad_document_to_multiple_of and pad_to_multiple_of multiples of {chunks} "
-            "(SeqPackDataModule(context_parallel_size=...) does it)"
-        )
-    return lengths
-
-
-def context_parallel_index(
-    cu_seqlens: torch.Tensor, context_parallel_size: int, context_parallel_rank: int
-) -> torch.Tensor:
-    """Global row positions (int64, on ``cu_seqlens``' device) of the tokens CP rank ``r`` holds, in local order.
-
-    Example:
-        >>> context_parallel_index(torch.tensor([0, 8, 12]), 2, 0).tolist()
-        [0, 1, 6, 7, 8, 11]
-    """
-    cp = _check_int("context_parallel_size", context_parallel_size, 1)
-    rank = _check_int("context_parallel_rank", context_parallel_rank, 0)
-    if rank >= cp:
-        raise ValueError(f"context_parallel_rank must be in [0, {cp}), got {rank}")
-    lengths = _segment_lengths(cu_seqlens, cp)
-    chunk = lengths // (2 * cp)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    firsts = np.stack([starts + rank * chunk, starts + (2 * cp - 1 - rank) * chunk], axis=1).reshape(-1)
-    sizes = np.repeat(chunk, 2)
-    offsets = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    return torch.from_numpy(np.repeat(firsts, sizes) + offsets).to(cu_seqlens.device)
-
-
-def shard_tokens(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
-    """The local part of a per-token tensor: the positions of :func:`context_parallel_index` along ``dim``."""
-    index = context_parallel_index(cu_seqlens, cp_size, cp_rank).to(x.device)
-    return x.index_select(dim, index)
-
-
-def unshard_tokens(parts: Sequence[torch.Tensor], cu_seqlens: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """Inverse of :func:`shard_tokens`: the per-token tensor of the whole row from every CP rank's part, in order."""
-    cp = len(parts)
-    if cp == 0:
-        raise ValueError("unshard_tokens needs the parts of every context-parallel rank, got none")
-    shape = list(parts[0].shape)
-    shape[dim] *= cp
-    out = parts[0].new_empty(shape)
-    for rank, part in enumerate(parts):
-        out.index_copy_(dim, context_parallel_index(cu_seqlens, cp, rank).to(part.device), part)
-    return out
-
-
-def _real_mask(batch: Mapping[str, Any], total: int) -> torch.Tensor:
-    """``[T]`` bool: True on document tokens, False on per-document padding and on the padding tail."""
-    padded = batch["cu_seqlens"].diff().long().cpu()
-    if batch.get("cu_seqlens_unpadded") is not None:
-        real = batch["cu_seqlens_unpadded"].diff().long().cpu()
-    else:
-        documents = int(batch.get("num_documents", len(padded)))
-        real = torch.where(torch.arange(len(padded)) < documents, padded, 0)
-    offset = torch.arange(total) - torch.repeat_interleave(torch.cumsum(padded, 0) - padded, padded, output_size=total)
-    return offset < torch.repeat_interleave(real, padded, output_size=total)
-
-
-def shard_packed_batch(
-    batch: Mapping[str, Any], context_parallel_size: int, context_parallel_rank: int
-) -> dict[str, Any]:
-    """The shard of a packed batch (``PackedCollator``'s contract) that CP rank ``context_parallel_rank`` trains.
-
-    Per-token ``[1, T]`` tensors become ``[1, T / cp]`` (``position_ids`` keep their global values);
-    ``cu_seqlens``, ``cu_seqlens_unpadded`` and ``max_seqlen`` stay global; ``shift_labels`` (the targets of the
-    local tokens) is added. The counts become local: ``num_real_tokens``, ``num_padding_tokens``,
-    ``num_loss_tokens`` (targets in ``shift_labels``) and ``max_tokens / cp``; ``num_documents``,
-    ``step_loss_tokens``, ``world_size`` (data-parallel ranks) and ``accumulate_grad_batches`` are unchanged, and
-    ``context_parallel_size`` / ``context_parallel_rank`` are added. The exact loss scales by ``world_size x
-    context_parallel_size``: DDP averages over every rank, and a microbatch's loss is the *sum* of its CP ranks'.
-
-    Raises:
-        ValueError: not a packed ``[1, T]`` row, already sharded, or a segment that is not a multiple of ``2 cp``.
-    """
-    cp = _check_int("context_parallel_size", context_parallel_size, 1)
-    rank = _check_int("context_parallel_rank", context_parallel_rank, 0)
-    if batch.get("cu_seqlens") is None or "input_ids" not in batch or batch["input_ids"].dim() != 2:
-        raise ValueError("shard_packed_batch needs a packed batch (input_ids [1, T] and cu_seqlens)")
-    if any(key in batch for key in _CP_KEYS):
-        raise ValueError("the batch is already sharded for context parallelism (it has context_parallel_size)")
-    ids, cu = batch["input_ids"], batch["cu_seqlens"]
-    total = ids.shape[1]
-    if ids.shape[0] != 1 or int(cu[-1]) != total:
-        raise ValueError(f"a packed batch is one row with cu_seqlens[-1] == T, got {tuple(ids.shape)}, {cu.tolist()}")
-    max_tokens = batch.get("max_tokens")
-    if max_tokens is not None and max_tokens % cp:
-        raise ValueError(f"max_tokens={max_tokens} must be a multiple of context_parallel_size={cp}")
-    index = context_parallel_index(cu, cp, rank)
-    shift = shift_labels(batch["labels"])
-    out = {key: _local(value, index, total) for key, value in batch.items()}
-    out["shift_labels"] = shift.index_select(1, index.to(shift.device))
-    real = int(_real_mask(batch, total)[index.cpu()].sum())
-    out |= {
-        "num_real_tokens": real,
-        "num_padding_tokens": total // cp - real,
-        "num_loss_tokens": int((out["shift_labels"] != IGNORE_INDEX).sum()),
-        "max_tokens": None if max_tokens is None else max_tokens // cp,
-        "context_parallel_size": cp,
-        "context_parallel_rank": rank,
-    }
-    return out
-
-
-def _local(value: Any, index: torch.Tensor, total: int) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == (1, total):
-        return value.index_select(1, index.to(value.device))
-    return value
-
-
-def gather_packed_batches(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Inverse of :func:`shard_packed_batch`: the whole batch from the shards of every CP rank (any order)."""
-    if not shards:
-        raise ValueError("gather_packed_batches needs the shards of every context-parallel rank, got none")
-    ordered = sorted(shards, key=lambda s: s.get("context_parallel_rank", -1))
-    cp = len(ordered)
-    if [s.get("context_parallel_rank") for s in ordered] != list(range(cp)) or any(
-        s.get("context_parallel_size") != cp for s in ordered
-    ):
-        raise ValueError(f"need one shard per CP rank 0..{cp - 1}, each with context_parallel_size={cp}")
-    first, cu = ordered[0], ordered[0]["cu_seqlens"]
-    if any(not torch.equal(s["cu_seqlens"], cu) for s in ordered):
-        raise ValueError("the shards come from different batches (their cu_seqlens differ)")
-    local = first["input_ids"].shape[1]
-    out: dict[str, Any] = {}
-    for key, value in first.items():
-        if key in _CP_KEYS:
-            continue
-        is_token = isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == (1, local)
-        out[key] = unshard_tokens([s[key] for s in ordered], cu) if is_token else value
-    for key in ("num_real_tokens", "num_padding_tokens", "num_loss_tokens"):
-        out[key] = sum(int(s[key]) for s in ordered)
-    out["max_tokens"] = None if first["max_tokens"] is None else first["max_tokens"] * cp
-    return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -313,7 +70,12 @@ class ContextParallelCollator:
                 raise ValueError(f"collator.{name}={value} must be a multiple of 2 x context_parallel_size={2 * cp}")
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        batch = shard_packed_batch(self.collator(samples), self.context_parallel_size, self.context_parallel_rank)
+        batch = shard_packed_batch(
+            self.collator(samples),
+            self.context_parallel_size,
+            self.context_parallel_rank,
+            token_fields=self.collator.token_fields,
+        )
         batch["tensor_parallel_size"] = self.tensor_parallel_size
         return batch
 

@@ -28,6 +28,7 @@ from lit_seqpack.data._resume import (
 )
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout, TensorParallelCollator
+from lit_seqpack.data.fields import check_fields
 from lit_seqpack.data.lengths import cached_scan
 from lit_seqpack.data.microbatch import PlannedDataset
 from lit_seqpack.data.overlong import OVERLONG_POLICIES, OverlongReport
@@ -113,6 +114,11 @@ class SeqPackDataModule(LightningDataModule):
             every rank) are hashed and compared across ranks with the plan at the first batch, so ranks that
             read different data with equal lengths fail loudly on every rank; 0 compares the lengths only (for
             datasets whose samples change between reads).
+        token_fields: extra per-token fields of the samples to carry in every batch, each name mapped to its pad
+            value (e.g. ``{"advantages": 0.0}``): concatenated or padded like ``input_ids``, truncated with the
+            sample by ``overlong="truncate"``, sharded with the tokens under context parallelism (see
+            :mod:`lit_seqpack.data.fields`).
+        sample_fields: extra per-sample fields to carry (e.g. ``["reward"]``), one value a document.
     """
 
     def __init__(
@@ -144,6 +150,8 @@ class SeqPackDataModule(LightningDataModule):
         context_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         content_check_samples: int = 8,
+        token_fields: dict[str, int | float] | None = None,
+        sample_fields: list[str] | None = None,
     ) -> None:
         super().__init__()
         if (
@@ -173,6 +181,7 @@ class SeqPackDataModule(LightningDataModule):
             num_workers=num_workers,
             pad_to_multiple_of=pad_to_multiple_of,
         )
+        self._token_fields, self._sample_fields = check_fields(token_fields, sample_fields)
         self._parallel = ParallelLayout(
             context_parallel_size=context_parallel_size, tensor_parallel_size=tensor_parallel_size
         )
@@ -299,6 +308,7 @@ class SeqPackDataModule(LightningDataModule):
                 overlong=hp.overlong,
                 pad_to_multiple_of=hp.pad_to_multiple_of,
                 document_multiple=self.document_multiple,
+                token_fields=tuple(self._token_fields),
             )
         lengths, loss_tokens = _int32(lengths), _int32(loss_tokens)
         if hp.val_fraction == 0 and hp.test_fraction == 0:  # everything trains: no index view, no copies
@@ -344,13 +354,15 @@ class SeqPackDataModule(LightningDataModule):
 
     def _collator(self) -> PackedCollator | PaddedCollator | ContextParallelCollator | TensorParallelCollator:
         hp, tp = self.hparams, self._parallel.tensor_parallel_size
+        fields = {"token_fields": self._token_fields, "sample_fields": self._sample_fields}
         if hp.mode != "packing":
-            padded = PaddedCollator(pad_token_id=hp.pad_token_id, pad_to_multiple_of=self.row_multiple)
+            padded = PaddedCollator(pad_token_id=hp.pad_token_id, pad_to_multiple_of=self.row_multiple, **fields)
             return padded if tp == 1 else TensorParallelCollator(collator=padded, tensor_parallel_size=tp)
         collator = PackedCollator(
             pad_token_id=hp.pad_token_id,
             pad_to_multiple_of=self.row_multiple,
             pad_document_to_multiple_of=self.document_multiple if self.document_multiple > 1 else None,
+            **fields,
         )
         if self._parallel.model_parallel_size == 1:
             return collator

@@ -80,6 +80,7 @@ def apply_overlong_policy(
     lengths: np.ndarray | Sequence[int],
     max_tokens: int,
     policy: str = "error",
+    token_fields: Sequence[str] = (),
 ) -> tuple[Sequence[Mapping[str, Any]], np.ndarray, OverlongReport]:
     """Apply ``policy`` to the samples of ``dataset`` longer than ``max_tokens``.
 
@@ -88,6 +89,8 @@ def apply_overlong_policy(
         lengths: the token count of every sample (e.g. from ``compute_lengths``).
         max_tokens: the longest sample allowed.
         policy: ``"error"`` raises, ``"truncate"`` cuts, ``"drop"`` removes (see ``OVERLONG_POLICIES``).
+        token_fields: the declared per-token fields (see :mod:`lit_seqpack.data.fields`), cut with the tokens
+            under ``"truncate"``; per-sample fields are kept as they are.
 
     Returns:
         ``(dataset, lengths, report)``: the dataset itself when no sample is over-long, else a
@@ -130,7 +133,7 @@ def apply_overlong_policy(
     if policy == "truncate":
         excess = int((lengths[over] - max_tokens).sum())
         report = OverlongReport(**base, num_truncated=len(over), tokens_truncated=excess)
-        view: Sequence[Mapping[str, Any]] = TruncatedDataset(dataset, lengths, int(max_tokens))
+        view: Sequence[Mapping[str, Any]] = TruncatedDataset(dataset, lengths, int(max_tokens), token_fields)
     else:
         if len(over) == len(dataset):
             raise ValueError(f"overlong='drop' would drop all {len(dataset)} samples; raise max_tokens={max_tokens}")
@@ -141,18 +144,30 @@ def apply_overlong_policy(
 
 
 class TruncatedDataset:
-    """A view of ``dataset`` whose samples are cut to ``max_tokens`` (``input_ids`` and ``labels``).
+    """A view of ``dataset`` whose samples are cut to ``max_tokens``.
+
+    ``input_ids``, ``labels``, ``loss_mask`` and the declared token fields are cut; every other key (e.g. a
+    per-sample field) is kept as it is.
 
     Args:
         dataset: the map-style dataset.
         lengths: the length of every sample of ``dataset``; a sample whose real length differs raises
             (a stale lengths cache would otherwise let an over-long sample through).
         max_tokens: the longest sample kept.
+        token_fields: the declared per-token fields; each must be as long as ``input_ids`` before the cut (a
+            shorter one would otherwise be cut to the same length and misalign silently).
     """
 
-    def __init__(self, dataset: Sequence[Mapping[str, Any]], lengths: np.ndarray, max_tokens: int) -> None:
+    def __init__(
+        self,
+        dataset: Sequence[Mapping[str, Any]],
+        lengths: np.ndarray,
+        max_tokens: int,
+        token_fields: Sequence[str] = (),
+    ) -> None:
         self.dataset = dataset
         self.max_tokens = max_tokens
+        self.token_fields = tuple(token_fields)
         self._source_lengths = np.asarray(lengths, dtype=np.int64)
         self.lengths = np.minimum(self._source_lengths, max_tokens)
         self._loss_tokens: np.ndarray | None = None
@@ -167,10 +182,16 @@ class TruncatedDataset:
         sample = _checked(self.dataset, i, int(self._source_lengths[i]))
         if len(sample["input_ids"]) <= self.max_tokens:
             return sample
-        cut = dict(sample)
-        for key in ("input_ids", "labels"):
-            if key in cut:
-                cut[key] = cut[key][: self.max_tokens]
+        length, cut = len(sample["input_ids"]), dict(sample)
+        for key in ("input_ids", "labels", "loss_mask", *self.token_fields):
+            if key not in cut or cut[key] is None:
+                continue  # the collator names a missing declared field
+            if len(cut[key]) != length:
+                raise ValueError(
+                    f"sample {i}: {key} has {len(cut[key])} entries but input_ids has {length} tokens (before "
+                    f"overlong='truncate' cuts both to max_tokens={self.max_tokens})"
+                )
+            cut[key] = cut[key][: self.max_tokens]
         return cut
 
     @property

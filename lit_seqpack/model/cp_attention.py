@@ -1,7 +1,7 @@
 """Context-parallel varlen attention by all-gathering K/V (the recipe of Llama 3), over ``torch.distributed``.
 
 Every CP rank holds two chunks of every segment of a packed row (chunks ``r`` and ``2 cp - 1 - r``, see
-:mod:`lit_seqpack.data.context_parallel`). Attention needs, for a query, the keys of its own document up to its
+:mod:`lit_seqpack.parallel`). Attention needs, for a query, the keys of its own document up to its
 position, which live on other ranks; so each layer all-gathers the K/V of the whole row (one collective per
 layer) and every rank attends its local queries to the gathered keys with the right per-document causal mask::
 
@@ -20,7 +20,7 @@ Models need no change: inside :func:`context_parallel` every
 :func:`~lit_seqpack.model.attention.varlen_attention` call is routed here (see
 :func:`~lit_seqpack.model.attention.route_varlen_attention`), with the local ``q``/``k``/``v`` and the global
 ``cu_seqlens``/``max_seqlen`` of the shard. :class:`~lit_seqpack.model.mixin.PackedSequenceMixin` enters it for
-every batch sharded by :func:`~lit_seqpack.data.context_parallel.shard_packed_batch` (:func:`context_parallel_scope`).
+every batch sharded by :func:`~lit_seqpack.parallel.shard_packed_batch` (:func:`context_parallel_scope`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from lit_seqpack.data.context_parallel import ParallelLayout, context_parallel_index
 from lit_seqpack.model.attention import route_varlen_attention
+from lit_seqpack.parallel import ParallelLayout, context_parallel_index
 
 __all__ = [
     "all_gather_tokens",
@@ -236,7 +236,7 @@ def _describe(value: Any) -> str:
 
 
 def context_parallel_group(context_parallel_size: int, tensor_parallel_size: int = 1) -> Any:
-    """This process's CP group for the :class:`~lit_seqpack.data.context_parallel.ParallelLayout` (created once).
+    """This process's CP group for the :class:`~lit_seqpack.parallel.ParallelLayout` (created once).
 
     Creating the groups is a collective: every process of the default group must call this (the first CP batch
     of a training run reaches every rank at the same step, which is where the mixin calls it).

@@ -60,10 +60,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lit_seqpack.data._layout import mesh_layout, strategy_mesh
 from lit_seqpack.data.validation import model_vocab_size
 from lit_seqpack.model.cp_attention import context_parallel_scope
 from lit_seqpack.model.loss import LossOutput, exact_loss, token_cross_entropy
+from lit_seqpack.parallel import mesh_layout, strategy_mesh
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
