@@ -42,12 +42,12 @@ def test_automatic_step_equals_the_big_padded_batch(normalize: str, mode: str) -
     _, rollout = policy_rollout()
     torch.manual_seed(0)
     module = AutomaticPolicy(normalize)
-    planner = RolloutPlanner(train_max_tokens=48, mode=mode, accumulate_grad_batches=4, world_size=1, rank=0)
+    planner = RolloutPlanner(train_max_tokens=48, mode=mode, accumulate_grad_batches=6, world_size=1, rank=0)
     batches = list(planner.train_microbatches(rollout))
-    assert len(batches) == 4 and len({b["num_loss_tokens"] for b in batches}) > 1
+    assert len(batches) == 6 and len({b["num_loss_tokens"] for b in batches}) > 1
     expected = padded_reference_gradients(module, rollout, [list(range(len(rollout)))], normalize)
     capture = GradientCapture()
-    trainer(accumulate_grad_batches=4, callbacks=[capture]).fit(
+    trainer(accumulate_grad_batches=6, callbacks=[capture]).fit(
         module, torch.utils.data.DataLoader(batches, batch_size=None)
     )
     assert_gradients_match(capture.grads, prefixed(expected), rtol=1e-5)
@@ -62,7 +62,7 @@ def test_manual_steps_equal_the_big_padded_batch_of_each_step(normalize: str, mo
     module = ManualPolicy(normalize, rollout, kwargs)
     plan = RolloutPlanner(**kwargs, world_size=1, rank=0).plan(rollout)
     assert plan.num_steps == 2 and plan.accumulate_grad_batches > 1
-    first_step = [i for _, _, mb in plan.rank_microbatches(0) if _ == 0 for i in mb]
+    first_step = [i for step, _, mb in plan.rank_microbatches(0) if step == 0 for i in mb]
     expected = padded_reference_gradients(module, rollout, [sorted(first_step)], normalize)
     trainer().fit(module, one_item_loader())
     assert len(module.step_gradients) == 2  # the rollout's exact number of optimizer steps
@@ -101,7 +101,7 @@ def test_loss_helpers_name_what_is_missing() -> None:
     batch = PackedCollator()([{"input_ids": [1, 2, 3]}])
     with pytest.raises(ValueError, match="RolloutPlanner.train_microbatches"):
         loss_output(torch.zeros(1, 3), batch, normalize="token")
-    rollout_batch = next(RolloutPlanner(train_max_tokens=8, world_size=1, rank=0).train_microbatches(make_rollout(2)))
+    rollout_batch = next(RolloutPlanner(train_max_tokens=64, world_size=1, rank=0).train_microbatches(make_rollout(2)))
     with pytest.raises(ValueError, match="normalize must be one of"):
         loss_output(torch.zeros(rollout_batch["labels"].shape), rollout_batch, normalize="tokens")
     out = loss_output(torch.zeros(rollout_batch["labels"].shape), rollout_batch, normalize="token")
