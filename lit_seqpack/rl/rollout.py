@@ -34,6 +34,8 @@ def _vector(value: Any, what: str) -> torch.Tensor:
 
 def _integers(value: Any, what: str) -> torch.Tensor:
     tensor = _vector(value, what)
+    if tensor.numel() == 0:  # numpy types an empty list as float64
+        return tensor.to(torch.int64)
     if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
         raise ValueError(f"{what} must hold integers, got dtype {tensor.dtype}")
     return tensor.to(torch.int64)
