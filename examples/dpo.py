@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pairs", type=int, default=24, help="preference pairs")
     parser.add_argument("--pairs-per-step", type=int, default=12, help="pairs of one optimizer step")
     parser.add_argument("--accumulate-grad-batches", type=int, default=3, help="microbatches per rank per step")
-    parser.add_argument("--max-tokens", type=int, default=128, help="token budget of a microbatch")
+    parser.add_argument("--max-tokens", type=int, default=192, help="token budget of a microbatch")
     parser.add_argument("--max-steps", type=int, default=4, help="optimizer steps")
     parser.add_argument("--beta", type=float, default=0.1, help="DPO temperature")
     parser.add_argument("--check", action="store_true", help="print the first step's gradient error last")
