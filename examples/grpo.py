@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto",
         max_epochs=1,
+        use_distributed_sampler=False,  # every rank runs every rollout (the planner shards it)
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,

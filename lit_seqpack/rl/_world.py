@@ -36,12 +36,14 @@ def resolve_world(trainer: Any = None) -> tuple[int, int]:
 
 
 def gather_per_sample(
-    values: list[torch.Tensor | None], plan: RolloutPlan, lengths: np.ndarray, rank: int
+    values: list[torch.Tensor | None], plan: RolloutPlan, lengths: np.ndarray, rank: int, fingerprint: str
 ) -> list[torch.Tensor | None]:
     """Fill every entry of ``values`` with the owning rank's tensor (one ``all_gather`` of flat values).
 
     Every rank knows from the plan which samples each rank computed and how long they are, so only the values
     travel: each rank sends its samples' values concatenated in plan order, padded to the longest rank's total.
+    A small object gather first exchanges the dtype and the rollout's ``fingerprint``: ranks that planned
+    different rollouts (e.g. a DataLoader sharded by a ``DistributedSampler``) raise instead of mixing values.
     """
     import torch.distributed as dist
 
@@ -52,7 +54,15 @@ def gather_per_sample(
         raise RuntimeError("compute_per_token: a sample of this rank has no value (fn skipped a batch?)")
     meta: list[Any] = [None] * world_size
     first = mine[0] if mine else None
-    dist.all_gather_object(meta, None if first is None else (first.dtype, tuple(first.shape[1:]), str(first.device)))
+    described = None if first is None else (first.dtype, tuple(first.shape[1:]), str(first.device))
+    dist.all_gather_object(meta, (fingerprint, described))
+    if len({m[0] for m in meta}) > 1:
+        raise RuntimeError(
+            "the ranks planned different rollouts (their Rollout.fingerprint() differ): every rank must hold the same "
+            "rollout. A DataLoader of rollouts needs use_distributed_sampler=False (or generate on every rank with "
+            "the same seed and gather)"
+        )
+    meta = [m[1] for m in meta]
     known = next(m for m in meta if m is not None)
     dtype, trailing = known[0], known[1]
     if first is not None:

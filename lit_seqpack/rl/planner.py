@@ -178,7 +178,8 @@ class RolloutPlanner:
         Args:
             fn: called on each non-empty batch; returns values shaped like its ``input_ids``.
             rollout: the rollout.
-            gather: all-gather every rank's values (``torch.distributed``), so every entry is filled on every rank.
+            gather: all-gather every rank's values (``torch.distributed``), so every entry is filled on every rank;
+                raises ``RuntimeError`` when the ranks hold different rollouts.
             device: move the batches there first.
 
         Returns:
@@ -194,7 +195,9 @@ class RolloutPlanner:
         if gather and self.world[0] > 1:
             from lit_seqpack.rl._world import gather_per_sample
 
-            return gather_per_sample(out, self.logprob_plan(rollout), rollout.lengths, self.world[1])
+            return gather_per_sample(
+                out, self.logprob_plan(rollout), rollout.lengths, self.world[1], rollout.fingerprint()
+            )
         return out
 
     def _batches(self, rollout: Rollout, plan: RolloutPlan, device: Any) -> Iterator[dict[str, Any]]:

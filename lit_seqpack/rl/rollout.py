@@ -9,6 +9,7 @@ given the tokens before it, so position 0 of a sample has no value of its own (i
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -221,6 +222,18 @@ class Rollout:
     def loss_tokens(self) -> np.ndarray:
         """Loss-mask tokens of every sample (``int64``)."""
         return np.array([int(m.sum()) for m in self.loss_mask], dtype=np.int64)
+
+    def fingerprint(self) -> str:
+        """A SHA-256 digest of the token ids, loss masks and group ids (equal rollouts, equal digests).
+
+        Every rank must plan the same rollout; ``compute_per_token(gather=True)`` compares the ranks' digests.
+        """
+        digest = hashlib.sha256()
+        for ids, mask in zip(self.input_ids, self.loss_mask, strict=True):
+            digest.update(np.int64(len(ids)).tobytes() + ids.numpy().tobytes() + mask.numpy().tobytes())
+        if self.group_ids is not None:
+            digest.update(self.group_ids.numpy().tobytes())
+        return digest.hexdigest()
 
     def sample(self, index: int) -> dict[str, Any]:
         """Sample ``index`` as a collator input: ``input_ids``, ``loss_mask`` and every declared field."""

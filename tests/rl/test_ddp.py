@@ -40,6 +40,12 @@ def _logprob_worker(rank: int, init_file: str, out_dir: str) -> None:
             local = planner.compute_per_token(policy_logprobs(module), rollout)
             gathered = planner.compute_per_token(policy_logprobs(module), rollout, gather=True)
             results[(mode, budget)] = {"microbatches": mine, "local": local, "gathered": gathered}
+        other = make_rollout(count=11, seed=7 + rank)  # each rank a different rollout: refused, not mixed
+        try:
+            planner.compute_per_token(policy_logprobs(module), other, gather=True)
+            results["mismatch"] = "no error"
+        except RuntimeError as err:
+            results["mismatch"] = str(err)
         torch.save(results, Path(out_dir, f"logprobs{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -52,6 +58,7 @@ def test_gathered_logprobs_equal_each_sample_alone_on_two_ranks(tmp_path: Path) 
     results = [torch.load(tmp_path / f"logprobs{rank}.pt") for rank in range(WORLD)]
     module, rollout = make_policy("reference"), make_rollout(count=11, seed=7)
     expected = alone_logprobs(module, rollout)
+    assert all("the ranks planned different rollouts" in results[rank]["mismatch"] for rank in range(WORLD))
     for case in CASES:
         shares = [results[rank][case]["microbatches"] for rank in range(WORLD)]
         assert len(shares[0]) == len(shares[1])  # lock step
