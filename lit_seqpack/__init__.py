@@ -57,6 +57,9 @@ _EXPORTS: dict[str, str] = {
     "PackingEfficiency": "lit_seqpack.metrics",
     "RankImbalance": "lit_seqpack.metrics",
     "PackingMonitor": "lit_seqpack.callbacks",
+    # RL post-training
+    "Rollout": "lit_seqpack.rl",
+    "RolloutPlanner": "lit_seqpack.rl",
 }
 
 __all__ = [
@@ -85,6 +88,8 @@ __all__ = [
     "ReferenceConfig",
     "ReferenceDecoder",
     "ReferenceLM",
+    "Rollout",
+    "RolloutPlanner",
     "SeqPackCLI",
     "SeqPackDataModule",
     "SyntheticInstructionDataset",
@@ -136,3 +141,4 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
         get_packer,
         packing_stats,
     )
+    from lit_seqpack.rl import Rollout, RolloutPlanner

@@ -137,3 +137,12 @@ def test_bench_scale_rank_table_and_bench_plan_balance_table_smoke():
     (balance,) = _tables(lines)
     settings = [row[3] for row in balance[1:]]
     assert settings[:2] == ["0.0", "auto"] and len(balance) == 1 + 24
+
+
+def test_bench_rl_prints_the_balance_table_with_rl_at_the_bound():
+    lines = _run("bench_rl.py", "--samples", "256", "--ranks", "4", "--steps", "2")
+    rows = [line for line in lines if line.startswith("| 256 ")]
+    assert len(rows) == 1, lines
+    cells = [cell.strip(" \\") for cell in rows[0].strip("|").split("|")]  # "tokens \| cost" pairs split too
+    round_robin_cost, rl_cost, bound = float(cells[3]), float(cells[7]), float(cells[8])
+    assert bound <= rl_cost <= 1.01 and rl_cost < round_robin_cost
