@@ -25,7 +25,7 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer
 
 from lit_seqpack import HFCausalLM
 from lit_seqpack.model.loss import LossOutput
-from lit_seqpack.rl import Rollout, RolloutPlanner, document_sums, token_logprobs
+from lit_seqpack.rl import Rollout, RolloutPlanner, document_sums, policy_logits, token_logprobs
 
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}
 TINY_LLAMA |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -102,7 +102,7 @@ class PreferenceBatches(LightningDataModule):
         rollout, planner = preference_pairs(self.args.pairs), self.planner()
 
         def reference_logprobs(batch: dict[str, Any]) -> torch.Tensor:
-            return token_logprobs(self.reference.seqpack_forward(batch), batch["labels"])
+            return token_logprobs(policy_logits(self.reference, batch), batch["labels"])
 
         ref = planner.compute_per_token(reference_logprobs, rollout, gather=True)
         self.rollout = rollout.with_fields(token_fields={"ref_logprobs": ref})

@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from lit_seqpack import HFCausalLM
-from lit_seqpack.rl import Rollout, RolloutPlanner, clipped_policy_loss, step_loss, token_logprobs
+from lit_seqpack.rl import Rollout, RolloutPlanner, clipped_policy_loss, policy_logits, step_loss, token_logprobs
 
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}
 TINY_LLAMA |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -78,7 +78,7 @@ class GRPOPolicy(HFCausalLM):
         self.losses: list[float] = []
 
     def policy_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
-        return token_logprobs(self.seqpack_forward(batch), batch["labels"])
+        return token_logprobs(policy_logits(self, batch), batch["labels"])
 
     def training_step(self, batch: int, batch_idx: int) -> None:
         args, optimizer = self.args, self.optimizers()

@@ -4,11 +4,11 @@
 
     rollout = Rollout(input_ids=ids, loss_mask=response_masks, group_ids=prompt_ids)
     planner = RolloutPlanner(train_max_tokens=8192, logprob_max_tokens=16384, steps_per_rollout=2, trainer=trainer)
-    old = planner.compute_per_token(lambda b: token_logprobs(policy(b), b["labels"]), rollout, gather=True)
+    logprobs = lambda b: token_logprobs(policy_logits(module, b), b["labels"])  # checks isolation once
+    old = planner.compute_per_token(logprobs, rollout, gather=True)
     rollout = rollout.with_fields(token_fields={"old_logprobs": old, "advantages": advantages})
     for batch in planner.train_microbatches(rollout, device=device):
-        logprobs = token_logprobs(policy(batch), batch["labels"])
-        loss = clipped_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"])
+        loss = clipped_policy_loss(logprobs(batch), batch["old_logprobs"], batch["advantages"])
         manual_backward(step_loss(loss, batch, normalize="token", optimization="manual"))
         if batch["is_last_in_step"]:
             optimizer.step(); optimizer.zero_grad()
@@ -18,6 +18,7 @@ The planning itself (:mod:`lit_seqpack.planning.rollout`) is torch-free.
 
 from __future__ import annotations
 
+from lit_seqpack.rl.forward import policy_logits
 from lit_seqpack.rl.loss import (
     NORMALIZE,
     clipped_policy_loss,
@@ -40,6 +41,7 @@ __all__ = [
     "document_sums",
     "loss_output",
     "per_document_to_tokens",
+    "policy_logits",
     "scale_step_loss",
     "step_loss",
     "token_logprobs",

@@ -10,7 +10,15 @@ from lightning.pytorch import LightningDataModule
 
 from lit_seqpack.model.lm import ReferenceLM
 from lit_seqpack.model.loss import LossOutput
-from lit_seqpack.rl import Rollout, RolloutPlanner, clipped_policy_loss, loss_output, step_loss, token_logprobs
+from lit_seqpack.rl import (
+    Rollout,
+    RolloutPlanner,
+    clipped_policy_loss,
+    loss_output,
+    policy_logits,
+    step_loss,
+    token_logprobs,
+)
 from tests.rl._rollouts import TINY_REFERENCE, VOCAB
 
 
@@ -48,7 +56,7 @@ class ManualPolicy(ReferenceLM):
         step_optimizer = isinstance(self.normalize, str)
         for normalize in [self.normalize] if step_optimizer else self.normalize:
             for micro in planner.train_microbatches(self.rollout, device=self.device):
-                logits = self.seqpack_forward(micro)
+                logits = policy_logits(self, micro)
                 token_loss = clipped_policy_loss(
                     token_logprobs(logits, micro["labels"]), micro["old_logprobs"], micro["advantages"]
                 )

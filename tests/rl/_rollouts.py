@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
-from lit_seqpack.rl import Rollout, token_logprobs
+from lit_seqpack.rl import Rollout, policy_logits, token_logprobs
 from tests.model._hf_tiny import TINY_HF
 
 VOCAB = TINY_HF["vocab_size"]
@@ -69,7 +69,7 @@ def alone_logprobs(module: LightningModule, rollout: Rollout) -> list[torch.Tens
 
 def policy_logprobs(module: LightningModule):
     """The ``fn`` of ``compute_per_token``: the module's own packed or padded forward, then token log-probs."""
-    return lambda batch: token_logprobs(module.seqpack_forward(batch), batch["labels"])
+    return lambda batch: token_logprobs(policy_logits(module, batch), batch["labels"])
 
 
 def with_policy_fields(module: LightningModule, rollout: Rollout, seed: int = 0) -> Rollout:

@@ -86,3 +86,19 @@ def test_world_and_rank_come_together() -> None:
     with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=2\)"):
         RolloutPlanner(train_max_tokens=8, world_size=2, rank=2)
     assert RolloutPlanner(train_max_tokens=8).world == (1, 0)  # no trainer, no process group
+
+
+def test_a_model_that_mixes_packed_documents_is_refused_in_the_logprob_pass() -> None:
+    from lit_seqpack.model.isolation import PackingLeakError
+    from lit_seqpack.model.lm import ReferenceLM
+
+    class LeakyLM(ReferenceLM):  # drops the document boundaries: one long causal sequence per row
+        def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, attention_mask=None):
+            return super().forward(input_ids, position_ids=position_ids)
+
+    torch.manual_seed(0)
+    module = LeakyLM(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64).eval()
+    rollout = make_rollout(count=6, seed=5)
+    planner = RolloutPlanner(train_max_tokens=int(rollout.lengths.sum()), world_size=1, rank=0)
+    with pytest.raises(PackingLeakError):
+        planner.compute_per_token(policy_logprobs(module), rollout)
