@@ -26,8 +26,9 @@ from typing import Literal
 import numpy as np
 
 from lit_seqpack.planning._partition import karmarkar_karp
-from lit_seqpack.planning._windows import DEFAULT_ALGORITHM, as_counts
-from lit_seqpack.planning.dynamic import dynamic_group_sizes, round_up
+from lit_seqpack.planning._rollout_microbatches import rank_microbatches
+from lit_seqpack.planning._windows import as_counts
+from lit_seqpack.planning.dynamic import round_up
 
 __all__ = ["KEEP_TOGETHER", "ROLLOUT_MODES", "RolloutPlan", "RolloutPlanConfig", "dense_group_labels", "plan_rollout"]
 
@@ -201,7 +202,7 @@ def plan_rollout(
     steps = _cut_steps(units, n, config)
     costs = config.cost_linear * lengths + config.quadratic_cost * lengths.astype(np.float64) ** 2
     per_step = [_balance_step(step, costs, config) for step in steps]
-    counts = [[len(_pack(share, lengths, config)) for share in ranks] for ranks in per_step]
+    counts = [[len(rank_microbatches(share, lengths, config)) for share in ranks] for ranks in per_step]
     needed = max((c for row in counts for c in row), default=1)
     accumulate = config.accumulate_grad_batches or max(needed, 1)
     if needed > accumulate:
@@ -211,7 +212,9 @@ def plan_rollout(
             f"accumulate_grad_batches={accumulate}: raise the token budget, the number of steps, or "
             "accumulate_grad_batches"
         )
-    microbatches = [[_pack(share, lengths, config, target=accumulate) for share in ranks] for ranks in per_step]
+    microbatches = [
+        [rank_microbatches(share, lengths, config, target=accumulate) for share in ranks] for ranks in per_step
+    ]
     group_totals = np.bincount(groups, weights=loss).astype(np.int64)
     return RolloutPlan(
         config=config,
@@ -313,51 +316,3 @@ def _balance_step(step: list[list[int]], costs: np.ndarray, config: RolloutPlanC
     items = step if config.keep_together is not None else [[i] for unit in step for i in unit]
     parts = karmarkar_karp([costs[item].sum() for item in items], config.world_size)
     return [[items[j] for j in part] for part in parts]
-
-
-def _pack(items: list[list[int]], lengths: np.ndarray, config: RolloutPlanConfig, target: int = 0) -> list[list[int]]:
-    """One rank's items as ``target`` microbatches (count only when 0), fillers included."""
-    if not items:
-        return [[] for _ in range(target)]
-    keep = config.keep_together == "microbatch"
-    if config.mode == "packing":
-        from lit_seqpack.planning.algorithms import get_packer
-
-        sizes = np.array([lengths[item].sum() for item in items], dtype=np.int64)
-        packer = get_packer(
-            config.algorithm or DEFAULT_ALGORITHM, config.max_tokens, min_bin_count=min(target, len(items))
-        )
-        bins = [[i for j in b for i in items[j]] for b in packer.pack(sizes)]
-    elif keep:
-        bins = _dynamic_units(items, lengths, config)
-    else:
-        flat = np.array([i for item in items for i in item], dtype=np.int64)
-        order = flat[np.argsort(-lengths[flat], kind="stable")]
-        sizes = dynamic_group_sizes(
-            lengths[order],
-            config.max_tokens,
-            sequence_length_round=config.sequence_length_round,
-            group_count_multiple=max(target, 1) if target else 1,
-        )
-        bounds = np.concatenate(([0], np.cumsum(sizes)))
-        bins = [order[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-        bins = [b for b in bins if b]
-    return bins + [[] for _ in range(max(target - len(bins), 0))]
-
-
-def _dynamic_units(items: list[list[int]], lengths: np.ndarray, config: RolloutPlanConfig) -> list[list[int]]:
-    """Dynamic blocks of whole groups: longest first, a block takes groups while ``rows x padded length`` fits."""
-    rows = round_up(lengths, config.sequence_length_round)
-    order = sorted(range(len(items)), key=lambda j: -int(rows[items[j]].max()))
-    blocks: list[list[int]] = []
-    width = count = 0
-    for j in order:
-        top = int(rows[items[j]].max())
-        if blocks and (count + len(items[j])) * max(width, top) <= config.max_tokens:
-            blocks[-1].extend(items[j])
-            count += len(items[j])
-            width = max(width, top)
-        else:
-            blocks.append(list(items[j]))
-            count, width = len(items[j]), top
-    return blocks
