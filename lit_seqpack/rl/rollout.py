@@ -21,7 +21,8 @@ __all__ = ["RESERVED_KEYS", "Rollout"]
 
 RESERVED_KEYS = frozenset(
     {"input_ids", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens", "max_seqlen", "group_ids"}
-    | {"sample_indices", "document_loss_tokens", "group_loss_tokens"}
+    | {"sample_indices", "document_loss_tokens", "group_loss_tokens", "num_groups", "step", "step_documents"}
+    | {"step_groups", "step_loss_tokens", "is_last_in_step"}
 )
 """Names a declared field cannot take: the batch contract's keys and the planner's own."""
 

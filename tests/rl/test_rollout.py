@@ -71,6 +71,7 @@ def test_with_fields_adds_and_replaces_without_touching_the_original() -> None:
         ),
         ({"input_ids": [[1, 2]], "token_fields": {"labels": [torch.zeros(2)]}}, "token field name 'labels' is not"),
         ({"input_ids": [[1, 2]], "token_fields": {"adv": torch.zeros(1, 2)}}, "must be a list of 1 1-D tensors"),
+        ({"input_ids": [[1, 2]], "sample_fields": {"step": [3]}}, "sample field name 'step' is not allowed"),
         ({"input_ids": [[1, 2], [3]], "sample_fields": {"reward": [1.0]}}, "'reward' has 1 entries for 2 samples"),
         ({"input_ids": [[1, 2]], "sample_fields": {"reward": [float("inf")]}}, "'reward' holds a NaN or an inf"),
         ({"input_ids": [[1, 2], [3, 4]], "group_ids": [0]}, "group_ids has 1 entries for 2 samples"),
