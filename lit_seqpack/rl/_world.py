@@ -16,7 +16,7 @@ def resolve_world(trainer: Any = None) -> tuple[int, int]:
     """``(data-parallel size, data-parallel rank)``: the trainer's (its device mesh first), ``torch.distributed``'s,
     or ``(1, 0)``."""
     if trainer is not None:
-        from lit_seqpack.data._layout import mesh_layout, strategy_mesh
+        from lit_seqpack.parallel import mesh_layout, strategy_mesh
 
         mesh = strategy_mesh(getattr(trainer, "strategy", None))
         if mesh is not None:

@@ -102,3 +102,16 @@ def test_a_model_that_mixes_packed_documents_is_refused_in_the_logprob_pass() ->
     planner = RolloutPlanner(train_max_tokens=int(rollout.lengths.sum()), world_size=1, rank=0)
     with pytest.raises(PackingLeakError):
         planner.compute_per_token(policy_logprobs(module), rollout)
+
+
+def test_world_comes_from_the_trainer_when_given() -> None:
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(world_size=4, global_rank=3, strategy=SimpleNamespace())
+    planner = RolloutPlanner(train_max_tokens=64, trainer=trainer)
+    assert planner.world == (4, 3)
+    rollout = make_rollout(count=9, seed=6)
+    batches = list(planner.train_microbatches(rollout))
+    plan = planner.plan(rollout)
+    assert plan.config.world_size == 4 and len(batches) == plan.accumulate_grad_batches
+    assert [b["sample_indices"] for b in batches] == [mb for _, _, mb in plan.rank_microbatches(3)]
