@@ -60,6 +60,9 @@ _EXPORTS: dict[str, str] = {
     "PackingEfficiency": "lit_seqpack.metrics",
     "RankImbalance": "lit_seqpack.metrics",
     "PackingMonitor": "lit_seqpack.callbacks",
+    # RL post-training
+    "Rollout": "lit_seqpack.rl",
+    "RolloutPlanner": "lit_seqpack.rl",
 }
 
 __all__ = [
@@ -90,6 +93,8 @@ __all__ = [
     "ReferenceConfig",
     "ReferenceDecoder",
     "ReferenceLM",
+    "Rollout",
+    "RolloutPlanner",
     "SeqPackCLI",
     "SeqPackDataModule",
     "SyntheticInstructionDataset",
@@ -147,3 +152,4 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
         get_packer,
         packing_stats,
     )
+    from lit_seqpack.rl import Rollout, RolloutPlanner

@@ -159,3 +159,12 @@ def test_bench_stream_prints_the_packing_and_loader_tables():
     assert 0 < small <= large <= 1 and large >= 0.95 * offline  # more look-ahead packs at least as well
     assert [row[0] for row in loader[1:]] == ["offline (map-style)", "stream", "stream"]
     assert all(float(row[3].replace(",", "")) > 0 for row in loader[1:])
+
+
+def test_bench_rl_prints_the_balance_table_with_rl_at_the_bound():
+    lines = _run("bench_rl.py", "--samples", "256", "--ranks", "4", "--steps", "2")
+    rows = [line for line in lines if line.startswith("| 256 ")]
+    assert len(rows) == 1, lines
+    cells = [cell.strip(" \\") for cell in rows[0].strip("|").split("|")]  # "tokens \| cost" pairs split too
+    round_robin_cost, rl_cost, bound = float(cells[3]), float(cells[7]), float(cells[8])
+    assert bound <= rl_cost <= 1.01 and rl_cost < round_robin_cost

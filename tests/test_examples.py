@@ -32,7 +32,9 @@ def _run(script: str, *args: str, cwd: Path, timeout: int = 300) -> str:
 def test_every_example_is_tested():  # fabric_loop.py: tests/test_fabric_loop.py
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == [
         "compare_modes.py",
+        "dpo.py",
         "fabric_loop.py",
+        "grpo.py",
         "hf_model.py",
         "own_model.py",
     ]
@@ -82,3 +84,33 @@ def test_compare_modes_trains_each_mode_on_the_same_real_tokens(tmp_path):
     for row in rows.values():
         assert 3000 <= int(row[3].replace(",", "")) < 3000 + 1024  # stops within a microbatch of the budget
     assert float(rows["padded"][4]) > float(rows["dynamic"][4]) > float(rows["packing"][4])
+
+
+def _stdout(script: str, *args: str, cwd: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def _gradient_error(out: str) -> float:
+    """The figure on the last line of the script's output (what ``--check`` promises)."""
+    last = out.strip().splitlines()[-1]
+    match = re.fullmatch(r"max relative gradient error vs one big padded batch: ([\d.e+-]+)", last)
+    assert match is not None, out[-2000:]
+    return float(match[1])
+
+
+def test_grpo_example_matches_one_big_padded_batch(tmp_path):
+    out = _stdout("grpo.py", "--rollouts", "2", "--check", cwd=tmp_path)
+    assert re.search(r"^GRPO: 2 rollouts, 4 optimizer steps, final loss -?[\d.]+$", out, re.M), out[-2000:]
+    assert _gradient_error(out) <= 1e-5
+
+
+@pytest.mark.slow
+def test_dpo_example_matches_one_big_padded_batch_on_two_ranks(tmp_path):
+    out = _stdout("dpo.py", "--devices", "2", "--max-steps", "2", "--check", cwd=tmp_path)
+    assert re.search(r"^DPO: 24 pairs, 2 optimizer steps, final loss [\d.]+$", out, re.M), out[-2000:]
+    assert _gradient_error(out) <= 1e-5

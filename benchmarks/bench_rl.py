@@ -1,0 +1,95 @@
+"""Rank balance of a rollout: lit_seqpack.rl's sample-level Karmarkar-Karp vs round-robin and per-step KK on bins.
+
+A rollout of ``N`` lognormal lengths (median ``--median``, sigma ``--sigma``, clipped to [16, ``--max-tokens``]) is
+one optimizer step (``--steps`` to cut it in more) over ``W`` data-parallel ranks. Three ways to deal it:
+
+- ``round-robin``: sample ``i`` to rank ``i % W`` (what a plain ``DistributedSampler`` shard does), packed per rank;
+- ``KK on bins``: the step packed first (first fit decreasing, ``max_tokens``), then whole bins dealt over ranks by
+  Karmarkar-Karp on their cost (the granularity of microbatch-level balancing);
+- ``rl (samples)``: :func:`lit_seqpack.planning.rollout.plan_rollout`, Karmarkar-Karp over the samples, then packed.
+
+Each row gives max/mean over ranks (worst step) of the real tokens and of the cost ``L + L^2 / max_tokens`` each
+rank runs; ``cost bound`` is the best any dealing can do, the costliest sample over the mean rank cost (a sample is
+indivisible); for ``rl`` the microbatches per rank (lock step) and the planning time per rollout.
+
+    .venv/bin/python benchmarks/bench_rl.py
+    .venv/bin/python benchmarks/bench_rl.py --samples 512 --ranks 8 --median 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from lit_seqpack.planning._partition import karmarkar_karp
+from lit_seqpack.planning.algorithms import get_packer
+from lit_seqpack.planning.rollout import RolloutPlanConfig, plan_rollout
+
+
+def _ratio(loads: np.ndarray) -> float:
+    return float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0
+
+
+def _round_robin(lengths: np.ndarray, costs: np.ndarray, steps: list[np.ndarray], ranks: int) -> tuple[float, float]:
+    tokens = max(_ratio(np.bincount(np.arange(s.size) % ranks, weights=lengths[s], minlength=ranks)) for s in steps)
+    cost = max(_ratio(np.bincount(np.arange(s.size) % ranks, weights=costs[s], minlength=ranks)) for s in steps)
+    return tokens, cost
+
+
+def _bins_kk(
+    lengths: np.ndarray, costs: np.ndarray, steps: list[np.ndarray], ranks: int, max_tokens: int
+) -> tuple[float, float]:
+    worst_tokens = worst_cost = 1.0
+    for step in steps:
+        bins = get_packer("first_fit_decreasing", max_tokens, min_bin_count=min(ranks, step.size)).pack(lengths[step])
+        bin_tokens = np.array([lengths[step[b]].sum() for b in bins], dtype=np.float64)
+        bin_costs = np.array([costs[step[b]].sum() for b in bins])
+        parts = karmarkar_karp(bin_costs, ranks)
+        worst_tokens = max(worst_tokens, _ratio(np.array([bin_tokens[p].sum() for p in parts])))
+        worst_cost = max(worst_cost, _ratio(np.array([bin_costs[p].sum() for p in parts])))
+    return worst_tokens, worst_cost
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps per rollout")
+    parser.add_argument("--median", type=float, default=512)
+    parser.add_argument("--sigma", type=float, default=0.8)
+    parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(
+        f"lognormal rollout lengths (median {args.median:g}, sigma {args.sigma:g}), {args.steps} step(s) per rollout, "
+        f"microbatches of {args.max_tokens} tokens; max/mean over ranks, worst step (tokens | cost L + L^2/C)\n"
+    )
+    print("| samples | ranks | round-robin | KK on bins | rl (samples) | cost bound | rl microbatches/rank | rl plan |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n in args.samples:
+        rng = np.random.default_rng(args.seed)
+        lengths = np.clip(np.round(rng.lognormal(np.log(args.median), args.sigma, n)), 16, args.max_tokens)
+        lengths = lengths.astype(np.int64)
+        costs = lengths + lengths.astype(np.float64) ** 2 / args.max_tokens
+        steps = np.array_split(np.arange(n), args.steps)
+        for ranks in args.ranks:
+            rr = _round_robin(lengths, costs, steps, ranks)
+            kk = _bins_kk(lengths, costs, steps, ranks, args.max_tokens)
+            config = RolloutPlanConfig(max_tokens=args.max_tokens, world_size=ranks, steps_per_rollout=args.steps)
+            start = time.perf_counter()
+            plan = plan_rollout(lengths, config)
+            elapsed = time.perf_counter() - start
+            rl = (plan.imbalance("tokens")[1], plan.imbalance("cost")[1])
+            cells = [f"{t:.4f} \\| {c:.4f}" for t, c in (rr, kk, rl)]
+            cells.append(f"{max(1.0, float(costs.max()) / (costs.sum() / ranks)):.4f}")  # one sample is indivisible
+            print(
+                f"| {n} | {ranks} | "
+                + " | ".join(cells)
+                + f" | {plan.accumulate_grad_batches} | {elapsed * 1e3:.0f} ms |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""The plan of one RL rollout: optimizer steps, a sample-level rank balance, then microbatches per rank.
+
+A rollout is a few hundred to a few thousand samples that live in memory and change every iteration. Every rank
+computes the same plan from the same lengths (no collective) and reads its own column::
+
+    samples (groups)   g0 g0 g1 g1 g2 g2 g3 g3 ...
+    steps              cut at group boundaries: samples_per_step, or steps_per_rollout near-equal steps
+    per step           Karmarkar-Karp over ranks on the cost a*L + b*L^2 of each sample (or each group with
+                       keep_together="rank" / "microbatch")
+    per rank           packer bins (packing) or sorted token-budget groups (dynamic) of at most max_tokens;
+                       a group is one packer item with keep_together="microbatch"
+    lock step          every rank runs A microbatches in every step: bins are split to reach A where the
+                       rank has enough items, then empty zero-weight fillers complete the step
+
+Balancing samples before packing gives near-equal ranks even for windows of a few hundred samples, where dealing
+whole packed microbatches over ranks is too coarse. Groups (GRPO groups, DPO pairs) are never split across
+optimizer steps, so each step's group count and per-group token totals are well defined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from lit_seqpack.planning._partition import karmarkar_karp
+from lit_seqpack.planning._rollout_microbatches import rank_microbatches
+from lit_seqpack.planning._windows import as_counts
+from lit_seqpack.planning.dynamic import round_up
+
+__all__ = ["KEEP_TOGETHER", "ROLLOUT_MODES", "RolloutPlan", "RolloutPlanConfig", "dense_group_labels", "plan_rollout"]
+
+ROLLOUT_MODES: tuple[str, ...] = ("packing", "dynamic")
+KEEP_TOGETHER: tuple[str | None, ...] = (None, "microbatch", "rank")
+
+
+def _check_int(name: str, value: object, minimum: int, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be {'None or ' if optional else ''}an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutPlanConfig:
+    """What to plan for one rollout.
+
+    Args:
+        max_tokens: the token budget of a microbatch (packing: tokens of the row; dynamic: ``rows x padded length``).
+        mode: ``"packing"`` or ``"dynamic"``.
+        algorithm: the packer of :data:`~lit_seqpack.planning.algorithms.PACKING_ALGORITHMS` (packing only;
+            default ``first_fit_decreasing``).
+        world_size: data-parallel ranks.
+        samples_per_step: samples of one optimizer step over all ranks; the rollout size must be a multiple.
+        steps_per_rollout: instead, the exact number of optimizer steps (near-equal sample counts).
+        accumulate_grad_batches: microbatches per rank per step, fixed (what a Lightning Trainer with automatic
+            optimization needs); ``None`` uses as many as the fullest rank of any step needs.
+        keep_together: ``None``, ``"microbatch"`` (a group is never split across microbatches) or ``"rank"``
+            (never across ranks); groups are never split across steps either way.
+        sequence_length_round: dynamic mode pads a block's length to a multiple of this.
+        cost_linear: ``a`` of the cost ``a*L + b*L^2`` ranks are balanced on.
+        cost_quadratic: ``b``; ``"auto"`` is ``cost_linear / max_tokens``.
+        shuffle: shuffle the order of samples (of groups) before cutting steps, with ``seed``.
+        seed: the shuffle's seed.
+    """
+
+    max_tokens: int
+    mode: str = "packing"
+    algorithm: str | None = None
+    world_size: int = 1
+    samples_per_step: int | None = None
+    steps_per_rollout: int | None = None
+    accumulate_grad_batches: int | None = None
+    keep_together: Literal["microbatch", "rank"] | None = None
+    sequence_length_round: int = 1
+    cost_linear: float = 1.0
+    cost_quadratic: float | Literal["auto"] = "auto"
+    shuffle: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROLLOUT_MODES:
+            raise ValueError(f"mode must be one of {ROLLOUT_MODES}, got {self.mode!r}")
+        if self.keep_together not in KEEP_TOGETHER:
+            raise ValueError(f"keep_together must be one of {KEEP_TOGETHER}, got {self.keep_together!r}")
+        for name, minimum in (("max_tokens", 1), ("world_size", 1), ("sequence_length_round", 1), ("seed", 0)):
+            _check_int(name, getattr(self, name), minimum)
+        for name in ("samples_per_step", "steps_per_rollout", "accumulate_grad_batches"):
+            _check_int(name, getattr(self, name), 1, optional=True)
+        if self.samples_per_step is not None and self.steps_per_rollout is not None:
+            raise ValueError(
+                f"give samples_per_step ({self.samples_per_step}) or steps_per_rollout ({self.steps_per_rollout}), "
+                "not both"
+            )
+        if self.algorithm is not None:
+            from lit_seqpack.planning.algorithms import PACKING_ALGORITHMS
+
+            if self.mode != "packing" or self.algorithm not in PACKING_ALGORITHMS:
+                raise ValueError(
+                    f"algorithm must be one of {PACKING_ALGORITHMS} in mode 'packing', got {self.algorithm!r}"
+                )
+        if self.max_tokens % self.sequence_length_round:
+            raise ValueError(
+                f"max_tokens={self.max_tokens} must be a multiple of sequence_length_round={self.sequence_length_round}"
+            )
+        for name in ("cost_linear", "cost_quadratic"):
+            value = getattr(self, name)
+            if name == "cost_quadratic" and value == "auto":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.shuffle, bool):
+            raise ValueError(f"shuffle must be a bool, got {self.shuffle!r}")
+
+    @property
+    def quadratic_cost(self) -> float:
+        """``b`` of the balance cost: ``cost_quadratic``, or ``cost_linear / max_tokens`` for ``"auto"``."""
+        return self.cost_linear / self.max_tokens if self.cost_quadratic == "auto" else float(self.cost_quadratic)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutPlan:
+    """The plan of one rollout, the same on every rank.
+
+    Args:
+        config: what was planned.
+        microbatches: ``microbatches[step][rank][slot]``: sample indices (``[]`` is a zero-weight filler); every
+            rank has ``accumulate_grad_batches`` slots in every step.
+        accumulate_grad_batches: microbatches per rank per step.
+        step_loss_tokens: loss tokens of each step over all ranks.
+        step_documents: samples of each step.
+        step_groups: groups of each step (a sample without a group is a group of its own).
+        group_loss_tokens: per sample, the loss tokens of its group (its step holds the whole group).
+        rank_tokens: ``[steps, world_size]`` real tokens each rank runs in each step.
+        rank_cost: ``[steps, world_size]`` the balance cost of each rank in each step.
+    """
+
+    config: RolloutPlanConfig
+    microbatches: list[list[list[list[int]]]]
+    accumulate_grad_batches: int
+    step_loss_tokens: np.ndarray
+    step_documents: np.ndarray
+    step_groups: np.ndarray
+    group_loss_tokens: np.ndarray
+    rank_tokens: np.ndarray
+    rank_cost: np.ndarray
+
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps of the rollout."""
+        return len(self.microbatches)
+
+    def rank_microbatches(self, rank: int) -> list[tuple[int, int, list[int]]]:
+        """``(step, slot, sample indices)`` of every microbatch of ``rank``, in training order."""
+        if not 0 <= rank < self.config.world_size:
+            raise ValueError(f"rank must be in [0, {self.config.world_size}), got {rank}")
+        return [(s, j, list(mb)) for s, step in enumerate(self.microbatches) for j, mb in enumerate(step[rank])]
+
+    def imbalance(self, what: Literal["tokens", "cost"] = "cost") -> tuple[float, float]:
+        """Mean and worst over steps of max/mean over ranks of ``rank_tokens`` or ``rank_cost``."""
+        loads = (self.rank_tokens if what == "tokens" else self.rank_cost).astype(np.float64)
+        means = loads.mean(axis=1)
+        ratios = loads.max(axis=1)[means > 0] / means[means > 0]
+        return (float(ratios.mean()), float(ratios.max())) if ratios.size else (1.0, 1.0)
+
+
+def plan_rollout(
+    lengths: Sequence[int] | np.ndarray,
+    config: RolloutPlanConfig,
+    *,
+    loss_tokens: Sequence[int] | np.ndarray | None = None,
+    group_ids: Sequence[int] | np.ndarray | None = None,
+) -> RolloutPlan:
+    """Plan one rollout (see the module docstring).
+
+    Args:
+        lengths: tokens of every sample.
+        config: what to plan.
+        loss_tokens: tokens that carry a loss in each sample (default ``length - 1``).
+        group_ids: a group label per sample (GRPO group, DPO pair); ``None``: every sample is its own group.
+
+    Raises:
+        ValueError: a sample (or a kept-together group) longer than ``max_tokens``, a step boundary inside a
+            group, a rollout that is not a multiple of ``samples_per_step``, more steps than groups, or a step that
+            needs more microbatches than ``accumulate_grad_batches``.
+
+    Example:
+        >>> plan = plan_rollout([5, 3, 4, 4, 2, 6], RolloutPlanConfig(max_tokens=8, world_size=2, steps_per_rollout=2))
+        >>> plan.microbatches, plan.step_loss_tokens.tolist()
+        ([[[[2, 1]], [[0]]], [[[5]], [[3, 4]]]], [9, 9])
+    """
+    lengths = as_counts("lengths", lengths)
+    n = lengths.size
+    if n == 0:
+        raise ValueError("the rollout has no sample")
+    loss = np.maximum(lengths - 1, 0) if loss_tokens is None else as_counts("loss_tokens", loss_tokens, n)
+    groups = dense_group_labels(group_ids, n)
+    _check_budget(lengths, groups, config)
+    units = _units(groups, config)
+    steps = _cut_steps(units, n, config)
+    costs = config.cost_linear * lengths + config.quadratic_cost * lengths.astype(np.float64) ** 2
+    per_step = [_balance_step(step, costs, config) for step in steps]
+    counts = [[len(rank_microbatches(share, lengths, config)) for share in ranks] for ranks in per_step]
+    needed = max((c for row in counts for c in row), default=1)
+    accumulate = config.accumulate_grad_batches or max(needed, 1)
+    if needed > accumulate:
+        s, r = next((s, r) for s, row in enumerate(counts) for r, c in enumerate(row) if c == needed)
+        raise ValueError(
+            f"step {s} needs {needed} microbatches of max_tokens={config.max_tokens} on rank {r} but "
+            f"accumulate_grad_batches={accumulate}: raise the token budget, the number of steps, or "
+            "accumulate_grad_batches"
+        )
+    microbatches = [
+        [rank_microbatches(share, lengths, config, target=accumulate) for share in ranks] for ranks in per_step
+    ]
+    group_totals = np.bincount(groups, weights=loss).astype(np.int64)
+    return RolloutPlan(
+        config=config,
+        microbatches=microbatches,
+        accumulate_grad_batches=accumulate,
+        step_loss_tokens=np.array([int(loss[np.concatenate(s)].sum()) for s in steps], dtype=np.int64),
+        step_documents=np.array([sum(len(u) for u in s) for s in steps], dtype=np.int64),
+        step_groups=np.array([np.unique(groups[np.concatenate(s)]).size for s in steps], dtype=np.int64),
+        group_loss_tokens=group_totals[groups],
+        rank_tokens=np.array([[lengths[sum(r, [])].sum() for r in ranks] for ranks in per_step], dtype=np.int64),
+        rank_cost=np.array([[costs[sum(r, [])].sum() for r in ranks] for ranks in per_step], dtype=np.float64),
+    )
+
+
+def dense_group_labels(group_ids: Sequence[int] | np.ndarray | None, n: int) -> np.ndarray:
+    """Dense group labels ``0..G-1`` in order of first appearance (every sample its own group by default).
+
+    Example:
+        >>> dense_group_labels([7, 3, 7, 5], 4).tolist()
+        [0, 1, 0, 2]
+    """
+    if group_ids is None:
+        return np.arange(n, dtype=np.int64)
+    ids = np.asarray(group_ids)
+    if ids.shape != (n,) or (n and ids.dtype.kind not in "iu"):
+        raise ValueError(f"group_ids must be {n} integers (one per sample), got shape {ids.shape} dtype {ids.dtype}")
+    _, first, dense = np.unique(ids, return_index=True, return_inverse=True)
+    rank_of = np.empty(first.size, dtype=np.int64)
+    rank_of[np.argsort(first, kind="stable")] = np.arange(first.size)
+    return rank_of[dense.reshape(-1)]
+
+
+def _check_budget(lengths: np.ndarray, groups: np.ndarray, config: RolloutPlanConfig) -> None:
+    rows = round_up(lengths, config.sequence_length_round) if config.mode == "dynamic" else lengths
+    over = np.flatnonzero(rows > config.max_tokens)
+    if over.size:
+        i = int(over[0])
+        raise ValueError(
+            f"sample {i} has {int(lengths[i])} tokens > max_tokens={config.max_tokens} ({over.size} such samples): "
+            "raise the budget or truncate the rollout"
+        )
+    if config.keep_together == "microbatch":
+        if config.mode == "dynamic":  # a block of the whole group: rows x its longest padded row
+            widest = np.zeros(int(groups.max()) + 1, dtype=np.int64)
+            np.maximum.at(widest, groups, rows)
+            group_cost = np.bincount(groups) * widest
+        else:
+            group_cost = np.bincount(groups, weights=lengths)
+        over = np.flatnonzero(group_cost > config.max_tokens)
+        if over.size:
+            g = int(over[0])
+            raise ValueError(
+                f"keep_together='microbatch': group {g} (samples {np.flatnonzero(groups == g).tolist()}) needs "
+                f"{int(group_cost[g])} tokens > max_tokens={config.max_tokens}; raise the budget or use "
+                "keep_together='rank'"
+            )
+
+
+def _units(groups: np.ndarray, config: RolloutPlanConfig) -> list[list[int]]:
+    """Groups as lists of sample indices, in order of first appearance (shuffled with ``config.shuffle``)."""
+    order = np.argsort(groups, kind="stable")
+    bounds = np.flatnonzero(np.diff(groups[order])) + 1
+    units = [part.tolist() for part in np.split(order, bounds)] if groups.size else []
+    if config.shuffle:
+        units = [units[i] for i in np.random.default_rng(config.seed).permutation(len(units))]
+    return units
+
+
+def _cut_steps(units: list[list[int]], n: int, config: RolloutPlanConfig) -> list[list[list[int]]]:
+    """Consecutive units per optimizer step, cut at group boundaries."""
+    ends = np.cumsum([len(u) for u in units])
+    if config.samples_per_step is not None:
+        per = config.samples_per_step
+        if n % per:
+            raise ValueError(
+                f"the rollout has {n} samples, not a multiple of samples_per_step={per}: the last step would be "
+                "shorter; use steps_per_rollout for near-equal steps"
+            )
+        targets = np.arange(per, n + 1, per)
+        cuts = np.searchsorted(ends, targets)
+        if not np.array_equal(ends[np.minimum(cuts, ends.size - 1)], targets):
+            raise ValueError(f"samples_per_step={per} cuts a group in two; make it a multiple of the group size")
+    else:
+        k = config.steps_per_rollout or 1
+        if k > len(units):
+            raise ValueError(f"steps_per_rollout={k} is more than the rollout's {len(units)} groups (samples)")
+        cuts, previous = [], -1
+        for j in range(1, k):  # the unit boundary nearest to j/k of the samples, keeping every step non-empty
+            nearest = int(np.argmin(np.abs(ends - j * n / k)))
+            previous = min(max(nearest, previous + 1), len(units) - 1 - (k - j))
+            cuts.append(previous)
+        cuts = np.array([*cuts, len(units) - 1])
+    starts = np.concatenate(([0], cuts[:-1] + 1))
+    return [units[a : b + 1] for a, b in zip(starts.tolist(), cuts.tolist(), strict=True)]
+
+
+def _balance_step(step: list[list[int]], costs: np.ndarray, config: RolloutPlanConfig) -> list[list[list[int]]]:
+    """Per rank, the packing items of one step: whole groups when kept together, single samples otherwise."""
+    items = step if config.keep_together is not None else [[i] for unit in step for i in unit]
+    parts = karmarkar_karp([costs[item].sum() for item in items], config.world_size)
+    return [[items[j] for j in part] for part in parts]

@@ -1,0 +1,174 @@
+"""Policy losses written as if the batch were unpacked, and their exact normalisation over an optimizer step.
+
+A per-token loss ``[B, T]`` (value at ``t`` for token ``t``, the ``labels`` convention) of a batch from
+:meth:`~lit_seqpack.rl.RolloutPlanner.train_microbatches` becomes the value to back-propagate with
+:func:`step_loss`. Over every microbatch of a step, on every rank, the gradients add up to the gradient of
+
+- ``normalize="token"``: the mean over every loss token of the step;
+- ``normalize="sequence"``: the mean over the step's samples of each sample's token mean;
+- ``normalize="group"``: the mean over the step's groups of each group's token mean (a group may be split over
+  microbatches or ranks: the plan knows its total),
+
+as if the step's samples were one big padded batch. The step totals travel in the batch (no collective). With
+automatic optimization Lightning divides the loss by ``accumulate_grad_batches``; with manual optimization it does
+not; DDP averages over ranks either way: :func:`scale_step_loss` cancels exactly what applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from lit_seqpack.batch import IGNORE_INDEX, shift_labels
+from lit_seqpack.model.loss import LossOutput, exact_loss
+from lit_seqpack.rl.unpack import per_document_to_tokens
+
+__all__ = ["NORMALIZE", "clipped_policy_loss", "loss_output", "scale_step_loss", "step_loss", "token_logprobs"]
+
+NORMALIZE: tuple[str, ...] = ("token", "sequence", "group")
+_PLAN_KEYS = ("step_loss_tokens", "step_documents", "step_groups", "document_loss_tokens", "group_loss_tokens")
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` log-probabilities of each labelled token given the tokens before it; 0 where the label is -100.
+
+    ``out[:, t] = log_softmax(logits[:, t - 1])[labels[:, t]]``: aligned with the token it scores. Half-precision
+    logits are upcast to float32.
+
+    Example:
+        >>> logits = torch.zeros(1, 3, 4)
+        >>> token_logprobs(logits, torch.tensor([[-100, 2, 3]])).exp().tolist()
+        [[1.0, 0.25, 0.25]]
+    """
+    if logits.ndim != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"logits must be [B, T, V] and labels [B, T], got {tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    targets = shift_labels(labels)
+    scores = -F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none")
+    return F.pad(scores[:, :-1], (1, 0))
+
+
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+) -> torch.Tensor:
+    """The per-token PPO / GRPO clipped surrogate ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``.
+
+    Args:
+        logprobs: the policy's log-probabilities (with grad).
+        old_logprobs: the behaviour policy's, ``r = exp(logprobs - old_logprobs)``.
+        advantages: per-token advantages (a GRPO sample's advantage repeated over its tokens).
+        clip_low: lower clip range.
+        clip_high: upper clip range (``None``: ``clip_low``; DAPO's clip-higher uses a larger one).
+
+    Example:
+        >>> lp = torch.tensor([0.0, 0.5])
+        >>> clipped_policy_loss(lp, torch.zeros(2), torch.ones(2)).tolist()  # r = 1 and exp(0.5) clipped to 1.2
+        [-1.0, -1.2000000476837158]
+    """
+    high = clip_low if clip_high is None else clip_high
+    ratio = torch.exp(logprobs - old_logprobs)
+    return -torch.minimum(ratio * advantages, ratio.clamp(1.0 - clip_low, 1.0 + high) * advantages)
+
+
+def _plan_facts(batch: Mapping[str, Any]) -> None:
+    missing = [key for key in _PLAN_KEYS if key not in batch]
+    if missing:
+        raise ValueError(
+            f"the batch lacks {missing}: normalised RL losses need the step totals of a batch from "
+            "RolloutPlanner.train_microbatches"
+        )
+
+
+def loss_output(
+    token_loss: torch.Tensor, batch: Mapping[str, Any], *, normalize: Literal["token", "sequence", "group"]
+) -> LossOutput:
+    """The microbatch's :class:`~lit_seqpack.model.loss.LossOutput` for a per-token loss (positions off the loss
+    mask are ignored, whatever their value), with the step's unit count as ``step_units``.
+
+    Return it from a :class:`~lit_seqpack.model.mixin.PackedSequenceMixin`'s ``seqpack_loss`` and the mixin's
+    exact normalisation does the rest (automatic optimization).
+    """
+    if normalize not in NORMALIZE:
+        raise ValueError(f"normalize must be one of {NORMALIZE}, got {normalize!r}")
+    _plan_facts(batch)
+    labels = batch["labels"].to(token_loss.device)
+    if token_loss.shape != labels.shape:
+        raise ValueError(f"token_loss must have the batch's shape {tuple(labels.shape)}, got {tuple(token_loss.shape)}")
+    masked = torch.where(labels != IGNORE_INDEX, token_loss, torch.zeros_like(token_loss))
+    if normalize == "token":
+        return LossOutput(
+            loss_sum=masked.sum(), num_units=int(batch["num_loss_tokens"]), step_units=int(batch["step_loss_tokens"])
+        )
+    key, step_key = (
+        ("document_loss_tokens", "step_documents") if normalize == "sequence" else ("group_loss_tokens", "step_groups")
+    )
+    weights = 1.0 / batch[key].to(device=token_loss.device, dtype=token_loss.dtype).clamp(min=1)
+    loss_sum = (masked * per_document_to_tokens(weights, batch)).sum()
+    units = int(batch["num_documents"]) if normalize == "sequence" else int(batch["num_groups"])
+    return LossOutput(loss_sum=loss_sum, num_units=units, step_units=int(batch[step_key]))
+
+
+def scale_step_loss(
+    output: LossOutput,
+    batch: Mapping[str, Any],
+    *,
+    optimization: Literal["automatic", "manual"] | None = None,
+    module: Any = None,
+) -> torch.Tensor:
+    """The value to back-propagate for ``output`` so that one optimizer step gets the exact step mean.
+
+    Args:
+        output: the microbatch's loss sum and the step's unit count (``step_units``).
+        batch: the batch (its ``world_size``, ``accumulate_grad_batches`` and ``context_parallel_size``).
+        optimization: ``"automatic"`` (Lightning divides by ``accumulate_grad_batches``) or ``"manual"`` (it does
+            not: ``manual_backward``, Fabric, plain torch).
+        module: instead, the LightningModule: its ``automatic_optimization`` decides, and under a Trainer the
+            batch's layout is checked against the trainer's (a mismatch would scale the gradient silently).
+    """
+    if module is not None:
+        from_module = "automatic" if getattr(module, "automatic_optimization", True) else "manual"
+        if optimization is not None and optimization != from_module:
+            raise ValueError(f"optimization={optimization!r} but the module runs {from_module} optimization")
+        optimization = from_module
+        trainer = getattr(module, "_trainer", None)
+        if trainer is not None:
+            from lit_seqpack.model.mixin import check_batch_layout
+
+            accumulate = int(trainer.accumulate_grad_batches) if optimization == "automatic" else None
+            check_batch_layout(
+                batch, world_size=int(trainer.world_size), accumulate_grad_batches=accumulate, strategy=trainer.strategy
+            )
+    if optimization not in ("automatic", "manual"):
+        raise ValueError(f"optimization must be 'automatic' or 'manual' (or give module=), got {optimization!r}")
+    if output.step_units is None:
+        raise ValueError("output.step_units is None: an exact step loss needs the step's unit count")
+    if optimization == "automatic":
+        return exact_loss(output, batch)
+    if output.step_units == 0:
+        return output.loss_sum * 0.0
+    scale = int(batch.get("world_size", 1)) * int(batch.get("context_parallel_size", 1))
+    return output.loss_sum * (scale / output.step_units)
+
+
+def step_loss(
+    token_loss: torch.Tensor,
+    batch: Mapping[str, Any],
+    *,
+    normalize: Literal["token", "sequence", "group"],
+    optimization: Literal["automatic", "manual"] | None = None,
+    module: Any = None,
+) -> torch.Tensor:
+    """:func:`loss_output` then :func:`scale_step_loss`: the value to back-propagate for a per-token loss."""
+    return scale_step_loss(
+        loss_output(token_loss, batch, normalize=normalize), batch, optimization=optimization, module=module
+    )

@@ -1,0 +1,128 @@
+"""The RL planner on 2 gloo ranks: the gathered log-prob pass equals every sample run alone, and one optimizer
+step of a clipped policy loss equals one big padded batch, through Lightning's DDP (automatic and manual)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch import Trainer
+
+from lit_seqpack.rl import RolloutPlanner
+from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
+from tests.rl._policies import AutomaticPolicy, ManualPolicy, RolloutBatches, one_item_loader, prefixed
+from tests.rl._rollouts import (
+    alone_logprobs,
+    make_policy,
+    make_rollout,
+    padded_reference_gradients,
+    policy_logprobs,
+    with_policy_fields,
+)
+
+WORLD = 2
+CASES = [("packing", "longest"), ("packing", "larger"), ("dynamic", "longest"), ("dynamic", "larger")]
+
+
+def _logprob_worker(rank: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        module, rollout = make_policy("reference"), make_rollout(count=11, seed=7)
+        longest = int(rollout.lengths.max())
+        results = {}
+        for mode, budget in CASES:
+            planner = RolloutPlanner(train_max_tokens=longest if budget == "longest" else 3 * longest, mode=mode)
+            assert planner.world == (WORLD, rank)  # from torch.distributed
+            mine = [b["sample_indices"] for b in planner.logprob_microbatches(rollout)]
+            local = planner.compute_per_token(policy_logprobs(module), rollout)
+            gathered = planner.compute_per_token(policy_logprobs(module), rollout, gather=True)
+            results[(mode, budget)] = {"microbatches": mine, "local": local, "gathered": gathered}
+        other = make_rollout(count=11, seed=7 + rank)  # each rank a different rollout: refused, not mixed
+        try:
+            planner.compute_per_token(policy_logprobs(module), other, gather=True)
+            results["mismatch"] = "no error"
+        except RuntimeError as err:
+            results["mismatch"] = str(err)
+        torch.save(results, Path(out_dir, f"logprobs{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gathered_logprobs_equal_each_sample_alone_on_two_ranks(tmp_path: Path) -> None:
+    mp.spawn(_logprob_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"logprobs{rank}.pt") for rank in range(WORLD)]
+    module, rollout = make_policy("reference"), make_rollout(count=11, seed=7)
+    expected = alone_logprobs(module, rollout)
+    assert all("the ranks planned different rollouts" in results[rank]["mismatch"] for rank in range(WORLD))
+    for case in CASES:
+        shares = [results[rank][case]["microbatches"] for rank in range(WORLD)]
+        assert len(shares[0]) == len(shares[1])  # lock step
+        owned = [sorted(i for mb in share for i in mb) for share in shares]
+        assert sorted(owned[0] + owned[1]) == list(range(len(rollout))) and owned[0] and owned[1]
+        for rank in range(WORLD):
+            local, gathered = results[rank][case]["local"], results[rank][case]["gathered"]
+            assert [i for i, v in enumerate(local) if v is not None] == owned[rank]  # only its own share
+            for index, want in enumerate(expected):
+                torch.testing.assert_close(gathered[index], want, rtol=0, atol=1e-5, msg=f"{case} sample {index}")
+
+
+def _ddp_trainer(**kwargs) -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy="ddp_spawn",
+        precision="32-true",
+        max_steps=1,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("normalize", "mode"), [("token", "packing"), ("group", "dynamic")])
+def test_automatic_ddp_step_equals_the_big_padded_batch(normalize: str, mode: str, tmp_path: Path) -> None:
+    _, rollout = _policy_rollout()
+    kwargs = {"train_max_tokens": 48, "mode": mode, "accumulate_grad_batches": 4}
+    torch.manual_seed(0)
+    module = AutomaticPolicy(normalize)
+    expected = padded_reference_gradients(module, rollout, [list(range(len(rollout)))], normalize)
+    path = tmp_path / "grads.pt"
+    _ddp_trainer(accumulate_grad_batches=4, callbacks=[GradientCapture(str(path))]).fit(
+        module, datamodule=RolloutBatches(rollout, kwargs)
+    )
+    assert_gradients_match(torch.load(path), prefixed(expected), rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_manual_ddp_steps_equal_the_big_padded_batch_for_every_normalisation(tmp_path: Path) -> None:
+    _, rollout = _policy_rollout()
+    kwargs = {"train_max_tokens": 40, "mode": "packing", "steps_per_rollout": 2}
+    normalizations = ["token", "sequence", "group"]
+    torch.manual_seed(0)
+    module = ManualPolicy(normalizations, rollout, kwargs, save_dir=str(tmp_path))
+    plan = RolloutPlanner(**kwargs, world_size=WORLD, rank=0).plan(rollout)
+    steps = [sorted(i for rank in step for mb in rank for i in mb) for step in plan.microbatches]
+    _ddp_trainer(max_epochs=1).fit(module, one_item_loader())  # no optimizer step: max_steps never counts
+    saved = [torch.load(tmp_path / f"manual{rank}.pt") for rank in range(WORLD)]
+    assert len(saved[0]) == len(saved[1]) == 2 * len(normalizations)
+    for k, normalize in enumerate(normalizations):
+        for s, samples in enumerate(steps):
+            expected = padded_reference_gradients(module, rollout, [samples], normalize)
+            for rank in range(WORLD):
+                assert_gradients_match(saved[rank][2 * k + s], prefixed(expected), rtol=1e-5)
+
+
+def _policy_rollout():
+    reference = make_policy("reference")
+    return reference, with_policy_fields(reference, make_rollout(count=14, seed=2, group_size=2), seed=2)
