@@ -119,7 +119,8 @@ def _rows(column: list[Any], source: str, field: str) -> Iterator[tuple[str, Any
 
 
 def _parquet_column(path: Path, field: str) -> list[Any]:
-    pq, pa = require("pyarrow.parquet"), require("pyarrow")
+    pq = require("pyarrow.parquet", purpose="reading chat conversations from Parquet")
+    pa = require("pyarrow", purpose="reading chat conversations from Parquet")
     try:
         names = pq.read_schema(path).names
         if field not in names:
