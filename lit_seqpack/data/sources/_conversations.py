@@ -131,7 +131,7 @@ def _parquet_column(path: Path, field: str) -> list[Any]:
 
 
 def _hf_disk_column(path: Path, field: str, split: str | None) -> list[Any]:
-    datasets = require("datasets")
+    datasets = require("datasets", purpose="reading chat conversations from a save_to_disk folder")
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
