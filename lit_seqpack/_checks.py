@@ -11,9 +11,19 @@ from typing import TypeVar
 
 import numpy as np
 
-__all__ = ["check_choice", "check_flag", "check_int", "check_optional_int", "round_up"]
+__all__ = ["check_choice", "check_flag", "check_int", "check_optional_int", "is_int", "round_up"]
 
 _Choice = TypeVar("_Choice")
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer, Python's or numpy's, and not a bool.
+
+    Example:
+        >>> is_int(3), is_int(np.int32(3)), is_int(True), is_int(3.0)
+        (True, True, False, False)
+    """
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def check_int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -36,8 +46,7 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
             ...
         ValueError: max_tokens must be an int >= 1, got 0
     """
-    integral = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-    if not integral or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+    if not is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise ValueError(f"{name} must be an int{_bounds(minimum, maximum)}, got {value!r}")
     return int(value)  # type: ignore[call-overload]
 

@@ -63,7 +63,7 @@ def test_per_document_padding_is_planned_for_packing_rows():
     ("kwargs", "knob"),
     [({"padded_batch_size": 0}, "padded_batch_size"), ({"pad_to_multiple_of": -2}, "pad_to_multiple_of")],
 )
-def test_bad_knobs_are_named(kwargs, knob):
+def test_bad_settings_are_named(kwargs, knob):
     with pytest.raises(ValueError, match=knob):
         compare_plans(LENGTHS, _config(), **kwargs)
 

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from lit_seqpack.data.planned_sampler import PLAN_LAYOUT, PlannedBatchSampler, RankSampler, resolve_replicas
+from lit_seqpack.data.planned_sampler import PLAN_FORMAT, PlannedBatchSampler, RankSampler, resolve_replicas
 
-__all__ = ["PLAN_LAYOUT", "PlannedBatchSampler", "RankSampler", "resolve_replicas"]
+__all__ = ["PLAN_FORMAT", "PlannedBatchSampler", "RankSampler", "resolve_replicas"]

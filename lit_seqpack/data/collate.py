@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_seqpack._checks import check_int, check_optional_int, round_up
 from lit_seqpack.batch import IGNORE_INDEX, MicrobatchMeta
 from lit_seqpack.data._collate_fields import (
     declare_fields,
@@ -34,17 +35,6 @@ from lit_seqpack.data.fields import FieldValues, pad_token_field, scatter_tokens
 from lit_seqpack.data.loss_weights import LOSS_MASK
 
 __all__ = ["IGNORE_INDEX", "PackedCollator", "PaddedCollator"]
-
-
-def _check_knob(name: str, value: int | None, *, minimum: int, optional: bool = True) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
-
-
-def _round_up(value: int, multiple: int | None) -> int:
-    return value if multiple is None else -(-value // multiple) * multiple
 
 
 def _scalars(
@@ -146,9 +136,9 @@ class PackedCollator:
     _reported: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_knob("pad_token_id", self.pad_token_id, minimum=0, optional=False)
-        _check_knob("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
-        _check_knob("pad_document_to_multiple_of", self.pad_document_to_multiple_of, minimum=1)
+        check_int("pad_token_id", self.pad_token_id, minimum=0)
+        check_optional_int("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
+        check_optional_int("pad_document_to_multiple_of", self.pad_document_to_multiple_of, minimum=1)
         declare_fields(self)
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -172,7 +162,7 @@ class PackedCollator:
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         padded = -(-lengths // (self.pad_document_to_multiple_of or 1)) * (self.pad_document_to_multiple_of or 1)
         body = int(padded.sum())
-        total = dummy if dummy is not None else _round_up(body, self.pad_to_multiple_of)
+        total = dummy if dummy is not None else round_up(body, self.pad_to_multiple_of)
         segments = np.append(padded, total - body) if total > body else padded
         cu_seqlens = np.concatenate([[0], np.cumsum(segments)])
         where: slice | np.ndarray = slice(0, body)
@@ -243,8 +233,8 @@ class PaddedCollator:
     _reported: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_knob("pad_token_id", self.pad_token_id, minimum=0, optional=False)
-        _check_knob("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
+        check_int("pad_token_id", self.pad_token_id, minimum=0)
+        check_optional_int("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
         declare_fields(self)
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -264,7 +254,7 @@ class PaddedCollator:
         docs, ids, labels = read_samples(samples, weighted_mask=self.loss_weight_field == LOSS_MASK)
         fields = read_collator_fields(self, samples, docs, labels)
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
-        rows, width = len(docs), _round_up(int(lengths.max()), self.pad_to_multiple_of)
+        rows, width = len(docs), round_up(int(lengths.max()), self.pad_to_multiple_of)
         real = np.arange(width) < lengths[:, None]
         where = real.reshape(-1)  # row-major order matches the concatenation
         out_labels = scatter_tokens(labels, IGNORE_INDEX, (rows, width), where)

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lit_seqpack._checks import check_int
 from lit_seqpack.data.collate import PackedCollator
 from lit_seqpack.parallel import (
     ParallelLayout,
@@ -22,7 +23,6 @@ from lit_seqpack.parallel import (
     shard_tokens,
     unshard_tokens,
 )
-from lit_seqpack.parallel.layout import check_int
 
 __all__ = [
     "ContextParallelCollator",
@@ -58,9 +58,9 @@ class ContextParallelCollator:
     def __post_init__(self) -> None:
         if not isinstance(self.collator, PackedCollator):
             raise ValueError(f"collator must be a PackedCollator, got {type(self.collator).__name__}")
-        cp = check_int("context_parallel_size", self.context_parallel_size, 1)
-        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
-        if not 0 <= check_int("context_parallel_rank", self.context_parallel_rank, 0) < cp:
+        cp = check_int("context_parallel_size", self.context_parallel_size, minimum=1)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        if not 0 <= check_int("context_parallel_rank", self.context_parallel_rank, minimum=0) < cp:
             raise ValueError(f"context_parallel_rank must be in [0, {cp}), got {self.context_parallel_rank}")
         for name in ("pad_document_to_multiple_of", "pad_to_multiple_of"):
             value = getattr(self.collator, name)
@@ -97,7 +97,7 @@ class TensorParallelCollator:
     tensor_parallel_size: int
 
     def __post_init__(self) -> None:
-        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         batch = self.collator(samples)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from lit_seqpack._checks import check_int
 from lit_seqpack.data.lengths import sample_loss_tokens
 
 __all__ = ["OVERLONG_POLICIES", "DroppedDataset", "OverlongReport", "TruncatedDataset", "apply_overlong_policy"]
@@ -110,8 +111,7 @@ def apply_overlong_policy(
     """
     if policy not in OVERLONG_POLICIES:
         raise ValueError(f"overlong={policy!r} must be one of {OVERLONG_POLICIES}")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
+    check_int("max_tokens", max_tokens, minimum=1)
     lengths = np.asarray(lengths)
     if lengths.dtype not in (np.int32, np.int64):  # keep a signed int32 array as it is (4 bytes a sample)
         lengths = lengths.astype(np.int64)

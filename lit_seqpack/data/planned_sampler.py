@@ -19,18 +19,19 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from lit_seqpack._checks import check_int, is_int
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.planning._windows import compact_counts
 from lit_seqpack.planning.config import PlanConfig
 from lit_seqpack.planning.lazy import LazyPlan
 from lit_seqpack.planning.plan import Plan, build_plan
 
-__all__ = ["PLAN_LAYOUT", "PlannedBatchSampler", "RankSampler", "distributed", "resolve_replicas"]
+__all__ = ["PLAN_FORMAT", "PlannedBatchSampler", "RankSampler", "distributed", "resolve_replicas"]
 
 log = logging.getLogger(__name__)
-# the version of the plan's layout (order, chunks): bumped when the same inputs would plan differently.
-# 2: auto-layout chunks made of shuffled blocks of samples (was: one shuffle of every sample)
-PLAN_LAYOUT = 2
+# the version of the plan's format (sample order, chunks): bumped when the same inputs would plan differently.
+# 2: auto-order chunks made of shuffled blocks of samples (was: one shuffle of every sample)
+PLAN_FORMAT = 2
 _STATE_KEYS = ("epoch", "position", "plan_key", "world_size", "accumulate_grad_batches", "num_samples")
 
 
@@ -45,11 +46,10 @@ def resolve_replicas(num_replicas: int | None, rank: int | None) -> tuple[int, i
         num_replicas = dist.get_world_size() if distributed() else 1
     if rank is None:
         rank = dist.get_rank() if distributed() else 0
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
+    num_replicas = check_int("num_replicas", num_replicas, minimum=1)
+    if not is_int(rank) or not 0 <= rank < num_replicas:
         raise ValueError(f"rank must be an int in [0, num_replicas={num_replicas}), got {rank!r}")
-    return num_replicas, rank
+    return num_replicas, int(rank)
 
 
 class RankSampler(Sampler[int]):
@@ -168,14 +168,14 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         self._plan_for(0)  # validates the lengths: over-long samples fail at construction, not mid-epoch
 
     def _key(self) -> str:
-        """SHA-256 of the plan layout's version, the config, the lengths and the loss tokens.
+        """SHA-256 of the plan format's version, the config, the lengths and the loss tokens.
 
         The arrays are hashed in their compact dtype (named in the digest), which is a function of their
-        values, so equal inputs give equal keys whatever dtype they came in. ``PLAN_LAYOUT`` changes when
+        values, so equal inputs give equal keys whatever dtype they came in. ``PLAN_FORMAT`` changes when
         the same inputs would plan differently: a mid-epoch checkpoint of an older layout then fails to
         resume loudly instead of replaying other samples.
         """
-        digest = hashlib.sha256(f"{PLAN_LAYOUT}|{self.config!r}".encode())
+        digest = hashlib.sha256(f"{PLAN_FORMAT}|{self.config!r}".encode())
         for array in (self._lengths, self._loss_tokens):
             digest.update(b"-" if array is None else f"|{array.dtype.str}|".encode())
             if array is not None:
@@ -225,8 +225,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch of the next iteration; a new epoch starts from its first microbatch."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        check_int("epoch", epoch, minimum=0)
         if int(epoch) != self._epoch:
             self._epoch, self._position, self._resume = int(epoch), 0, False
 
@@ -347,8 +346,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
             raise ValueError(f"sampler state_dict lacks {missing}")
         epoch, position = state_dict["epoch"], state_dict["position"]
         for name, value in (("epoch", epoch), ("position", position)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}")
+            check_int(f"state_dict[{name!r}]", value, minimum=0)
         if position and state_dict["plan_key"] != self._plan_key:
             changed = {
                 k: (state_dict[k], v)

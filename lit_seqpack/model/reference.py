@@ -6,7 +6,7 @@ encoding it gets alone) and a SwiGLU MLP; no biases; input and output embeddings
 (``tie_embeddings=False`` unties them). The demo, the tests and the GPU benchmark use it; any Hugging Face causal
 LM goes through :mod:`lit_seqpack.model.hf` instead.
 
-Two layouts, the batch contract's:
+Two batch formats, the batch contract's:
 
 * packed: ``input_ids [1, T]`` with ``cu_seqlens``: attention runs per document through ``varlen_attention``;
 * padded: ``input_ids [B, L]`` with an optional right-padding ``attention_mask``: one SDPA call with a causal and
@@ -147,16 +147,16 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, rotary: torch.Tensor, layout: dict[str, object]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: torch.Tensor, attention: dict[str, object]) -> torch.Tensor:
         batch, length, _ = x.shape
         q = _apply_rotary(self.q_proj(x).view(batch, length, self.n_head, self.head_dim), rotary)
         k = _apply_rotary(self.k_proj(x).view(batch, length, self.n_kv_head, self.head_dim), rotary)
         v = self.v_proj(x).view(batch, length, self.n_kv_head, self.head_dim)
-        if layout["cu_seqlens"] is not None:
-            out = varlen_attention(q[0], k[0], v[0], layout["cu_seqlens"], layout["max_seqlen"], causal=True,
-                                   backend=layout["backend"])[None]  # fmt: skip
+        if attention["cu_seqlens"] is not None:
+            out = varlen_attention(q[0], k[0], v[0], attention["cu_seqlens"], attention["max_seqlen"], causal=True,
+                                   backend=attention["backend"])[None]  # fmt: skip
         else:
-            mask = layout["mask"]
+            mask = attention["mask"]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
             out = out.transpose(1, 2)
@@ -173,8 +173,8 @@ class _Block(nn.Module):
         self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, rotary: torch.Tensor, layout: dict[str, object]) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rotary, layout)
+    def forward(self, x: torch.Tensor, rotary: torch.Tensor, attention: dict[str, object]) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rotary, attention)
         h = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
@@ -231,15 +231,15 @@ class ReferenceDecoder(nn.Module):
             position_ids: ``[B, T]``; default ``0..T-1`` per row, or restarting at every ``cu_seqlens`` boundary.
             cu_seqlens: int32 document boundaries of a packed row (``B`` must be 1).
             max_seqlen: the longest document of the packed row (read from ``cu_seqlens`` if omitted: a sync).
-            attention_mask: ``[B, T]`` 1 for real tokens, 0 for padding (padded layout only).
-            attn_backend: :func:`~lit_seqpack.model.attention.varlen_attention` backend of the packed layout.
+            attention_mask: ``[B, T]`` 1 for real tokens, 0 for padding (padded batches only).
+            attn_backend: :func:`~lit_seqpack.model.attention.varlen_attention` backend of packed rows.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
         batch, length = input_ids.shape
         if length > self.config.max_seq_len:
             raise ValueError(f"row length {length} exceeds max_seq_len={self.config.max_seq_len}")
-        layout: dict[str, object] = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "backend": attn_backend}
+        attention: dict[str, object] = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "backend": attn_backend}
         if cu_seqlens is not None:
             if batch != 1 or attention_mask is not None:
                 raise ValueError(
@@ -248,12 +248,12 @@ class ReferenceDecoder(nn.Module):
                 )
             seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
             if max_seqlen is None:
-                layout["max_seqlen"] = int(seqlens.max())
+                attention["max_seqlen"] = int(seqlens.max())
             if position_ids is None:
                 starts = torch.repeat_interleave(cu_seqlens[:-1].long(), seqlens, output_size=length)
                 position_ids = (torch.arange(length, device=input_ids.device) - starts)[None]
         else:
-            layout["mask"] = None if attention_mask is None else self._padding_mask(attention_mask, batch, length)
+            attention["mask"] = None if attention_mask is None else self._padding_mask(attention_mask, batch, length)
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
         if position_ids.shape != input_ids.shape:
@@ -261,7 +261,7 @@ class ReferenceDecoder(nn.Module):
         x = self.embed_tokens(input_ids)
         rotary = _rotary(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer in self.layers:
-            x = layer(x, rotary, layout)
+            x = layer(x, rotary, attention)
         x = self.norm(x)
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight)
 

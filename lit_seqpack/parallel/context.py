@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lit_seqpack._checks import check_int
 from lit_seqpack.batch import IGNORE_INDEX, LOSS_WEIGHTS, SHIFT_PREFIX, shift_labels
-from lit_seqpack.parallel.layout import check_int
 
 __all__ = [
     "SHIFT_PREFIX",
@@ -75,8 +75,8 @@ def context_parallel_index(
         >>> context_parallel_index(torch.tensor([0, 8, 12]), 2, 0).tolist()
         [0, 1, 6, 7, 8, 11]
     """
-    cp = check_int("context_parallel_size", context_parallel_size, 1)
-    rank = check_int("context_parallel_rank", context_parallel_rank, 0)
+    cp = check_int("context_parallel_size", context_parallel_size, minimum=1)
+    rank = check_int("context_parallel_rank", context_parallel_rank, minimum=0)
     if rank >= cp:
         raise ValueError(f"context_parallel_rank must be in [0, {cp}), got {rank}")
     lengths = _segment_lengths(cu_seqlens, cp)
@@ -159,8 +159,8 @@ def shard_packed_batch(
         ValueError: not a packed ``[1, T]`` row, already sharded, a segment that is not a multiple of ``2 cp``, or
             a declared token field missing from the batch.
     """
-    cp = check_int("context_parallel_size", context_parallel_size, 1)
-    rank = check_int("context_parallel_rank", context_parallel_rank, 0)
+    cp = check_int("context_parallel_size", context_parallel_size, minimum=1)
+    rank = check_int("context_parallel_rank", context_parallel_rank, minimum=0)
     if batch.get("cu_seqlens") is None or "input_ids" not in batch or batch["input_ids"].dim() != 2:
         raise ValueError("shard_packed_batch needs a packed batch (input_ids [1, T] and cu_seqlens)")
     if any(key in batch for key in _CP_KEYS) or any(key.startswith(SHIFT_PREFIX) for key in batch):

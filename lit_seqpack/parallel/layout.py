@@ -10,16 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
+from lit_seqpack._checks import check_int
 
-__all__ = ["ParallelLayout", "check_int"]
-
-
-def check_int(name: str, value: object, minimum: int) -> int:
-    """``value`` as an ``int``, or a ``ValueError`` naming the setting unless it is an int ``>= minimum``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
+__all__ = ["ParallelLayout"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,8 +45,8 @@ class ParallelLayout:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        check_int("context_parallel_size", self.context_parallel_size, 1)
-        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_int("context_parallel_size", self.context_parallel_size, minimum=1)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
 
     @property
     def model_parallel_size(self) -> int:
@@ -62,19 +55,19 @@ class ParallelLayout:
 
     def document_multiple(self, pad_to_multiple_of: int = 1) -> int:
         """Every document is padded to a multiple of this (``pad_to_multiple_of`` itself when ``cp == 1``)."""
-        own = check_int("pad_to_multiple_of", pad_to_multiple_of, 1)
+        own = check_int("pad_to_multiple_of", pad_to_multiple_of, minimum=1)
         return math.lcm(own, 2 * self.model_parallel_size) if self.context_parallel_size > 1 else own
 
     def row_multiple(self, sequence_length_round: int = 1, pad_to_multiple_of: int = 1) -> int:
         """Every packed row is padded to a multiple of this (``sequence_length_round`` when ``cp == tp == 1``)."""
-        own = check_int("sequence_length_round", sequence_length_round, 1)
+        own = check_int("sequence_length_round", sequence_length_round, minimum=1)
         if self.context_parallel_size > 1:
             return math.lcm(own, self.document_multiple(pad_to_multiple_of))
         return math.lcm(own, self.tensor_parallel_size)
 
     def data_parallel_size(self, world_size: int) -> int:
         """Data-parallel ranks among ``world_size`` processes (``ValueError`` unless ``cp * tp`` divides it)."""
-        world = check_int("world_size", world_size, 1)
+        world = check_int("world_size", world_size, minimum=1)
         if world % self.model_parallel_size:
             raise ValueError(
                 f"world_size={world} is not a multiple of context_parallel_size x tensor_parallel_size = "
@@ -84,7 +77,7 @@ class ParallelLayout:
 
     def coordinates(self, global_rank: int) -> tuple[int, int, int]:
         """``(dp_rank, cp_rank, tp_rank)`` of a global rank."""
-        rank = check_int("global_rank", global_rank, 0)
+        rank = check_int("global_rank", global_rank, minimum=0)
         tp, cp = self.tensor_parallel_size, self.context_parallel_size
         return rank // (cp * tp), (rank // tp) % cp, rank % tp
 

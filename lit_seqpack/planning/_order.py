@@ -1,6 +1,6 @@
 """The order of an epoch: which samples each planning window holds, in training order.
 
-Two layouts, both pure functions of ``(n, config, epoch)``::
+Two sample orders, both pure functions of ``(n, config, epoch)``::
 
     explicit window (or the whole epoch)    order = shuffle(seed, epoch); window w = order[w*W : (w+1)*W]
     auto window (window=None, large data)   chunks = blocks of B consecutive samples in the order
@@ -8,7 +8,7 @@ Two layouts, both pure functions of ``(n, config, epoch)``::
                                             epoch e trains the chunks in order shuffle(seed, e), each chunk's
                                             samples reshuffled with (seed, e, chunk)
 
-The auto layout keeps what ``window=None`` promises for the whole epoch: with a sort-based packer (or
+The auto order keeps what ``window=None`` promises for the whole epoch: with a sort-based packer (or
 dynamic or padded batching) a window's microbatch count depends only on which samples it holds, so
 the count per epoch is constant and a sampler counts the chunks once, not every epoch. The chunks are
 made of blocks (:class:`ChunkPartition`: at least 2048 blocks a chunk, ``B`` at most 1024 samples) so
@@ -38,7 +38,7 @@ __all__ = [
 
 AUTO_WINDOW_MIN = 1 << 21  # up to this many samples, window=None plans the whole epoch at once
 AUTO_WINDOW_STEPS = 64  # an auto window holds at least this many optimizer steps of samples
-PARTITION_BLOCK_MAX = 1024  # the auto layout moves samples in blocks of at most this many consecutive ones
+PARTITION_BLOCK_MAX = 1024  # the auto order moves samples in blocks of at most this many consecutive ones
 PARTITION_BLOCKS_PER_CHUNK = 2048  # ... and at least this many blocks make one chunk
 
 
@@ -71,11 +71,11 @@ def auto_window(config: PlanConfig, num_samples: int, num_tokens: int) -> int:
 
 
 class ChunkPartition:
-    """The epoch-independent chunks of the auto layout: blocks of consecutive samples, shuffled once.
+    """The epoch-independent chunks of the auto order: blocks of consecutive samples, shuffled once.
 
     Blocks hold ``block = clip(window // 2048, 1, 1024)`` consecutive samples (the last one fewer), laid
     out in the order ``shuffle(seed)`` of the blocks; chunk ``c`` is samples ``c*window .. (c+1)*window - 1``
-    of that layout. Memory is one entry per block, and a chunk's samples come in O(window).
+    of that order. Memory is one entry per block, and a chunk's samples come in O(window).
 
     Args:
         num_samples: samples in the dataset.
@@ -96,10 +96,12 @@ class ChunkPartition:
         self.block_order = shuffled(count, [seed, 4])
         sizes = np.full(count, self.block, dtype=np.int64)
         sizes[-1] = num_samples - (count - 1) * self.block
-        self._starts = np.concatenate(([0], np.cumsum(sizes[self.block_order])))  # layout offset of each block
+        self._starts = np.concatenate(
+            ([0], np.cumsum(sizes[self.block_order]))
+        )  # offset of each block in the epoch order
 
     def members(self, c: int) -> np.ndarray:
-        """Dataset indices of chunk ``c`` in layout order (``uint32`` below 2^32 samples, else ``int64``)."""
+        """Dataset indices of chunk ``c`` in epoch order (``uint32`` below 2^32 samples, else ``int64``)."""
         lo, hi = c * self.window, min(self.num_samples, (c + 1) * self.window)
         out = np.empty(hi - lo, dtype=np.uint32 if self.num_samples < 1 << 32 else np.int64)
         first = int(np.searchsorted(self._starts, lo, side="right")) - 1
@@ -120,8 +122,8 @@ class WindowOrder:
         config: the plan configuration (``window``, ``seed``, ``shuffle``).
         epoch: the epoch.
         window: samples per window (the resolved one).
-        partition: the epoch-independent chunking of the auto layout (``partition_for``), or ``None``
-            for the explicit layout.
+        partition: the epoch-independent chunking of the auto order (``partition_for``), or ``None``
+            for the explicit order.
     """
 
     def __init__(
@@ -139,18 +141,18 @@ class WindowOrder:
 
     @staticmethod
     def partition_for(num_samples: int, config: PlanConfig, window: int) -> ChunkPartition | None:
-        """The chunking of the auto layout (``None`` when the explicit layout applies)."""
+        """The chunking of the auto order (``None`` when the explicit order applies)."""
         if config.window is not None or num_samples <= window or not config.shuffle:
-            return None  # unshuffled, both layouts train 0, 1, 2, ... in windows of `window`
+            return None  # unshuffled, both orders train 0, 1, 2, ... in windows of `window`
         return ChunkPartition(num_samples, window, config.seed)
 
     def chunk(self, w: int) -> int:
-        """The chunk that window ``w`` trains (``w`` itself in the explicit layout)."""
+        """The chunk that window ``w`` trains (``w`` itself in the explicit order)."""
         return int(self._chunks[w]) if self._partition is not None else w
 
     @property
     def counts_are_epoch_independent(self) -> bool:
-        """Whether a chunk's samples are the same every epoch (the auto layout)."""
+        """Whether a chunk's samples are the same every epoch (the auto order)."""
         return self._partition is not None
 
     def members(self, w: int) -> np.ndarray:

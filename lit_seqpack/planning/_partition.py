@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lit_seqpack._checks import check_int
+
 __all__ = ["karmarkar_karp"]
 
 
@@ -40,8 +42,7 @@ def karmarkar_karp(costs: Sequence[float] | np.ndarray, parts: int) -> list[list
     values = np.asarray(costs, dtype=np.float64)
     if values.ndim != 1 or not np.all(np.isfinite(values)) or np.any(values < 0):
         raise ValueError("costs must be a 1-D array of finite numbers >= 0")
-    if isinstance(parts, bool) or not isinstance(parts, (int, np.integer)) or parts < 1:
-        raise ValueError(f"parts must be an integer >= 1, got {parts!r}")
+    parts = check_int("parts", parts, minimum=1)
     if values.size == 0:
         return [[] for _ in range(parts)]
     heap: list[tuple[float, int, np.ndarray, list[list[int]]]] = []

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lit_seqpack._checks import check_int, check_optional_int, is_int
 from lit_seqpack.planning import _kernels
 from lit_seqpack.planning._split import split_fullest_flat
 
@@ -58,19 +59,6 @@ PACKING_ALGORITHMS: tuple[str, ...] = (
 )
 # Best fit keeps O(capacity) memory up to this capacity, then switches to an O(n) structure.
 DENSE_BEST_FIT_MAX_CAPACITY = 1 << 22
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _checked_int(knob: str, value: object, minimum: int, *, optional: bool = False) -> int | None:
-    """``value`` as a Python int, or ``ValueError`` naming the knob when it is not an integer >= minimum."""
-    if optional and value is None:
-        return None
-    if not _is_int(value) or value < minimum:
-        raise ValueError(f"{knob} must be {'None or ' if optional else ''}an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,11 +84,11 @@ class Packer:
         if name not in PACKING_ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(PACKING_ALGORITHMS)}; got {self.algorithm!r}")
         object.__setattr__(self, "algorithm", name)
-        object.__setattr__(self, "capacity", _checked_int("capacity", self.capacity, 1))
-        object.__setattr__(self, "min_bin_count", _checked_int("min_bin_count", self.min_bin_count, 0, optional=True))
-        multiple = _checked_int("bin_count_multiple", self.bin_count_multiple, 1, optional=True)
+        object.__setattr__(self, "capacity", check_int("capacity", self.capacity, minimum=1))
+        object.__setattr__(self, "min_bin_count", check_optional_int("min_bin_count", self.min_bin_count, minimum=0))
+        multiple = check_optional_int("bin_count_multiple", self.bin_count_multiple, minimum=1)
         object.__setattr__(self, "bin_count_multiple", multiple)
-        object.__setattr__(self, "seed", _checked_int("seed", self.seed, 0))
+        object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0))
 
     def pack(self, lengths: Sequence[int] | np.ndarray) -> list[list[int]]:
         """Pack sequences into bins.
@@ -217,7 +205,7 @@ def _as_sizes(lengths: Sequence[int] | np.ndarray, capacity: int, *, keep_dtype:
         sizes = array.astype(np.int64)
     else:
         values = array.tolist()
-        i = next((i for i, value in enumerate(values) if not _is_int(value)), None)
+        i = next((i for i, value in enumerate(values) if not is_int(value)), None)
         if i is not None:
             raise ValueError(f"lengths[{i}] = {values[i]!r} is not an integer (capacity={capacity})")
         sizes = np.array(values, dtype=np.int64).reshape(-1)

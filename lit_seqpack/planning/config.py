@@ -12,21 +12,12 @@ from typing import Literal
 
 import numpy as np
 
+from lit_seqpack._checks import check_int
+
 __all__ = ["MICROBATCH_ORDERS", "MODES", "PlanConfig"]
 
 MODES: tuple[str, ...] = ("packing", "dynamic", "padded")
 MICROBATCH_ORDERS: tuple[str, ...] = ("packer", "largest_first")
-
-
-def is_int(value: object) -> bool:
-    """Whether ``value`` is an integer (Python or numpy), not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def check_int(name: str, value: object, minimum: int) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an integer ``>= minimum``."""
-    if not is_int(value) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,10 +75,10 @@ class PlanConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         for name, minimum in (("sequence_length_round", 1), ("world_size", 1), ("accumulate_grad_batches", 1)):
-            check_int(name, getattr(self, name), minimum)
-        check_int("seed", self.seed, 0)
+            check_int(name, getattr(self, name), minimum=minimum)
+        check_int("seed", self.seed, minimum=0)
         if self.window is not None:
-            check_int("window", self.window, 1)
+            check_int("window", self.window, minimum=1)
         if not isinstance(self.shuffle, (bool, np.bool_)):
             raise ValueError(f"shuffle must be a bool, got {self.shuffle!r}")
         if self.microbatch_order not in MICROBATCH_ORDERS:
@@ -98,11 +89,11 @@ class PlanConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0{allowed}, got {value!r}")
-        self._check_mode_knobs()
+        self._check_mode_settings()
         if self.cost_linear == 0 and self.quadratic_cost == 0:
             raise ValueError("cost_linear and cost_quadratic cannot both be 0")
 
-    def _check_mode_knobs(self) -> None:
+    def _check_mode_settings(self) -> None:
         if self.algorithm is not None:
             from lit_seqpack.planning.algorithms import PACKING_ALGORITHMS
 
@@ -113,11 +104,11 @@ class PlanConfig:
         if self.mode == "padded":
             if self.max_tokens is not None:
                 raise ValueError(f"max_tokens={self.max_tokens!r} does not apply to mode='padded' (use batch_size)")
-            check_int("batch_size", self.batch_size, 1)
+            check_int("batch_size", self.batch_size, minimum=1)
             return
         if self.batch_size is not None:
             raise ValueError(f"batch_size={self.batch_size!r} only applies to mode='padded', not {self.mode!r}")
-        check_int("max_tokens", self.max_tokens, 1)
+        check_int("max_tokens", self.max_tokens, minimum=1)
         if self.max_tokens % self.sequence_length_round:
             raise ValueError(
                 f"max_tokens={self.max_tokens} must be a multiple of sequence_length_round={self.sequence_length_round}"

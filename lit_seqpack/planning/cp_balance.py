@@ -24,16 +24,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lit_seqpack._checks import check_int
+
 __all__ = ["CP_SPLITS", "causal_work_per_cp_rank", "cp_work_imbalance"]
 
 CP_SPLITS: tuple[str, ...] = ("zigzag", "contiguous")
 """Ways of splitting a packed row over CP ranks that :func:`causal_work_per_cp_rank` measures."""
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _lengths(name: str, values: object) -> np.ndarray:
@@ -105,12 +101,12 @@ def causal_work_per_cp_rank(
         >>> causal_work_per_cp_rank([[6, 2], [4]], 2).tolist()
         [[23, 23], [5, 5]]
     """
-    cp = _check_int("cp_size", cp_size, 1)
+    cp = check_int("cp_size", cp_size, minimum=1)
     if split not in CP_SPLITS:
         raise ValueError(f"split must be one of {CP_SPLITS}, got {split!r}")
     if count not in ("computed", "real"):
         raise ValueError(f"count must be 'computed' or 'real', got {count!r}")
-    multiple = 2 * cp if document_multiple is None else _check_int("document_multiple", document_multiple, 1)
+    multiple = 2 * cp if document_multiple is None else check_int("document_multiple", document_multiple, minimum=1)
     if multiple % (2 * cp):
         raise ValueError(f"document_multiple={multiple} must be a multiple of 2 x cp_size = {2 * cp}")
     if isinstance(lengths_or_bins, np.ndarray):

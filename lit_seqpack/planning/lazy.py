@@ -5,7 +5,7 @@ own column, one step after the other. :class:`LazyPlan` gives the same microbatc
 against ``build_plan``) but keeps only::
 
     always       lengths (and loss tokens) in their smallest dtype, the epoch order (explicit windows:
-                 uint32 a sample; the auto layout: one entry per block of samples), and the step count
+                 uint32 a sample; the auto order: one entry per block of samples), and the step count
                  of every window (counted up front: len() and lock-step need the total)
     on demand    the plan of the window holding the requested step (one cached; older ones dropped)
 
@@ -48,7 +48,7 @@ class LazyPlan:
         config: what to plan.
         epoch: the epoch.
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``, computed per window).
-        partition: the epoch-independent chunks of the auto layout, when the caller keeps them across
+        partition: the epoch-independent chunks of the auto order, when the caller keeps them across
             epochs (default: computed here when they apply).
         chunk_steps: step count of every chunk from an earlier epoch (reused when it cannot change).
 

@@ -25,10 +25,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from lit_seqpack._checks import check_int
 from lit_seqpack.planning._balance import step_imbalance
 from lit_seqpack.planning._order import WindowOrder, auto_window
 from lit_seqpack.planning._windows import as_counts, check_budget, microbatch_figures, plan_window
-from lit_seqpack.planning.config import MICROBATCH_ORDERS, MODES, PlanConfig, check_int
+from lit_seqpack.planning.config import MICROBATCH_ORDERS, MODES, PlanConfig
 
 __all__ = [
     "MICROBATCH_ORDERS",
@@ -188,7 +189,7 @@ def build_plan(
         >>> plan.rank_microbatches(0), plan.rank_microbatches(1), plan.step_loss_tokens.tolist()
         ([[2, 3], [1]], [[0], [4]], [10, 3])
     """
-    check_int("epoch", epoch, 0)
+    check_int("epoch", epoch, minimum=0)
     lengths = as_counts("lengths", lengths)
     if loss_tokens is None:
         loss = np.maximum(lengths - 1, 0)

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from lit_seqpack._checks import check_int
+
 __all__ = [
     "PackingStats",
     "bin_balance",
@@ -153,8 +155,7 @@ def packing_stats(lengths: Sequence[int] | np.ndarray, bins: Sequence[Sequence[i
         >>> s.num_bins, s.theoretical_min_bins, s.packing_efficiency, round(s.bin_balance, 3)
         (2, 2, 1.0, 0.667)
     """
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}")
+    check_int("capacity", capacity, minimum=1)
     fills = bin_fills(lengths, bins)
     over = np.flatnonzero(fills > capacity)
     if over.size:

@@ -19,7 +19,7 @@ def test_document_budget_rounds_down_in_packing_only(max_tokens, mode, multiple,
     assert got == expected
 
 
-def test_document_budget_too_small_names_the_knobs_and_context_parallelism():
+def test_document_budget_too_small_names_the_settings_and_context_parallelism():
     with pytest.raises(
         ValueError, match=r"max_tokens=8 cannot hold a single document: pad_to_multiple_of=4 .* 16 tokens"
     ):

@@ -238,7 +238,7 @@ def test_negative_id_in_a_later_sample_is_located():
         ({"pad_document_to_multiple_of": True}, "pad_document_to_multiple_of must be an int >= 1 or None, got True"),
     ],
 )
-def test_bad_knobs(kwargs, message):
+def test_bad_settings(kwargs, message):
     cls = PaddedCollator if "pad_document_to_multiple_of" not in kwargs else PackedCollator
     with pytest.raises(ValueError, match=message):
         cls(**kwargs)

@@ -180,6 +180,6 @@ def test_collator_shards_every_microbatch_and_the_lock_step_dummy():
         ),
     ],
 )
-def test_collator_knobs_are_checked_at_construction(kwargs, match):
+def test_collator_settings_are_checked_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ContextParallelCollator(**({"context_parallel_rank": 0} | kwargs))

@@ -79,7 +79,7 @@ def test_truncate_recounts_loss_tokens_for_datasets_without_fast_path():
         ({"algorithm": "tetris"}, "tetris"),
     ],
 )
-def test_bad_knobs_fail_at_construction(kwargs, knob):
+def test_bad_settings_fail_at_construction(kwargs, knob):
     with pytest.raises(ValueError, match=knob):
         SeqPackDataModule(synthetic=SYNTH, **kwargs)
 
@@ -192,7 +192,7 @@ def test_tensor_parallel_alone_pads_rows_not_documents():
         ({"context_parallel_size": 4, "max_tokens": 100}, "max_tokens=100 must be a multiple of 8"),
     ],
 )
-def test_bad_parallel_knobs_fail_at_construction(kwargs, match):
+def test_bad_parallel_settings_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SeqPackDataModule(synthetic=SYNTH, **kwargs)
 

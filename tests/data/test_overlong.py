@@ -36,7 +36,7 @@ def test_nothing_overlong_returns_the_dataset_itself():
         assert report.summary() == "0 of 6 samples are longer than max_tokens=12"
 
 
-def test_error_lists_count_indices_lengths_and_knobs():
+def test_error_lists_count_indices_lengths_and_settings():
     data = _data()
     with pytest.raises(ValueError) as info:
         apply_overlong_policy(data, data.lengths, 6, "error")
@@ -100,9 +100,9 @@ def test_drop_everything_is_an_error():
     ("kwargs", "message"),
     [
         ({"policy": "skip"}, "overlong='skip' must be one of"),
-        ({"max_tokens": 0}, "max_tokens=0 must be an int >= 1"),
-        ({"max_tokens": 4.5}, "max_tokens=4.5"),
-        ({"max_tokens": True}, "max_tokens=True"),
+        ({"max_tokens": 0}, "max_tokens must be an int >= 1, got 0"),
+        ({"max_tokens": 4.5}, "max_tokens must be an int >= 1, got 4.5"),
+        ({"max_tokens": True}, "max_tokens must be an int >= 1, got True"),
         ({"lengths": [1, 2]}, r"lengths has shape \(2,\) but the dataset has 6 samples"),
     ],
 )

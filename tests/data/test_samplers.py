@@ -369,7 +369,7 @@ def test_plan_key_names_the_layout_and_ignores_the_input_dtype(monkeypatch):
 
     lengths = np.random.default_rng(5).integers(1, 64, 80)
     assert make("packing", lengths.tolist())._plan_key == make("packing", lengths.astype(np.uint16))._plan_key
-    monkeypatch.setattr(_planned_sampler, "PLAN_LAYOUT", _planned_sampler.PLAN_LAYOUT - 1)
+    monkeypatch.setattr(_planned_sampler, "PLAN_FORMAT", _planned_sampler.PLAN_FORMAT - 1)
     old = make("packing", lengths, num_replicas=2)
     it = iter(old)
     next(it)

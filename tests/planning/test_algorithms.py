@@ -172,13 +172,13 @@ def test_algorithm_names_are_case_insensitive_and_validated():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"capacity": 0}, "capacity must be an integer >= 1, got 0"),
-        ({"capacity": -3}, "capacity must be an integer >= 1, got -3"),
-        ({"capacity": 4.0}, "capacity must be an integer >= 1, got 4.0"),
-        ({"capacity": True}, "capacity must be an integer >= 1, got True"),
-        ({"min_bin_count": -1}, "min_bin_count must be None or an integer >= 0, got -1"),
-        ({"bin_count_multiple": 0}, "bin_count_multiple must be None or an integer >= 1, got 0"),
-        ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+        ({"capacity": 0}, "capacity must be an int >= 1, got 0"),
+        ({"capacity": -3}, "capacity must be an int >= 1, got -3"),
+        ({"capacity": 4.0}, "capacity must be an int >= 1, got 4.0"),
+        ({"capacity": True}, "capacity must be an int >= 1, got True"),
+        ({"min_bin_count": -1}, "min_bin_count must be an int >= 0 or None, got -1"),
+        ({"bin_count_multiple": 0}, "bin_count_multiple must be an int >= 1 or None, got 0"),
+        ({"seed": -1}, "seed must be an int >= 0, got -1"),
     ],
 )
 def test_invalid_arguments_fail_when_built(kwargs, message):

@@ -49,5 +49,5 @@ def test_planning_has_no_import_circle():
 def test_plan_config_keeps_its_old_import_path():
     assert plan.PlanConfig is config.PlanConfig is planning.PlanConfig
     assert plan.MODES is config.MODES and plan.MICROBATCH_ORDERS is config.MICROBATCH_ORDERS
-    with pytest.raises(ValueError, match=r"world_size must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"world_size must be an int >= 1, got 0"):
         config.PlanConfig(max_tokens=8, world_size=0)

@@ -87,7 +87,7 @@ def test_packing_stats_of_a_subset_counts_only_its_bins():
         ([[0, -1]], 64, r"bins contain index -1, outside \[0, 3\)"),
         ([[0, 1], [1]], 64, "bins contain index 1 more than once"),
         ([[1, 2]], 32, "bin 0 holds 50 tokens, above the capacity 32"),
-        ([[0]], 0, "capacity must be an integer >= 1, got 0"),
+        ([[0]], 0, "capacity must be an int >= 1, got 0"),
     ],
 )
 def test_packing_stats_rejects_bad_bins(bins, capacity, message):

@@ -198,7 +198,7 @@ def test_a_loss_mask_counts_in_the_plan_and_in_a_jsonl_file(tmp_path: Path) -> N
 # ------------------------------------------------------------------------------------------- budget knobs
 @pytest.mark.parametrize("max_tokens", [0, -5, None])
 def test_max_tokens_below_one_fails_at_construction(max_tokens: int | None) -> None:
-    message = f"max_tokens must be an integer >= 1, got {max_tokens}"
+    message = f"max_tokens must be an int >= 1, got {max_tokens}"
     for build in (
         lambda: SeqPackDataModule(max_tokens=max_tokens),
         lambda: SeqPackDataModule(mode="dynamic", max_tokens=max_tokens),
