@@ -21,17 +21,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lit_seqpack._checks import round_up  # re-exported: the planner's modules import it from here
+
 __all__ = ["dynamic_group_sizes", "dynamic_groups", "fixed_group_sizes", "round_up"]
-
-
-def round_up(values: np.ndarray | int, multiple: int) -> np.ndarray | int:
-    """Round ``values`` up to a multiple of ``multiple``.
-
-    Example:
-        >>> round_up(5, 4), round_up(8, 4), round_up(0, 4)
-        (8, 8, 0)
-    """
-    return -(-values // multiple) * multiple
 
 
 def dynamic_group_sizes(
