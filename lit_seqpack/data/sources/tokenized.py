@@ -355,12 +355,26 @@ def _mask_to_labels(ids: np.ndarray, loss_mask: Any, where: str, *, weighted: bo
     """
     if weighted:
         return _weights_to_labels(ids, loss_mask, where)
+    if _holds_floats(loss_mask):
+        raise ValueError(
+            f"{where}: 'loss_mask' must hold only 0 and 1, found floats; for loss weights in [0, 1] set "
+            "loss_weight_field='loss_mask'"
+        )
     mask = _int_array(loss_mask, LOSS_MASK, where, allow_bool=True)
     if len(mask) != len(ids):
         raise ValueError(f"{where}: 'loss_mask' has {len(mask)} entries but 'input_ids' has {len(ids)}")
     if ((mask != 0) & (mask != 1)).any():
         raise ValueError(f"{where}: 'loss_mask' must hold only 0 and 1, got {sorted(set(mask.tolist()))}")
     return np.where(mask == 1, ids, IGNORE_INDEX).astype(np.int32)
+
+
+def _holds_floats(values: Any) -> bool:
+    """Whether a list holds a Python float, or an array or tensor has a floating dtype."""
+    if isinstance(values, (list, tuple)):
+        return any(type(value) is float for value in values)
+    if isinstance(values, torch.Tensor):
+        return values.is_floating_point()
+    return isinstance(values, np.ndarray) and values.dtype.kind == "f"
 
 
 def _weights_to_labels(ids: np.ndarray, loss_mask: Any, where: str) -> np.ndarray:
