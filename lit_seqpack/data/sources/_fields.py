@@ -118,7 +118,10 @@ class FieldColumns:
         samples = {}
         for name, values in self._samples.items():
             is_float = any(isinstance(v, (float, np.floating)) for v in values)
-            samples[name] = np.asarray(values, dtype=np.float64 if is_float else np.int64)
+            try:
+                samples[name] = np.asarray(values, dtype=np.float64 if is_float else np.int64)
+            except OverflowError:
+                raise ValueError(f"sample field {name!r} holds an integer beyond int64: {max(values)}") from None
         return tokens, samples
 
 

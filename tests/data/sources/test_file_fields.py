@@ -112,6 +112,9 @@ def test_jsonl_null_and_non_numeric_values_are_refused_naming_the_line(tmp_path)
     path.write_text(json.dumps({"input_ids": [1, 2], "score": [1.0, 2.0], "reward": "high"}) + "\n")
     with pytest.raises(ValueError, match=r"line 1: sample field 'reward' must be one number a sample"):
         load_tokenized(path, token_fields=["score"], sample_fields=["reward"])
+    path.write_text(json.dumps({"input_ids": [1, 2], "score": [1.0, 2.0], "reward": 2**70}) + "\n")
+    with pytest.raises(ValueError, match="sample field 'reward' holds an integer beyond int64"):
+        load_tokenized(path, token_fields=["score"], sample_fields=["reward"])
     path.write_text(json.dumps({"input_ids": [1, 2], "score": None}) + "\n")
     with pytest.raises(ValueError, match="line 1: the declared token field 'score' is missing"):
         load_tokenized(path, token_fields=["score"])
@@ -173,3 +176,24 @@ def test_file_fields_from_a_yaml_config_reach_the_batches(tmp_path, fmt):
         _check_batch(batch, records)
         seen += batch["num_documents"]
     assert seen == len(records)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_val_path_file_keeps_its_fields_and_is_truncated_with_them(tmp_path, fmt):
+    train, val = _records(n=20, seed=1), _records(n=16, seed=2, longest=70)
+    (tmp_path / "train").mkdir(), (tmp_path / "val").mkdir()
+    dm = SeqPackDataModule(
+        source=fmt,
+        path=_write(train, tmp_path / "train", fmt),
+        val_path=_write(val, tmp_path / "val", fmt),
+        max_tokens=32,
+        overlong="truncate",
+        **FIELDS,
+    )
+    dm.setup("fit")
+    assert dm.eval_overlong_reports["val"].num_truncated > 0
+    seen = 0
+    for batch in dm.val_dataloader():
+        _check_batch(batch, val, max_tokens=32)
+        seen += batch["num_documents"]
+    assert seen == len(val)
