@@ -33,10 +33,11 @@ from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.context_parallel import ContextParallelCollator, ParallelLayout, TensorParallelCollator
 from lit_seqpack.data.fields import check_fields
 from lit_seqpack.data.lengths import cached_scan
-from lit_seqpack.data.loss_weights import check_datamodule_weight_field, with_step_loss_weights
+from lit_seqpack.data.loss_weights import LOSS_MASK, check_datamodule_weight_field, with_step_loss_weights
 from lit_seqpack.data.overlong import OVERLONG_POLICIES, OverlongReport
 from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
 from lit_seqpack.data.sources import SOURCES, SyntheticInstructionDataset, TokenizedDataset, build_dataset
+from lit_seqpack.data.sources.factory import FILE_SOURCES
 from lit_seqpack.data.splits import IndexView, Split, split_indices
 from lit_seqpack.data.streaming.module import (
     STREAM_STATE,
@@ -139,8 +140,10 @@ class SeqPackDataModule(LightningDataModule):
             sample by ``overlong="truncate"``, sharded with the tokens under context parallelism (see
             :mod:`lit_seqpack.data.fields`).
         sample_fields: extra per-sample fields to carry (e.g. ``["reward"]``), one value a document.
-        loss_weight_field: a declared token field holding per-token loss weights (finite, ``>= 0``): the default
-            loss becomes ``sum(w * ce)`` over the step's weight sum, which is planned from the samples' weight sums
+        loss_weight_field: a declared token field holding per-token loss weights (finite, ``>= 0``), or
+            ``"loss_mask"`` (the samples' ``loss_mask`` holds weights in ``[0, 1]``; ``dataset=`` only: a file source
+            turns ``loss_mask`` into labels when it loads the data): the default loss becomes
+            ``sum(w * ce)`` over the step's weight sum, which is planned from the samples' weight sums
             (one pass over the data per loader; see :mod:`lit_seqpack.data.loss_weights`).
         stream: a :class:`~lit_seqpack.data.streaming.StreamSource` read as a stream instead of an indexed dataset
             (too big to index: generators, sharded JSONL/Parquet, HF ``IterableDataset``, mixtures); packed online
@@ -230,7 +233,8 @@ class SeqPackDataModule(LightningDataModule):
             pad_to_multiple_of=pad_to_multiple_of,
         )
         self._token_fields, self._sample_fields = check_fields(token_fields, sample_fields)
-        check_datamodule_weight_field(loss_weight_field, self._token_fields)
+        file_source = source if dataset is None and stream is None and source in FILE_SOURCES else None
+        check_datamodule_weight_field(loss_weight_field, self._token_fields, file_source=file_source)
         self._parallel = ParallelLayout(
             context_parallel_size=context_parallel_size, tensor_parallel_size=tensor_parallel_size
         )
@@ -280,6 +284,11 @@ class SeqPackDataModule(LightningDataModule):
         self._resume_point: tuple[int, int] | None = None  # (epoch, microbatch) of the restored loader state
 
     @property
+    def _weighted_mask(self) -> bool:
+        """Whether the samples' ``loss_mask`` holds loss weights in ``[0, 1]`` (``loss_weight_field="loss_mask"``)."""
+        return self.hparams.loss_weight_field == LOSS_MASK
+
+    @property
     def document_multiple(self) -> int:
         """Every document of a packed row is padded to a multiple of this (planner and collator alike)."""
         return self._parallel.document_multiple(self.hparams.pad_to_multiple_of)
@@ -308,6 +317,8 @@ class SeqPackDataModule(LightningDataModule):
             text_field=hp.text_field,
             chat=hp.chat,
             split=split,
+            token_fields=tuple(self._token_fields),  # the files keep the declared fields (dataset= is as given)
+            sample_fields=self._sample_fields,
         )
 
     @property
@@ -322,7 +333,9 @@ class SeqPackDataModule(LightningDataModule):
             data = self._build(file.path, file.split)
             cache_dir = self.hparams.cache_dir
             direct = cache_dir is None or isinstance(data, TokenizedDataset)  # lengths free: never cached
-            self._eval_data[name] = (data, scan_dataset(data) if direct else cached_scan(data, cache_dir))
+            weighted = {"weighted_mask": self._weighted_mask}
+            scan = scan_dataset(data, **weighted) if direct else cached_scan(data, cache_dir, **weighted)
+            self._eval_data[name] = (data, scan)
         return self._eval_data[name]
 
     @property
@@ -356,7 +369,9 @@ class SeqPackDataModule(LightningDataModule):
         if self._data_scan is None:
             data, cache_dir = self.dataset, self.hparams.cache_dir
             exact = isinstance(data, (TokenizedDataset, SyntheticInstructionDataset))  # lengths free, never cached
-            scan = scan_dataset(data) if cache_dir is None or exact else cached_scan(data, cache_dir)
+            weighted = {"weighted_mask": self._weighted_mask}
+            direct = cache_dir is None or exact
+            scan = scan_dataset(data, **weighted) if direct else cached_scan(data, cache_dir, **weighted)
             # kept for the module's lifetime: 4 bytes a sample for each array, not 8
             self._data_scan = dataclasses.replace(
                 scan, lengths=_int32(scan.lengths), loss_tokens=_int32(scan.loss_tokens)
@@ -448,6 +463,7 @@ class SeqPackDataModule(LightningDataModule):
                 overlong=hp.overlong,
                 pad_to_multiple_of=hp.pad_to_multiple_of,
                 document_multiple=self.document_multiple,
+                token_fields=tuple(self._token_fields),
             )
             self._splits[name] = Split(split.dataset, _int32(split.lengths), _int32(split.loss_tokens))
             self.eval_overlong_reports[name] = report

@@ -143,7 +143,11 @@ def cached_lengths_and_loss_tokens(
 
 
 def cached_scan(
-    dataset: Sequence[Mapping[str, Any]], cache_dir: str | os.PathLike[str], key: str | None = None
+    dataset: Sequence[Mapping[str, Any]],
+    cache_dir: str | os.PathLike[str],
+    key: str | None = None,
+    *,
+    weighted_mask: bool = False,
 ) -> DataScan:
     """The validation scan of ``dataset`` (:func:`~lit_seqpack.data.validation.scan_dataset`), cached.
 
@@ -151,14 +155,17 @@ def cached_scan(
         dataset: a map-style dataset.
         cache_dir: the cache folder (created when missing).
         key: the identity of the dataset's content; defaults to ``dataset.fingerprint``.
+        weighted_mask: ``loss_mask`` holds weights in ``[0, 1]`` (see
+            :func:`~lit_seqpack.data.validation.scan_dataset`); a scan that accepted weights is cached under another
+            key than one that refused them.
     """
-    path = cache_path(dataset, cache_dir, key)
-    identity = _identity(dataset, key)
+    identity = _identity(dataset, key) + ("|loss_mask:weights" if weighted_mask else "")
+    path = Path(cache_dir) / f"lengths-{hashlib.sha256(identity.encode()).hexdigest()[:32]}.npz"
     cached = _load(path, dataset, identity)
     if cached is not None:
         log.debug("lengths cache hit: %s", path)
         return cached
-    scan = scan_dataset(dataset)
+    scan = scan_dataset(dataset, weighted_mask=weighted_mask)
     _save(path, scan, identity)
     log.info("lengths of %d samples computed and cached in %s", len(scan.lengths), path)
     return scan

@@ -61,18 +61,26 @@ def check_loss_weight_field(field: str | None, token_fields: Mapping[str, float 
         )
 
 
-def check_datamodule_weight_field(field: str | None, token_fields: Mapping[str, float | int]) -> None:
-    """:func:`check_loss_weight_field` for ``SeqPackDataModule``, which does not take ``"loss_mask"`` weights.
+def check_datamodule_weight_field(
+    field: str | None, token_fields: Mapping[str, float | int], *, file_source: str | None = None
+) -> None:
+    """:func:`check_loss_weight_field` for ``SeqPackDataModule``; ``"loss_mask"`` weights only from a ``dataset``.
+
+    Args:
+        field: the ``loss_weight_field`` setting.
+        token_fields: the declared token fields.
+        file_source: the pre-tokenised file source the data is read from (``"jsonl"``, ``"parquet"``,
+            ``"hf_disk"``), or ``None``.
 
     Raises:
-        ValueError: ``loss_weight_field="loss_mask"`` (the DataModule's data scan validates ``loss_mask`` as 0/1),
-            or a field that is not a declared token field.
+        ValueError: ``loss_weight_field="loss_mask"`` with a file source (its reader turns ``loss_mask`` into
+            labels at load time, so weights would be lost), or a field that is not a declared token field.
     """
-    if field == LOSS_MASK:
+    if field == LOSS_MASK and file_source is not None:
         raise ValueError(
-            "SeqPackDataModule(loss_weight_field='loss_mask') is not supported: its data scan reads loss_mask as "
-            "0/1. Put the weights in a token field (token_fields={'weights': 0.0}, loss_weight_field='weights'); "
-            "the collators accept loss_weight_field='loss_mask' when wired by hand"
+            f"loss_weight_field='loss_mask' is not supported with source={file_source!r}: the file reader turns "
+            "loss_mask into labels when it loads the data, so its weights would be lost. Store the weights in a "
+            "field of their own and declare it (token_fields={'weights': 0.0}, loss_weight_field='weights')"
         )
     check_loss_weight_field(field, token_fields)
 

@@ -5,7 +5,8 @@ position in the microbatch. :func:`scan_dataset` checks every sample once before
 index (the file and line or row where there is one):
 
 - ``input_ids``: a non-empty flat list of ints ``>= 0``; no bool (``True`` is not token 1), no ``None``;
-- ``labels`` (ids ``>= 0`` or -100) or ``loss_mask`` (0/1), the same length as ``input_ids``, never ``None``;
+- ``labels`` (ids ``>= 0`` or -100) or ``loss_mask`` (0/1; weights in ``[0, 1]`` with ``weighted_mask``, i.e.
+  ``loss_weight_field="loss_mask"``), the same length as ``input_ids``, never ``None``;
 - the lengths and loss tokens a dataset offers (``dataset.lengths``) agree with its samples;
 - every id (``input_ids``, ``labels`` and ``pad_token_id``) is below the model's vocabulary when it is known.
 
@@ -51,8 +52,13 @@ class DataScan:
     max_where: str
 
 
-def scan_dataset(dataset: Sequence[Mapping[str, Any]]) -> DataScan:
+def scan_dataset(dataset: Sequence[Mapping[str, Any]], *, weighted_mask: bool = False) -> DataScan:
     """Validate every sample of ``dataset`` (vectorised where the source is columnar) and return its facts.
+
+    Args:
+        dataset: a map-style dataset.
+        weighted_mask: ``loss_mask`` may hold weights in ``[0, 1]`` (``loss_weight_field="loss_mask"``); a token
+            whose weight is not 0 is a loss token, as in the collators. Otherwise ``loss_mask`` must be 0/1.
 
     Raises:
         ValueError: the first bad sample, naming its dataset index and the rule it breaks; or ``lengths`` /
@@ -69,7 +75,7 @@ def scan_dataset(dataset: Sequence[Mapping[str, Any]]) -> DataScan:
             dataset.config.vocab_size - 1,
             f"the synthetic task (vocab_size={dataset.config.vocab_size})",
         )
-    return _scan_samples(dataset)
+    return _scan_samples(dataset, weighted_mask)
 
 
 def _scan_columnar(dataset: Any) -> DataScan:
@@ -90,7 +96,7 @@ def _scan_columnar(dataset: Any) -> DataScan:
 _CHUNK = 4096
 
 
-def _scan_samples(dataset: Sequence[Mapping[str, Any]]) -> DataScan:
+def _scan_samples(dataset: Sequence[Mapping[str, Any]], weighted_mask: bool) -> DataScan:
     """Read every sample once; chunks of plain Python lists are checked vectorised, anything else per sample."""
     size = len(dataset)
     lengths = np.empty(size, dtype=np.int64)
@@ -98,9 +104,9 @@ def _scan_samples(dataset: Sequence[Mapping[str, Any]]) -> DataScan:
     top, top_at = -1, 0
     for start in range(0, size, _CHUNK):
         samples = [dataset[i] for i in range(start, min(start + _CHUNK, size))]
-        facts = _fast_chunk(samples)
+        facts = None if weighted_mask and _has_mask(samples) else _fast_chunk(samples)
         if facts is None:  # not plain lists, or a bad sample: per sample, so that the message names it exactly
-            facts = _slow_chunk(samples, start)
+            facts = _slow_chunk(samples, start, weighted_mask)
         chunk_lengths, chunk_loss, high, at = facts
         lengths[start : start + len(samples)] = chunk_lengths
         loss_tokens[start : start + len(samples)] = chunk_loss
@@ -114,7 +120,12 @@ def _scan_samples(dataset: Sequence[Mapping[str, Any]]) -> DataScan:
 _Facts = tuple[np.ndarray, np.ndarray, int, int]
 
 
-def _slow_chunk(samples: list[Any], start: int) -> _Facts:
+def _has_mask(samples: list[Any]) -> bool:
+    """Whether a sample of the chunk gives a ``loss_mask`` (weights are read by the per-sample path)."""
+    return any(isinstance(sample, Mapping) and "loss_mask" in sample for sample in samples)
+
+
+def _slow_chunk(samples: list[Any], start: int, weighted_mask: bool = False) -> _Facts:
     from lit_seqpack.data.sources.tokenized import validate_record
 
     lengths = np.empty(len(samples), dtype=np.int64)
@@ -124,7 +135,7 @@ def _slow_chunk(samples: list[Any], start: int) -> _Facts:
         i = start + offset
         if not isinstance(sample, Mapping) or "input_ids" not in sample:
             raise TypeError(f"dataset[{i}] must be a mapping with 'input_ids', got {type(sample).__name__}")
-        ids, labels = validate_record(sample, f"dataset[{i}]")
+        ids, labels = validate_record(sample, f"dataset[{i}]", weighted_mask=weighted_mask)
         lengths[offset] = len(ids)
         if labels is None:
             loss_tokens[offset], high = len(ids) - 1, int(ids.max())

@@ -3,6 +3,7 @@ policy and the CLI's YAML config."""
 
 from __future__ import annotations
 
+import json
 import logging
 from types import SimpleNamespace
 
@@ -125,9 +126,13 @@ def test_a_bad_declaration_fails_at_construction():
 def test_fields_are_settable_from_the_cli_yaml(tmp_path):
     from lit_seqpack.cli import SeqPackCLI
 
+    data = tmp_path / "data.jsonl"  # a file source keeps the declared fields (the synthetic task has none)
+    record = {"input_ids": [1, 2, 3], "advantages": [0.5, 1.0, 2.0], "mask": [1, 0, 1], "reward": 1.0}
+    data.write_text(json.dumps(record) + "\n")
     config = {
         "data": {
-            "synthetic": {"num_samples": 64, "vocab_size": 40},
+            "source": "jsonl",
+            "path": str(data),
             "token_fields": {"advantages": 0.0, "mask": 0},
             "sample_fields": ["reward"],
         },

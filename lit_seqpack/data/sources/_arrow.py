@@ -17,19 +17,20 @@ from lit_seqpack.batch import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
-def parquet_table(path: Path, columns: tuple[str, ...]) -> Any:
-    """Read the wanted columns (those present) of a Parquet file as a ``pyarrow.Table``."""
+def parquet_table(path: Path, columns: tuple[str, ...]) -> tuple[Any, list[str]]:
+    """Read the wanted columns (those present) of a Parquet file as a ``pyarrow.Table``, and all column names."""
     pq = require("pyarrow.parquet", purpose="reading Parquet files")
     pa = require("pyarrow", purpose="reading Parquet files")
     try:
         names = pq.read_schema(path).names
-        return pq.read_table(path, columns=[c for c in columns if c in names])
+        return pq.read_table(path, columns=[c for c in columns if c in names]), list(names)
     except (pa.ArrowException, OSError) as err:
         raise ValueError(f"{path}: not a readable Parquet file ({type(err).__name__}: {err})") from None
 
 
-def hf_disk_table(path: Path, split: str | None) -> Any:
-    """Load a ``save_to_disk`` directory; return its ``input_ids``/``labels``/``loss_mask`` columns as a Table."""
+def hf_disk_table(path: Path, split: str | None, fields: tuple[str, ...] = ()) -> tuple[Any, list[str]]:
+    """Load a ``save_to_disk`` directory; return its ``input_ids``/``labels``/``loss_mask`` columns and the
+    declared ``fields`` present as a Table, and all its column names."""
     datasets = require("datasets", purpose="reading save_to_disk folders")
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
@@ -41,10 +42,73 @@ def hf_disk_table(path: Path, split: str | None) -> Any:
         loaded = loaded[split]
     elif split is not None:
         raise ValueError(f"split={split!r} was given but {path} holds a single Dataset, not a DatasetDict")
-    columns = [c for c in (INPUT_IDS, LABELS, LOSS_MASK) if c in loaded.column_names]
+    columns = [c for c in (INPUT_IDS, LABELS, LOSS_MASK, *fields) if c in loaded.column_names]
     if INPUT_IDS not in columns:
         raise ValueError(f"{path}: no 'input_ids' column (columns: {loaded.column_names})")
-    return loaded.select_columns(columns).with_format("arrow")[:]
+    return loaded.select_columns(columns).with_format("arrow")[:], list(loaded.column_names)
+
+
+def table_fields(
+    table: Any, where: str, offsets: np.ndarray, token_fields: tuple[str, ...], sample_fields: tuple[str, ...]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The declared fields of a validated table: flat token-field buffers and per-row sample values.
+
+    Raises:
+        ValueError: a declared column is missing, not numeric, null in a row, or (token field) of another length
+            than ``input_ids`` in a row, naming ``where``, the row, the field and both lengths.
+    """
+    pa = require("pyarrow", purpose="reading Arrow tables")
+    lengths = np.diff(offsets)
+    for name in (*token_fields, *sample_fields):
+        if name not in table.column_names:
+            raise ValueError(f"{where}: no column {name!r} for the declared field (columns: {table.column_names})")
+    tokens = {}
+    for name in token_fields:
+        values, value_lengths, valid = _number_lists(table.column(name), name, where, pa)
+        if not valid.all():
+            raise ValueError(f"{where}, row {int(np.argmin(valid))}: the declared token field {name!r} is null")
+        mismatch = value_lengths != lengths
+        if mismatch.any():
+            row = int(np.argmax(mismatch))
+            raise ValueError(
+                f"{where}, row {row}: token field {name!r} has {int(value_lengths[row])} values but 'input_ids' has "
+                f"{int(lengths[row])} tokens"
+            )
+        tokens[name] = values.astype(np.float32 if values.dtype.kind == "f" else np.int64)
+    samples = {}
+    for name in sample_fields:
+        column = table.column(name)
+        array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        kind = array.type
+        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
+            raise ValueError(f"{where}: column {name!r} (a declared sample field) must hold numbers, not {kind}")
+        if array.null_count:
+            row = int(np.argmin(np.asarray(array.is_valid().to_numpy(zero_copy_only=False), dtype=bool)))
+            raise ValueError(f"{where}, row {row}: the declared sample field {name!r} is null")
+        values = np.asarray(array.to_numpy(zero_copy_only=False))
+        samples[name] = values.astype(np.float64 if values.dtype.kind == "f" else np.int64)
+    return tokens, samples
+
+
+def _number_lists(column: Any, key: str, where: str, pa: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Values, per-row lengths and validity of a list-of-numbers column (a declared token field)."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    list_type = pa.types.is_list(array.type) or pa.types.is_large_list(array.type)
+    value_type = array.type.value_type if list_type else None
+    numeric = value_type is not None and (
+        pa.types.is_integer(value_type) or pa.types.is_floating(value_type) or pa.types.is_boolean(value_type)
+    )
+    if not numeric:
+        raise ValueError(f"{where}: column {key!r} (a declared token field) needs lists of numbers, not {array.type}")
+    valid = np.asarray(array.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    lengths = np.asarray(array.value_lengths().fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+    flat = array.flatten()
+    if flat.null_count:
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        first = int(np.argmin(np.asarray(flat.is_valid().to_numpy(zero_copy_only=False), dtype=bool)))
+        raise ValueError(f"{where}, row {_row_of(first, offsets)}: token field {key!r} contains a null")
+    values = np.asarray(flat.to_numpy(zero_copy_only=False))
+    return (values.astype(np.int64) if values.dtype.kind == "b" else values), lengths, valid
 
 
 def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -119,8 +119,8 @@ def _rows(column: list[Any], source: str, field: str) -> Iterator[tuple[str, Any
 
 
 def _parquet_column(path: Path, field: str) -> list[Any]:
-    pq = require("pyarrow.parquet", purpose="reading chat conversations from Parquet")
-    pa = require("pyarrow", purpose="reading chat conversations from Parquet")
+    pq = require("pyarrow.parquet", purpose="reading Parquet conversations")
+    pa = require("pyarrow", purpose="reading Parquet conversations")
     try:
         names = pq.read_schema(path).names
         if field not in names:
@@ -131,7 +131,7 @@ def _parquet_column(path: Path, field: str) -> list[Any]:
 
 
 def _hf_disk_column(path: Path, field: str, split: str | None) -> list[Any]:
-    datasets = require("datasets", purpose="reading chat conversations from a save_to_disk folder")
+    datasets = require("datasets", purpose="reading save_to_disk conversations")
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:

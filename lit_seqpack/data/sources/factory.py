@@ -6,9 +6,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SOURCES", "build_dataset"]
+__all__ = ["FILE_SOURCES", "SOURCES", "build_dataset"]
 
 SOURCES: tuple[str, ...] = ("synthetic", "jsonl", "parquet", "hf_disk", "text", "chat")
+FILE_SOURCES: tuple[str, ...] = ("jsonl", "parquet", "hf_disk")
+"""The pre-tokenised file sources (:func:`~lit_seqpack.data.sources.tokenized.load_tokenized`): their files may
+carry declared token and sample fields."""
 
 
 def build_dataset(
@@ -20,6 +23,8 @@ def build_dataset(
     text_field: str = "text",
     chat: Mapping[str, Any] | None = None,
     split: str | None = None,
+    token_fields: Sequence[str] = (),
+    sample_fields: Sequence[str] = (),
 ) -> Sequence[Mapping[str, Any]]:
     """The map-style dataset that ``source`` names.
 
@@ -35,12 +40,23 @@ def build_dataset(
         text_field: the JSONL field holding the text (``source="text"`` only).
         chat: keyword arguments of :class:`~lit_seqpack.data.sources.chat.ChatDataset` (``source="chat"`` only).
         split: the split of a saved ``DatasetDict`` folder (``hf_disk`` data, or ``chat`` read from a folder).
+        token_fields: names of declared per-token fields to keep from the files (``jsonl``, ``parquet``,
+            ``hf_disk``); each record holds a list of numbers as long as its ``input_ids``.
+        sample_fields: names of declared per-sample fields to keep from the files (one number a record).
 
     Raises:
-        ValueError: an unknown ``source``, a missing ``path`` or ``tokenizer``, or settings of another source.
+        ValueError: an unknown ``source``, a missing ``path`` or ``tokenizer``, settings of another source, or
+            declared fields for a source that does not read them.
     """
     if source not in SOURCES:
         raise ValueError(f"source={source!r} must be one of {SOURCES}")
+    declared = [*token_fields, *sample_fields]
+    if declared and source not in FILE_SOURCES:
+        raise ValueError(
+            f"token_fields/sample_fields {declared} are read from the files of source {FILE_SOURCES}, but "
+            f"source={source!r} builds samples without them: pass a dataset whose samples carry the fields "
+            "(dataset=...) or store the data pre-tokenised"
+        )
     if source == "synthetic":
         if path is not None:
             raise ValueError(f"path={path!r} is only read by on-disk sources, not source='synthetic'")
@@ -73,4 +89,4 @@ def build_dataset(
         return TextDataset(path, tokenizer, text_field=text_field)
     from lit_seqpack.data.sources.tokenized import load_tokenized
 
-    return load_tokenized(path, format=source, split=split)
+    return load_tokenized(path, format=source, split=split, token_fields=token_fields, sample_fields=sample_fields)

@@ -6,6 +6,9 @@ line or row, and the problem. Samples are held as one flat ``int32`` token buffe
 million documents cost two arrays, ``lengths`` and ``loss_tokens`` are free, and the dataset pickles
 cheaply into DataLoader workers.
 
+Declared extra fields (``token_fields`` / ``sample_fields``, see :mod:`lit_seqpack.data.sources._fields`) are kept
+as flat columns and returned by ``__getitem__``; every other key of the data is counted and reported once.
+
 Parquet needs ``pyarrow`` and ``save_to_disk`` directories need ``datasets``; both are optional and
 imported only by the loader that needs them.
 """
@@ -17,7 +20,7 @@ import hashlib
 import json
 import operator
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from lit_seqpack.batch import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
+from lit_seqpack.data.sources._fields import FieldColumns, check_field_columns, report_undeclared_keys
 from lit_seqpack.data.sources._files import file_fingerprint as _file_fingerprint
 from lit_seqpack.data.sources._files import text_lines
 
@@ -35,7 +39,7 @@ _INT32_MAX = np.iinfo(np.int32).max
 
 
 class TokenizedDataset:
-    """Map-style pre-tokenised samples: ``dataset[i] -> {"input_ids": LongTensor[L], "labels"?: LongTensor[L]}``.
+    """Map-style pre-tokenised samples: ``dataset[i] -> {"input_ids": LongTensor[L], "labels"?: LongTensor[L], ...}``.
 
     Build it with :meth:`from_records`, :meth:`from_jsonl`, :meth:`from_parquet`, :meth:`from_hf_disk`
     or :func:`load_tokenized`. Samples without labels are returned without a ``labels`` key (every
@@ -46,6 +50,9 @@ class TokenizedDataset:
         offsets: ``num_samples + 1`` increasing offsets into ``tokens``; sample ``i`` is
             ``tokens[offsets[i]:offsets[i + 1]]``.
         labels: the labels, concatenated like ``tokens``, or ``None``.
+        token_fields: declared per-token fields, each a flat buffer concatenated like ``tokens`` (float or int);
+            sample ``i`` gets ``buffer[offsets[i]:offsets[i + 1]]`` as a tensor under the field's name.
+        sample_fields: declared per-sample fields, one number a sample; sample ``i`` gets a Python number.
         source: where the data came from (used in messages).
         fingerprint: a stable identity of the content; ``None`` hashes the arrays (lazily, when first asked).
 
@@ -61,6 +68,8 @@ class TokenizedDataset:
         offsets: np.ndarray,
         labels: np.ndarray | None = None,
         *,
+        token_fields: Mapping[str, np.ndarray] | None = None,
+        sample_fields: Mapping[str, np.ndarray] | None = None,
         source: str = "<memory>",
         fingerprint: str | Callable[[], str] | None = None,
     ) -> None:
@@ -75,6 +84,9 @@ class TokenizedDataset:
             raise ValueError(f"{source}: offsets must increase strictly and end at len(tokens)={len(self.tokens)}")
         if self.labels is not None and self.labels.shape != self.tokens.shape:
             raise ValueError(f"{source}: labels hold {len(self.labels)} entries but tokens hold {len(self.tokens)}")
+        self.token_fields, self.sample_fields = check_field_columns(
+            token_fields or {}, sample_fields or {}, len(self.tokens), len(self.offsets) - 1, source
+        )
         self.lengths = np.diff(self.offsets)
         self.lengths.flags.writeable = False
         self.loss_tokens = _loss_tokens(self.labels, self.offsets)
@@ -83,7 +95,7 @@ class TokenizedDataset:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int) -> dict[str, Any]:
         i = operator.index(index)
         if not 0 <= i < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
@@ -91,6 +103,10 @@ class TokenizedDataset:
         sample = {INPUT_IDS: torch.from_numpy(self.tokens[start:stop].astype(np.int64))}
         if self.labels is not None:
             sample[LABELS] = torch.from_numpy(self.labels[start:stop].astype(np.int64))
+        for name, buffer in self.token_fields.items():
+            sample[name] = torch.from_numpy(buffer[start:stop].copy())
+        for name, values in self.sample_fields.items():
+            sample[name] = values[i].item()
         return sample
 
     @property
@@ -106,51 +122,103 @@ class TokenizedDataset:
         return self._fingerprint
 
     @classmethod
-    def from_records(cls, records: Iterable[Mapping[str, Any]], *, source: str = "<memory>") -> TokenizedDataset:
-        """Validate and pack in-memory records (mappings with ``input_ids`` and optional ``labels``)."""
-        return _pack(((f"{source}, record {i}", r) for i, r in enumerate(records)), source, None, False)
+    def from_records(
+        cls,
+        records: Iterable[Mapping[str, Any]],
+        *,
+        source: str = "<memory>",
+        token_fields: Sequence[str] = (),
+        sample_fields: Sequence[str] = (),
+    ) -> TokenizedDataset:
+        """Validate and pack in-memory records (mappings with ``input_ids``, optional ``labels``, declared fields)."""
+        fields = FieldColumns(token_fields, sample_fields)
+        return _pack(((f"{source}, record {i}", r) for i, r in enumerate(records)), source, None, False, fields)
 
     @classmethod
-    def from_jsonl(cls, path: str | os.PathLike[str]) -> TokenizedDataset:
+    def from_jsonl(
+        cls, path: str | os.PathLike[str], *, token_fields: Sequence[str] = (), sample_fields: Sequence[str] = ()
+    ) -> TokenizedDataset:
         """Read a JSONL file: one JSON object per line; whitespace-only lines are skipped."""
         path = Path(path)
-        return _pack(_jsonl_records(path), str(path), functools.partial(_file_fingerprint, "jsonl", path), True)
+        fingerprint = functools.partial(_file_fingerprint, "jsonl", path)
+        return _pack(_jsonl_records(path), str(path), fingerprint, True, FieldColumns(token_fields, sample_fields))
 
     @classmethod
-    def from_parquet(cls, path: str | os.PathLike[str]) -> TokenizedDataset:
-        """Read a Parquet file: an ``input_ids`` list-of-int column, optional ``labels`` or ``loss_mask`` columns."""
-        from lit_seqpack.data.sources._arrow import parquet_table, table_to_arrays
+    def from_parquet(
+        cls, path: str | os.PathLike[str], *, token_fields: Sequence[str] = (), sample_fields: Sequence[str] = ()
+    ) -> TokenizedDataset:
+        """Read a Parquet file: an ``input_ids`` list-of-int column, optional ``labels`` or ``loss_mask`` columns,
+        and the declared field columns (a list of numbers a row for a token field, a number for a sample field)."""
+        from lit_seqpack.data.sources._arrow import parquet_table
 
         path = Path(path)
-        tokens, offsets, labels = table_to_arrays(parquet_table(path, (INPUT_IDS, LABELS, LOSS_MASK)), str(path))
-        return cls(
-            tokens, offsets, labels, source=str(path), fingerprint=functools.partial(_file_fingerprint, "parquet", path)
-        )
+        fields = (*token_fields, *sample_fields)
+        table, names = parquet_table(path, (INPUT_IDS, LABELS, LOSS_MASK, *fields))
+        fingerprint = functools.partial(_file_fingerprint, "parquet", path)
+        return _from_table(cls, table, names, str(path), fingerprint, tuple(token_fields), tuple(sample_fields))
 
     @classmethod
-    def from_hf_disk(cls, path: str | os.PathLike[str], *, split: str | None = None) -> TokenizedDataset:
+    def from_hf_disk(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        split: str | None = None,
+        token_fields: Sequence[str] = (),
+        sample_fields: Sequence[str] = (),
+    ) -> TokenizedDataset:
         """Read a directory written by ``datasets.Dataset.save_to_disk`` (``split`` picks one of a DatasetDict)."""
-        from lit_seqpack.data.sources._arrow import hf_disk_table, table_to_arrays
+        from lit_seqpack.data.sources._arrow import hf_disk_table
 
         path = Path(path)
         where = f"{path}" if split is None else f"{path} [split {split!r}]"
-        tokens, offsets, labels = table_to_arrays(hf_disk_table(path, split), where)
-        return cls(
-            tokens,
-            offsets,
-            labels,
-            source=where,
-            fingerprint=functools.partial(_file_fingerprint, f"hf_disk:{split}", path),
-        )
+        table, names = hf_disk_table(path, split, (*token_fields, *sample_fields))
+        fingerprint = functools.partial(_file_fingerprint, f"hf_disk:{split}", path)
+        return _from_table(cls, table, names, where, fingerprint, tuple(token_fields), tuple(sample_fields))
 
 
-def load_tokenized(path: str | os.PathLike[str], format: str = "auto", *, split: str | None = None) -> TokenizedDataset:
+def _from_table(
+    cls: type[TokenizedDataset],
+    table: Any,
+    names: list[str],
+    where: str,
+    fingerprint: Callable[[], str],
+    token_fields: tuple[str, ...],
+    sample_fields: tuple[str, ...],
+) -> TokenizedDataset:
+    """A dataset of a validated Arrow table, its declared fields kept and its other columns reported."""
+    from lit_seqpack.data.sources._arrow import table_fields, table_to_arrays
+
+    tokens, offsets, labels = table_to_arrays(table, where)
+    token_columns, sample_columns = table_fields(table, where, offsets, token_fields, sample_fields)
+    known = {INPUT_IDS, LABELS, LOSS_MASK, *token_fields, *sample_fields}
+    report_undeclared_keys({name: table.num_rows for name in names if name not in known}, table.num_rows, where)
+    return cls(
+        tokens,
+        offsets,
+        labels,
+        token_fields=token_columns,
+        sample_fields=sample_columns,
+        source=where,
+        fingerprint=fingerprint,
+    )
+
+
+def load_tokenized(
+    path: str | os.PathLike[str],
+    format: str = "auto",
+    *,
+    split: str | None = None,
+    token_fields: Sequence[str] = (),
+    sample_fields: Sequence[str] = (),
+) -> TokenizedDataset:
     """Load pre-tokenised data; ``format="auto"`` picks by suffix (``.jsonl``, ``.parquet``) or directory.
 
     Args:
         path: a ``.jsonl``/``.json`` file, a ``.parquet`` file, or a ``save_to_disk`` directory.
         format: one of ``TOKENIZED_FORMATS``.
         split: the split of a saved ``DatasetDict`` (``hf_disk`` only).
+        token_fields: names of the declared per-token fields to keep (each as long as ``input_ids``).
+        sample_fields: names of the declared per-sample fields to keep (one number a sample).
     """
     path = Path(path)
     if format not in TOKENIZED_FORMATS:
@@ -161,11 +229,12 @@ def load_tokenized(path: str | os.PathLike[str], format: str = "auto", *, split:
         format = _detect_format(path)
     if split is not None and format != "hf_disk":
         raise ValueError(f"split={split!r} only applies to format='hf_disk', not {format!r}")
+    fields = {"token_fields": tuple(token_fields), "sample_fields": tuple(sample_fields)}
     if format == "jsonl":
-        return TokenizedDataset.from_jsonl(path)
+        return TokenizedDataset.from_jsonl(path, **fields)
     if format == "parquet":
-        return TokenizedDataset.from_parquet(path)
-    return TokenizedDataset.from_hf_disk(path, split=split)
+        return TokenizedDataset.from_parquet(path, **fields)
+    return TokenizedDataset.from_hf_disk(path, split=split, **fields)
 
 
 def _detect_format(path: Path) -> str:
@@ -194,12 +263,17 @@ def _jsonl_records(path: Path) -> Iterable[tuple[str, Any]]:
 
 
 def _pack(
-    records: Iterable[tuple[str, Any]], source: str, fingerprint: Callable[[], str] | None, null_is_absent: bool
+    records: Iterable[tuple[str, Any]],
+    source: str,
+    fingerprint: Callable[[], str] | None,
+    null_is_absent: bool,
+    fields: FieldColumns,
 ) -> TokenizedDataset:
     ids_parts: list[np.ndarray] = []
     label_parts: list[np.ndarray | None] = []
     for where, record in records:
         ids, labels = validate_record(record, where, null_is_absent=null_is_absent)
+        fields.add(record, where, len(ids))
         ids_parts.append(ids)
         label_parts.append(labels)
     if not ids_parts:
@@ -209,10 +283,22 @@ def _pack(
     labels = None
     if any(part is not None for part in label_parts):
         labels = np.concatenate([ids if lab is None else lab for ids, lab in zip(ids_parts, label_parts, strict=True)])
-    return TokenizedDataset(tokens, offsets, labels, source=source, fingerprint=fingerprint)
+    report_undeclared_keys(fields.undeclared, len(ids_parts), source)
+    token_columns, sample_columns = fields.columns()
+    return TokenizedDataset(
+        tokens,
+        offsets,
+        labels,
+        token_fields=token_columns,
+        sample_fields=sample_columns,
+        source=source,
+        fingerprint=fingerprint,
+    )
 
 
-def validate_record(record: Any, where: str, *, null_is_absent: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+def validate_record(
+    record: Any, where: str, *, null_is_absent: bool = False, weighted_mask: bool = False
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Check one record and return its ``input_ids`` and ``labels`` (or ``None``) as int32 arrays.
 
     The rules are the collators': ``input_ids`` a non-empty flat list of ints ``>= 0`` (no bool, no None),
@@ -223,6 +309,8 @@ def validate_record(record: Any, where: str, *, null_is_absent: bool = False) ->
         where: how messages name it (``"data.jsonl, line 3"``, ``"dataset[150]"``).
         null_is_absent: a ``None`` ``labels``/``loss_mask`` means the field is absent (a JSON ``null``, like a
             Parquet null); otherwise ``None`` is refused, as the collators refuse it.
+        weighted_mask: ``loss_mask`` holds loss weights in ``[0, 1]`` (``loss_weight_field="loss_mask"``); the
+            labels then mask the tokens whose weight is 0.
 
     Raises:
         ValueError: naming ``where`` and the problem.
@@ -245,7 +333,7 @@ def validate_record(record: Any, where: str, *, null_is_absent: bool = False) ->
     if record.get(LOSS_MASK) is not None:
         if labels is not None:
             raise ValueError(f"{where}: give either 'labels' or 'loss_mask', not both")
-        return ids, _mask_to_labels(ids, record[LOSS_MASK], where)
+        return ids, _mask_to_labels(ids, record[LOSS_MASK], where, weighted=weighted_mask)
     if labels is None:
         return ids, None
     labels = _int_array(labels, LABELS, where)
@@ -260,14 +348,55 @@ def validate_record(record: Any, where: str, *, null_is_absent: bool = False) ->
     return ids, labels
 
 
-def _mask_to_labels(ids: np.ndarray, loss_mask: Any, where: str) -> np.ndarray:
-    """``loss_mask`` (1 = train on the token, 0 = do not) as labels: the id where 1, -100 where 0."""
+def _mask_to_labels(ids: np.ndarray, loss_mask: Any, where: str, *, weighted: bool = False) -> np.ndarray:
+    """``loss_mask`` (1 = train on the token, 0 = do not) as labels: the id where 1, -100 where 0.
+
+    ``weighted``: the mask holds weights in ``[0, 1]``; every token of a non-zero weight keeps its id.
+    """
+    if weighted:
+        return _weights_to_labels(ids, loss_mask, where)
+    if _holds_floats(loss_mask):
+        raise ValueError(
+            f"{where}: 'loss_mask' must hold only 0 and 1, found floats; for loss weights in [0, 1] set "
+            "loss_weight_field='loss_mask'"
+        )
     mask = _int_array(loss_mask, LOSS_MASK, where, allow_bool=True)
     if len(mask) != len(ids):
         raise ValueError(f"{where}: 'loss_mask' has {len(mask)} entries but 'input_ids' has {len(ids)}")
     if ((mask != 0) & (mask != 1)).any():
         raise ValueError(f"{where}: 'loss_mask' must hold only 0 and 1, got {sorted(set(mask.tolist()))}")
     return np.where(mask == 1, ids, IGNORE_INDEX).astype(np.int32)
+
+
+def _holds_floats(values: Any) -> bool:
+    """Whether a list holds a Python float, or an array or tensor has a floating dtype."""
+    if isinstance(values, (list, tuple)):
+        return any(type(value) is float for value in values)
+    if isinstance(values, torch.Tensor):
+        return values.is_floating_point()
+    return isinstance(values, np.ndarray) and values.dtype.kind == "f"
+
+
+def _weights_to_labels(ids: np.ndarray, loss_mask: Any, where: str) -> np.ndarray:
+    """A weighted ``loss_mask`` (finite numbers in ``[0, 1]``) as labels: the id where the weight is not 0."""
+    if isinstance(loss_mask, torch.Tensor):
+        loss_mask = loss_mask.cpu().numpy()
+    if not isinstance(loss_mask, (list, tuple, np.ndarray)):
+        raise ValueError(f"{where}: 'loss_mask' must be a list of weights, got {type(loss_mask).__name__}")
+    try:
+        weights = np.asarray(loss_mask, dtype=np.float64)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: 'loss_mask' must be a flat list of weights in [0, 1] ({err})") from None
+    if weights.ndim != 1 or len(weights) != len(ids):
+        raise ValueError(f"{where}: 'loss_mask' has shape {weights.shape} but 'input_ids' has {len(ids)} tokens")
+    bad = ~np.isfinite(weights) | (weights < 0) | (weights > 1)
+    if bad.any():
+        position = int(np.argmax(bad))
+        raise ValueError(
+            f"{where}: 'loss_mask' has {weights[position]} at position {position}; with "
+            "loss_weight_field='loss_mask' its values are weights in [0, 1]"
+        )
+    return np.where(weights != 0, ids, IGNORE_INDEX).astype(np.int32)
 
 
 def _int_array(value: Any, key: str, where: str, *, allow_bool: bool = False) -> np.ndarray:
