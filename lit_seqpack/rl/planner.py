@@ -15,12 +15,21 @@ plan's facts:
 ``num_groups``             distinct groups in the batch
 ``step``                   the optimizer step (0-based) within the rollout
 ``step_loss_tokens``       loss tokens of the step over all ranks (also ``step_documents``, ``step_groups``)
+``step_loss_weight``       with ``loss_weight_field``: the step's loss-weight sum over all ranks (and the batch's
+                           ``loss_weights``, ``num_loss_weight``, as :mod:`lit_seqpack.data.loss_weights` places them)
 ``is_last_in_step``        the last microbatch of this rank in the step: call ``optimizer.step()`` after it
 =========================  =======================================================================================
+
+Under ``torch.distributed`` the planner also checks, once per call of ``train_microbatches`` or
+``logprob_microbatches``, that every rank holds the same rollout (``check_rollout``): one ``all_gather_object`` of
+:meth:`~lit_seqpack.rl.Rollout.fingerprint`, so that ranks fed different rollouts (a DataLoader sharded by
+Lightning's ``DistributedSampler``) raise on every rank instead of training on different data.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -30,7 +39,7 @@ import torch
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.planning.rollout import RolloutPlan, RolloutPlanConfig, dense_group_labels, plan_rollout
-from lit_seqpack.rl._world import resolve_world
+from lit_seqpack.rl._world import check_same_rollout, gather_per_sample, resolve_world
 from lit_seqpack.rl.rollout import Rollout
 from lit_seqpack.rl.unpack import unpack
 
@@ -61,6 +70,11 @@ class RolloutPlanner:
         cost_quadratic: ``b`` (``"auto"``: ``cost_linear / budget``).
         shuffle: shuffle samples (groups) before cutting steps.
         seed: the shuffle's seed.
+        loss_weight_field: a token field of the rollout holding per-token loss weights (``>= 0``): training
+            batches then carry ``loss_weights`` and the step's ``step_loss_weight``, and ``step_loss(...,
+            normalize="token")`` is the weighted token mean of the step. ``None``: no weights.
+        check_rollout: compare the rollout's fingerprint over ranks once per pass (one ``all_gather_object``);
+            ``None``: whenever ``torch.distributed`` is initialised and there is more than one rank.
 
     Example:
         >>> rollout = Rollout(input_ids=[[5, 6, 7], [8, 9], [1, 2, 3, 4]])
@@ -89,12 +103,24 @@ class RolloutPlanner:
         cost_quadratic: float | Literal["auto"] = "auto",
         shuffle: bool = False,
         seed: int = 0,
+        loss_weight_field: str | None = None,
+        check_rollout: bool | None = None,
     ) -> None:
         if (world_size is None) != (rank is None):
             raise ValueError(f"give both world_size and rank, or neither (got {world_size=}, {rank=})")
         if world_size is not None and not (isinstance(rank, int) and 0 <= rank < world_size):
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
+        if loss_weight_field is not None and (not isinstance(loss_weight_field, str) or not loss_weight_field):
+            raise ValueError(f"loss_weight_field must be None or a token field name, got {loss_weight_field!r}")
+        if loss_weight_field == "loss_mask":
+            raise ValueError(
+                "loss_weight_field='loss_mask' is not supported: a Rollout's loss_mask is 0/1. Put the weights in a "
+                "token field (token_fields={'weights': ...}) and pass loss_weight_field='weights'"
+            )
+        if check_rollout is not None and not isinstance(check_rollout, bool):
+            raise ValueError(f"check_rollout must be None, True or False, got {check_rollout!r}")
         self._world, self._trainer = (world_size, rank) if world_size is not None else None, trainer
+        self.loss_weight_field, self.check_rollout = loss_weight_field, check_rollout
         common = {
             "mode": mode,
             "algorithm": algorithm,
@@ -139,8 +165,7 @@ class RolloutPlanner:
     def _plan(self, rollout: Rollout, config: RolloutPlanConfig, budget: str) -> RolloutPlan:
         if not isinstance(rollout, Rollout):
             raise TypeError(f"expected a lit_seqpack.rl.Rollout, got {type(rollout).__name__}")
-        world_size, _ = self.world
-        config = RolloutPlanConfig(**{**_fields(config), "world_size": world_size})
+        config = dataclasses.replace(config, world_size=self.world[0])
         lengths = rollout.lengths
         over = np.flatnonzero(lengths > config.max_tokens)
         if over.size:
@@ -155,13 +180,15 @@ class RolloutPlanner:
     # --------------------------------------------------------------------------------------------- batches
     def logprob_microbatches(self, rollout: Rollout, *, device: Any = None) -> Iterator[dict[str, Any]]:
         """This rank's log-prob batches (every rank yields as many; fillers have ``is_empty``)."""
-        plan = self.logprob_plan(rollout)
-        yield from self._batches(rollout, plan, device)
+        self._check_same_rollout(rollout)
+        yield from self._batches(rollout, self.logprob_plan(rollout), device)
 
     def train_microbatches(self, rollout: Rollout, *, device: Any = None) -> Iterator[dict[str, Any]]:
         """This rank's training batches, ``accumulate_grad_batches`` per step, with the step totals."""
+        self._check_same_rollout(rollout)
         plan = self.plan(rollout)
-        yield from self._batches(rollout, plan, device)
+        step_weights = None if self.loss_weight_field is None else _step_weights(plan, rollout, self.loss_weight_field)
+        yield from self._batches(rollout, plan, device, step_weights=step_weights)
 
     @torch.no_grad()
     def compute_per_token(
@@ -185,26 +212,44 @@ class RolloutPlanner:
         Returns:
             ``N`` tensors (on the device ``fn`` returned); without ``gather``, entries of other ranks are ``None``.
         """
+        world_size, rank = self.world
+        gathered = gather and world_size > 1
+        if not gathered:  # the gather compares the fingerprints itself
+            self._check_same_rollout(rollout)
+        plan = self.logprob_plan(rollout)
         out: list[torch.Tensor | None] = [None] * len(rollout)
-        for batch in self.logprob_microbatches(rollout, device=device):
+        for batch in self._batches(rollout, plan, device):
             if batch["is_empty"]:
                 continue
             values = fn(batch)
             for index, value in zip(batch["sample_indices"], unpack(values, batch), strict=True):
                 out[index] = value.detach().clone()
-        if gather and self.world[0] > 1:
-            from lit_seqpack.rl._world import gather_per_sample
-
-            return gather_per_sample(
-                out, self.logprob_plan(rollout), rollout.lengths, self.world[1], rollout.fingerprint()
-            )
+        if gathered:
+            return gather_per_sample(out, plan, rollout.lengths, rank, rollout.fingerprint())
         return out
 
-    def _batches(self, rollout: Rollout, plan: RolloutPlan, device: Any) -> Iterator[dict[str, Any]]:
+    def _check_same_rollout(self, rollout: Rollout) -> None:
+        world_size = self.world[0]
+        if self.check_rollout is False or world_size == 1:
+            return
+        import torch.distributed as dist
+
+        initialised = dist.is_available() and dist.is_initialized()
+        if self.check_rollout and not initialised:
+            raise ValueError(
+                f"check_rollout=True compares the rollout over ranks, but torch.distributed is not initialised "
+                f"(world_size={world_size}); pass check_rollout=False or None"
+            )
+        if initialised:
+            check_same_rollout(rollout.fingerprint(), world_size)
+
+    def _batches(
+        self, rollout: Rollout, plan: RolloutPlan, device: Any, *, step_weights: np.ndarray | None = None
+    ) -> Iterator[dict[str, Any]]:
         world_size, rank = self.world
         groups = dense_group_labels(None if rollout.group_ids is None else rollout.group_ids.numpy(), len(rollout))
         loss_tokens, accumulate = rollout.loss_tokens, plan.accumulate_grad_batches
-        collate = self._collator(rollout)
+        collate = self._collator(rollout, weighted=step_weights is not None)
         for step, slot, indices in plan.rank_microbatches(rank):
             meta = MicrobatchMeta(
                 step=step,
@@ -214,6 +259,7 @@ class RolloutPlanner:
                 max_tokens=plan.config.max_tokens,
                 is_empty=not indices,
                 loss_tokens=int(loss_tokens[indices].sum()) if indices else None,
+                step_loss_weight=None if step_weights is None else float(step_weights[step]),
             )
             batch = collate(Microbatch([rollout.sample(i) for i in indices], meta=meta, indices=indices))
             batch.update(
@@ -229,8 +275,8 @@ class RolloutPlanner:
             )
             yield batch if device is None else _to_device(batch, device)
 
-    def _collator(self, rollout: Rollout) -> Callable[[Any], dict[str, Any]]:
-        fields: dict[str, Any] = {}
+    def _collator(self, rollout: Rollout, *, weighted: bool) -> Callable[[Any], dict[str, Any]]:
+        fields: dict[str, Any] = {"loss_weight_field": self.loss_weight_field} if weighted else {}
         if rollout.token_fields:
             fields["token_fields"] = {name: 0.0 for name in rollout.token_fields}
         if rollout.sample_fields:
@@ -238,8 +284,11 @@ class RolloutPlanner:
         return self._collator_type(**self._collator_args, **fields)
 
 
-def _fields(config: RolloutPlanConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in RolloutPlanConfig.__dataclass_fields__}
+def _step_weights(plan: RolloutPlan, rollout: Rollout, field: str) -> np.ndarray:
+    """The loss-weight sum of every optimizer step over all ranks (the same on every rank, no collective)."""
+    sums = rollout.loss_weight_sums(field)
+    members = [[i for share in ranks for mb in share for i in mb] for ranks in plan.microbatches]
+    return np.array([math.fsum(sums[step].tolist()) for step in members], dtype=np.float64)
 
 
 def _to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
