@@ -36,9 +36,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-from lit_seqpack.planning.rollout import RolloutPlan, RolloutPlanConfig, dense_group_labels, plan_rollout
+from lit_seqpack.planning.rollout import RolloutPlan, RolloutPlanConfig, plan_rollout
+from lit_seqpack.rl._batches import collator_fields, plan_batches
 from lit_seqpack.rl._world import check_same_rollout, gather_per_sample, resolve_world
 from lit_seqpack.rl.rollout import Rollout
 from lit_seqpack.rl.unpack import unpack
@@ -247,41 +247,10 @@ class RolloutPlanner:
         self, rollout: Rollout, plan: RolloutPlan, device: Any, *, step_weights: np.ndarray | None = None
     ) -> Iterator[dict[str, Any]]:
         world_size, rank = self.world
-        groups = dense_group_labels(None if rollout.group_ids is None else rollout.group_ids.numpy(), len(rollout))
-        loss_tokens, accumulate = rollout.loss_tokens, plan.accumulate_grad_batches
-        collate = self._collator(rollout, weighted=step_weights is not None)
-        for step, slot, indices in plan.rank_microbatches(rank):
-            meta = MicrobatchMeta(
-                step=step,
-                step_loss_tokens=int(plan.step_loss_tokens[step]),
-                world_size=world_size,
-                accumulate_grad_batches=accumulate,
-                max_tokens=plan.config.max_tokens,
-                is_empty=not indices,
-                loss_tokens=int(loss_tokens[indices].sum()) if indices else None,
-                step_loss_weight=None if step_weights is None else float(step_weights[step]),
-            )
-            batch = collate(Microbatch([rollout.sample(i) for i in indices], meta=meta, indices=indices))
-            batch.update(
-                sample_indices=list(indices),
-                group_ids=torch.as_tensor(groups[indices], dtype=torch.int64),
-                document_loss_tokens=torch.as_tensor(loss_tokens[indices], dtype=torch.int64),
-                group_loss_tokens=torch.as_tensor(plan.group_loss_tokens[indices], dtype=torch.int64),
-                num_groups=int(np.unique(groups[indices]).size),
-                step=step,
-                step_documents=int(plan.step_documents[step]),
-                step_groups=int(plan.step_groups[step]),
-                is_last_in_step=slot == accumulate - 1,
-            )
+        fields = {"loss_weight_field": self.loss_weight_field} if step_weights is not None else {}
+        collate = self._collator_type(**self._collator_args, **collator_fields(rollout), **fields)
+        for batch in plan_batches(rollout, plan, rank, world_size, collate, step_weights=step_weights):
             yield batch if device is None else _to_device(batch, device)
-
-    def _collator(self, rollout: Rollout, *, weighted: bool) -> Callable[[Any], dict[str, Any]]:
-        fields: dict[str, Any] = {"loss_weight_field": self.loss_weight_field} if weighted else {}
-        if rollout.token_fields:
-            fields["token_fields"] = {name: 0.0 for name in rollout.token_fields}
-        if rollout.sample_fields:
-            fields["sample_fields"] = list(rollout.sample_fields)
-        return self._collator_type(**self._collator_args, **fields)
 
 
 def _step_weights(plan: RolloutPlan, rollout: Rollout, field: str) -> np.ndarray:
