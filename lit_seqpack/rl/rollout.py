@@ -259,9 +259,9 @@ class Rollout:
 
         Every rank must plan the same rollout; ``compute_per_token(gather=True)`` compares the ranks' digests.
         """
-        digest = hashlib.sha256()
-        for ids, mask in zip(self.input_ids, self.loss_mask, strict=True):
-            digest.update(np.int64(len(ids)).tobytes() + ids.numpy().tobytes() + mask.numpy().tobytes())
+        digest = hashlib.sha256(self.lengths.tobytes())
+        digest.update(torch.cat(list(self.input_ids)).numpy().tobytes())
+        digest.update(torch.cat(list(self.loss_mask)).numpy().tobytes())
         if self.group_ids is not None:
             digest.update(self.group_ids.numpy().tobytes())
         return digest.hexdigest()
