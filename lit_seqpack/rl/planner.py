@@ -74,7 +74,8 @@ class RolloutPlanner:
             batches then carry ``loss_weights`` and the step's ``step_loss_weight``, and ``step_loss(...,
             normalize="token")`` is the weighted token mean of the step. ``None``: no weights.
         check_rollout: compare the rollout's fingerprint over ranks once per pass (one ``all_gather_object``);
-            ``None``: whenever ``torch.distributed`` is initialised and there is more than one rank.
+            ``None``: whenever ``torch.distributed`` is initialised, there is more than one rank and the pass runs
+            in the main process (not in a DataLoader worker).
 
     Example:
         >>> rollout = Rollout(input_ids=[[5, 6, 7], [8, 9], [1, 2, 3, 4]])
@@ -235,12 +236,14 @@ class RolloutPlanner:
         import torch.distributed as dist
 
         initialised = dist.is_available() and dist.is_initialized()
-        if self.check_rollout and not initialised:
+        in_worker = torch.utils.data.get_worker_info() is not None  # a DataLoader worker cannot join a collective
+        if self.check_rollout and (in_worker or not initialised):
+            where = "it runs in a DataLoader worker" if in_worker else "torch.distributed is not initialised"
             raise ValueError(
-                f"check_rollout=True compares the rollout over ranks, but torch.distributed is not initialised "
-                f"(world_size={world_size}); pass check_rollout=False or None"
+                f"check_rollout=True compares the rollout over ranks, but {where} (world_size={world_size}); "
+                "pass check_rollout=False or None, or compare Rollout.fingerprint() in the main process"
             )
-        if initialised:
+        if initialised and not in_worker:
             check_same_rollout(rollout.fingerprint(), world_size)
 
     def _batches(

@@ -164,6 +164,25 @@ def test_the_rollout_check_is_off_on_one_process_and_needs_a_process_group_when_
     with pytest.raises(ValueError, match="check_rollout must be None, True or False, got 'yes'"):
         RolloutPlanner(train_max_tokens=64, check_rollout="yes")
     forced = RolloutPlanner(train_max_tokens=64, world_size=2, rank=0, check_rollout=True)
-    with pytest.raises(ValueError, match="check_rollout=True .* torch.distributed is not initialised"):
+    with pytest.raises(ValueError, match="check_rollout=True .* but torch.distributed is not initialised"):
         next(forced.train_microbatches(rollout))
     assert list(RolloutPlanner(train_max_tokens=64, world_size=2, rank=0).train_microbatches(rollout))
+
+
+class _PlannedRollout(torch.utils.data.IterableDataset):
+    def __init__(self, planner: RolloutPlanner) -> None:
+        self.planner = planner
+
+    def __iter__(self):
+        for batch in self.planner.train_microbatches(make_rollout(count=4, seed=11)):
+            yield batch["sample_indices"]
+
+
+def test_the_rollout_check_is_not_run_in_a_dataloader_worker() -> None:
+    unchecked = RolloutPlanner(train_max_tokens=64, world_size=2, rank=0)  # default: skipped in a worker
+    loader = torch.utils.data.DataLoader(_PlannedRollout(unchecked), batch_size=None, num_workers=1)
+    assert len(list(loader)) == unchecked.plan(make_rollout(count=4, seed=11)).accumulate_grad_batches
+    forced = RolloutPlanner(train_max_tokens=64, world_size=2, rank=0, check_rollout=True)
+    loader = torch.utils.data.DataLoader(_PlannedRollout(forced), batch_size=None, num_workers=1)
+    with pytest.raises(ValueError, match="check_rollout=True .* but it runs in a DataLoader worker"):
+        list(loader)
