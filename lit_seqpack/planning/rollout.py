@@ -25,8 +25,9 @@ from typing import Literal
 
 import numpy as np
 
-from lit_seqpack.planning._partition import karmarkar_karp
+from lit_seqpack._checks import check_choice, check_flag, check_int, check_optional_int
 from lit_seqpack.planning._rollout_microbatches import rank_microbatches
+from lit_seqpack.planning._rollout_steps import balance_step, cut_steps, group_units
 from lit_seqpack.planning._windows import as_counts
 from lit_seqpack.planning.dynamic import round_up
 
@@ -34,13 +35,6 @@ __all__ = ["KEEP_TOGETHER", "ROLLOUT_MODES", "RolloutPlan", "RolloutPlanConfig",
 
 ROLLOUT_MODES: tuple[str, ...] = ("packing", "dynamic")
 KEEP_TOGETHER: tuple[str | None, ...] = (None, "microbatch", "rank")
-
-
-def _check_int(name: str, value: object, minimum: int, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be {'None or ' if optional else ''}an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,14 +75,12 @@ class RolloutPlanConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.mode not in ROLLOUT_MODES:
-            raise ValueError(f"mode must be one of {ROLLOUT_MODES}, got {self.mode!r}")
-        if self.keep_together not in KEEP_TOGETHER:
-            raise ValueError(f"keep_together must be one of {KEEP_TOGETHER}, got {self.keep_together!r}")
+        check_choice("mode", self.mode, ROLLOUT_MODES)
+        check_choice("keep_together", self.keep_together, KEEP_TOGETHER)
         for name, minimum in (("max_tokens", 1), ("world_size", 1), ("sequence_length_round", 1), ("seed", 0)):
-            _check_int(name, getattr(self, name), minimum)
+            check_int(name, getattr(self, name), minimum=minimum)
         for name in ("samples_per_step", "steps_per_rollout", "accumulate_grad_batches"):
-            _check_int(name, getattr(self, name), 1, optional=True)
+            check_optional_int(name, getattr(self, name), minimum=1)
         if self.samples_per_step is not None and self.steps_per_rollout is not None:
             raise ValueError(
                 f"give samples_per_step ({self.samples_per_step}) or steps_per_rollout ({self.steps_per_rollout}), "
@@ -111,8 +103,7 @@ class RolloutPlanConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not isinstance(self.shuffle, bool):
-            raise ValueError(f"shuffle must be a bool, got {self.shuffle!r}")
+        check_flag("shuffle", self.shuffle)
 
     @property
     def quadratic_cost(self) -> float:
@@ -198,10 +189,10 @@ def plan_rollout(
     loss = np.maximum(lengths - 1, 0) if loss_tokens is None else as_counts("loss_tokens", loss_tokens, n)
     groups = dense_group_labels(group_ids, n)
     _check_budget(lengths, groups, config)
-    units = _units(groups, config)
-    steps = _cut_steps(units, n, config)
+    units = group_units(groups, config)
+    steps = cut_steps(units, n, config)
     costs = config.cost_linear * lengths + config.quadratic_cost * lengths.astype(np.float64) ** 2
-    per_step = [_balance_step(step, costs, config) for step in steps]
+    per_step = [balance_step(step, costs, config) for step in steps]
     counts = [[len(rank_microbatches(share, lengths, config)) for share in ranks] for ranks in per_step]
     needed = max((c for row in counts for c in row), default=1)
     accumulate = config.accumulate_grad_batches or max(needed, 1)
@@ -271,48 +262,3 @@ def _check_budget(lengths: np.ndarray, groups: np.ndarray, config: RolloutPlanCo
                 f"{int(group_cost[g])} tokens > max_tokens={config.max_tokens}; raise the budget or use "
                 "keep_together='rank'"
             )
-
-
-def _units(groups: np.ndarray, config: RolloutPlanConfig) -> list[list[int]]:
-    """Groups as lists of sample indices, in order of first appearance (shuffled with ``config.shuffle``)."""
-    order = np.argsort(groups, kind="stable")
-    bounds = np.flatnonzero(np.diff(groups[order])) + 1
-    units = [part.tolist() for part in np.split(order, bounds)] if groups.size else []
-    if config.shuffle:
-        units = [units[i] for i in np.random.default_rng(config.seed).permutation(len(units))]
-    return units
-
-
-def _cut_steps(units: list[list[int]], n: int, config: RolloutPlanConfig) -> list[list[list[int]]]:
-    """Consecutive units per optimizer step, cut at group boundaries."""
-    ends = np.cumsum([len(u) for u in units])
-    if config.samples_per_step is not None:
-        per = config.samples_per_step
-        if n % per:
-            raise ValueError(
-                f"the rollout has {n} samples, not a multiple of samples_per_step={per}: the last step would be "
-                "shorter; use steps_per_rollout for near-equal steps"
-            )
-        targets = np.arange(per, n + 1, per)
-        cuts = np.searchsorted(ends, targets)
-        if not np.array_equal(ends[np.minimum(cuts, ends.size - 1)], targets):
-            raise ValueError(f"samples_per_step={per} cuts a group in two; make it a multiple of the group size")
-    else:
-        k = config.steps_per_rollout or 1
-        if k > len(units):
-            raise ValueError(f"steps_per_rollout={k} is more than the rollout's {len(units)} groups (samples)")
-        cuts, previous = [], -1
-        for j in range(1, k):  # the unit boundary nearest to j/k of the samples, keeping every step non-empty
-            nearest = int(np.argmin(np.abs(ends - j * n / k)))
-            previous = min(max(nearest, previous + 1), len(units) - 1 - (k - j))
-            cuts.append(previous)
-        cuts = np.array([*cuts, len(units) - 1])
-    starts = np.concatenate(([0], cuts[:-1] + 1))
-    return [units[a : b + 1] for a, b in zip(starts.tolist(), cuts.tolist(), strict=True)]
-
-
-def _balance_step(step: list[list[int]], costs: np.ndarray, config: RolloutPlanConfig) -> list[list[list[int]]]:
-    """Per rank, the packing items of one step: whole groups when kept together, single samples otherwise."""
-    items = step if config.keep_together is not None else [[i] for unit in step for i in unit]
-    parts = karmarkar_karp([costs[item].sum() for item in items], config.world_size)
-    return [[items[j] for j in part] for part in parts]

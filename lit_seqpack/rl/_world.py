@@ -9,7 +9,13 @@ import torch
 
 from lit_seqpack.planning.rollout import RolloutPlan
 
-__all__ = ["gather_per_sample", "resolve_world"]
+__all__ = ["check_same_rollout", "gather_per_sample", "resolve_world"]
+
+_DIFFERENT_ROLLOUTS = (
+    "the ranks planned different rollouts (their Rollout.fingerprint() differ: {digests}): every rank must hold the "
+    "same rollout. A DataLoader of rollouts (or prompts) needs use_distributed_sampler=False (or generate on every "
+    "rank with the same seed and gather)"
+)
 
 
 def resolve_world(trainer: Any = None) -> tuple[int, int]:
@@ -56,12 +62,7 @@ def gather_per_sample(
     first = mine[0] if mine else None
     described = None if first is None else (first.dtype, tuple(first.shape[1:]), str(first.device))
     dist.all_gather_object(meta, (fingerprint, described))
-    if len({m[0] for m in meta}) > 1:
-        raise RuntimeError(
-            "the ranks planned different rollouts (their Rollout.fingerprint() differ): every rank must hold the same "
-            "rollout. A DataLoader of rollouts needs use_distributed_sampler=False (or generate on every rank with "
-            "the same seed and gather)"
-        )
+    _raise_unless_equal([m[0] for m in meta])
     meta = [m[1] for m in meta]
     known = next(m for m in meta if m is not None)
     dtype, trailing = known[0], known[1]
@@ -83,3 +84,30 @@ def gather_per_sample(
         for i, part in zip(owned[r], buffers[r][: totals[r]].split(lengths[owned[r]].tolist()), strict=True):
             out[i] = part
     return out
+
+
+def check_same_rollout(fingerprint: str, world_size: int) -> None:
+    """Raise on every rank unless all ``world_size`` ranks hold the rollout of ``fingerprint`` (one
+    ``all_gather_object`` of the digest over the default process group).
+
+    Raises:
+        ValueError: the default process group is not the planner's data-parallel group.
+        RuntimeError: the ranks' digests differ (on every rank, so none waits for the others).
+    """
+    import torch.distributed as dist
+
+    if dist.get_world_size() != world_size:
+        raise ValueError(
+            f"check_rollout compares the rollout over the default process group ({dist.get_world_size()} ranks) "
+            f"but the planner has {world_size} data-parallel ranks; pass check_rollout=False and compare "
+            "Rollout.fingerprint() over your data-parallel group"
+        )
+    digests: list[Any] = [None] * world_size
+    dist.all_gather_object(digests, fingerprint)
+    _raise_unless_equal(digests)
+
+
+def _raise_unless_equal(digests: list[str]) -> None:
+    if len(set(digests)) > 1:
+        shown = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
+        raise RuntimeError(_DIFFERENT_ROLLOUTS.format(digests=shown))

@@ -4,7 +4,8 @@ A per-token loss ``[B, T]`` (value at ``t`` for token ``t``, the ``labels`` conv
 :meth:`~lit_seqpack.rl.RolloutPlanner.train_microbatches` becomes the value to back-propagate with
 :func:`step_loss`. Over every microbatch of a step, on every rank, the gradients add up to the gradient of
 
-- ``normalize="token"``: the mean over every loss token of the step;
+- ``normalize="token"``: the mean over every loss token of the step (with a planner's ``loss_weight_field``, the
+  weighted mean ``sum(w * loss) / sum(w)`` over the step: the batch's ``loss_weights`` and ``step_loss_weight``);
 - ``normalize="sequence"``: the mean over the step's samples of each sample's token mean;
 - ``normalize="group"``: the mean over the step's groups of each group's token mean (a group may be split over
   microbatches or ranks: the plan knows its total),
@@ -22,7 +23,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from lit_seqpack.batch import IGNORE_INDEX, shift_labels
+from lit_seqpack.batch import IGNORE_INDEX, LOSS_WEIGHTS, NUM_LOSS_WEIGHT, STEP_LOSS_WEIGHT, shift_labels
 from lit_seqpack.model.loss import LossOutput, exact_loss
 from lit_seqpack.rl.unpack import per_document_to_tokens
 
@@ -95,6 +96,9 @@ def loss_output(
     """The microbatch's :class:`~lit_seqpack.model.loss.LossOutput` for a per-token loss (positions off the loss
     mask are ignored, whatever their value), with the step's unit count as ``step_units``.
 
+    A batch with ``loss_weights`` (``RolloutPlanner(loss_weight_field=...)``) gives the weighted token loss, its
+    units being weight sums; the sequence and group means refuse it (the weights would be dropped).
+
     Return it from a :class:`~lit_seqpack.model.mixin.PackedSequenceMixin`'s ``seqpack_loss`` and the mixin's
     exact normalisation does the rest (automatic optimization).
     """
@@ -105,6 +109,8 @@ def loss_output(
     if token_loss.shape != labels.shape:
         raise ValueError(f"token_loss must have the batch's shape {tuple(labels.shape)}, got {tuple(token_loss.shape)}")
     masked = torch.where(labels != IGNORE_INDEX, token_loss, torch.zeros_like(token_loss))
+    if batch.get(LOSS_WEIGHTS) is not None:
+        return _weighted_token_output(masked, batch, normalize)
     if normalize == "token":
         return LossOutput(
             loss_sum=masked.sum(), num_units=int(batch["num_loss_tokens"]), step_units=int(batch["step_loss_tokens"])
@@ -116,6 +122,23 @@ def loss_output(
     loss_sum = (masked * per_document_to_tokens(weights, batch)).sum()
     units = int(batch["num_documents"]) if normalize == "sequence" else int(batch["num_groups"])
     return LossOutput(loss_sum=loss_sum, num_units=units, step_units=int(batch[step_key]))
+
+
+def _weighted_token_output(masked: torch.Tensor, batch: Mapping[str, Any], normalize: str) -> LossOutput:
+    """The weighted token mean's share of a batch planned with a ``loss_weight_field``."""
+    if normalize != "token":
+        raise ValueError(
+            f"the batch carries loss_weights (RolloutPlanner(loss_weight_field=...)), which only normalize='token' "
+            f"supports, got normalize={normalize!r}: drop the weights or use normalize='token'"
+        )
+    if batch.get(STEP_LOSS_WEIGHT) is None:
+        raise ValueError("the batch carries loss_weights but no step_loss_weight: the weighted step mean needs it")
+    weights = batch[LOSS_WEIGHTS].to(device=masked.device, dtype=masked.dtype)
+    return LossOutput(
+        loss_sum=(masked * weights).sum(),
+        num_units=float(batch[NUM_LOSS_WEIGHT]),
+        step_units=float(batch[STEP_LOSS_WEIGHT]),
+    )
 
 
 def scale_step_loss(

@@ -15,22 +15,31 @@ plan's facts:
 ``num_groups``             distinct groups in the batch
 ``step``                   the optimizer step (0-based) within the rollout
 ``step_loss_tokens``       loss tokens of the step over all ranks (also ``step_documents``, ``step_groups``)
+``step_loss_weight``       with ``loss_weight_field``: the step's loss-weight sum over all ranks (and the batch's
+                           ``loss_weights``, ``num_loss_weight``, as :mod:`lit_seqpack.data.loss_weights` places them)
 ``is_last_in_step``        the last microbatch of this rank in the step: call ``optimizer.step()`` after it
 =========================  =======================================================================================
+
+Under ``torch.distributed`` the planner also checks, once per call of ``train_microbatches`` or
+``logprob_microbatches``, that every rank holds the same rollout (``check_rollout``): one ``all_gather_object`` of
+:meth:`~lit_seqpack.rl.Rollout.fingerprint`, so that ranks fed different rollouts (a DataLoader sharded by
+Lightning's ``DistributedSampler``) raise on every rank instead of training on different data.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-from lit_seqpack.planning.rollout import RolloutPlan, RolloutPlanConfig, dense_group_labels, plan_rollout
-from lit_seqpack.rl._world import resolve_world
+from lit_seqpack.planning.rollout import RolloutPlan, RolloutPlanConfig, plan_rollout
+from lit_seqpack.rl._batches import collator_fields, plan_batches
+from lit_seqpack.rl._world import check_same_rollout, gather_per_sample, resolve_world
 from lit_seqpack.rl.rollout import Rollout
 from lit_seqpack.rl.unpack import unpack
 
@@ -61,6 +70,12 @@ class RolloutPlanner:
         cost_quadratic: ``b`` (``"auto"``: ``cost_linear / budget``).
         shuffle: shuffle samples (groups) before cutting steps.
         seed: the shuffle's seed.
+        loss_weight_field: a token field of the rollout holding per-token loss weights (``>= 0``): training
+            batches then carry ``loss_weights`` and the step's ``step_loss_weight``, and ``step_loss(...,
+            normalize="token")`` is the weighted token mean of the step. ``None``: no weights.
+        check_rollout: compare the rollout's fingerprint over ranks once per pass (one ``all_gather_object``);
+            ``None``: whenever ``torch.distributed`` is initialised, there is more than one rank and the pass runs
+            in the main process (not in a DataLoader worker).
 
     Example:
         >>> rollout = Rollout(input_ids=[[5, 6, 7], [8, 9], [1, 2, 3, 4]])
@@ -89,12 +104,24 @@ class RolloutPlanner:
         cost_quadratic: float | Literal["auto"] = "auto",
         shuffle: bool = False,
         seed: int = 0,
+        loss_weight_field: str | None = None,
+        check_rollout: bool | None = None,
     ) -> None:
         if (world_size is None) != (rank is None):
             raise ValueError(f"give both world_size and rank, or neither (got {world_size=}, {rank=})")
         if world_size is not None and not (isinstance(rank, int) and 0 <= rank < world_size):
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
+        if loss_weight_field is not None and (not isinstance(loss_weight_field, str) or not loss_weight_field):
+            raise ValueError(f"loss_weight_field must be None or a token field name, got {loss_weight_field!r}")
+        if loss_weight_field == "loss_mask":
+            raise ValueError(
+                "loss_weight_field='loss_mask' is not supported: a Rollout's loss_mask is 0/1. Put the weights in a "
+                "token field (token_fields={'weights': ...}) and pass loss_weight_field='weights'"
+            )
+        if check_rollout is not None and not isinstance(check_rollout, bool):
+            raise ValueError(f"check_rollout must be None, True or False, got {check_rollout!r}")
         self._world, self._trainer = (world_size, rank) if world_size is not None else None, trainer
+        self.loss_weight_field, self.check_rollout = loss_weight_field, check_rollout
         common = {
             "mode": mode,
             "algorithm": algorithm,
@@ -139,8 +166,7 @@ class RolloutPlanner:
     def _plan(self, rollout: Rollout, config: RolloutPlanConfig, budget: str) -> RolloutPlan:
         if not isinstance(rollout, Rollout):
             raise TypeError(f"expected a lit_seqpack.rl.Rollout, got {type(rollout).__name__}")
-        world_size, _ = self.world
-        config = RolloutPlanConfig(**{**_fields(config), "world_size": world_size})
+        config = dataclasses.replace(config, world_size=self.world[0])
         lengths = rollout.lengths
         over = np.flatnonzero(lengths > config.max_tokens)
         if over.size:
@@ -155,13 +181,15 @@ class RolloutPlanner:
     # --------------------------------------------------------------------------------------------- batches
     def logprob_microbatches(self, rollout: Rollout, *, device: Any = None) -> Iterator[dict[str, Any]]:
         """This rank's log-prob batches (every rank yields as many; fillers have ``is_empty``)."""
-        plan = self.logprob_plan(rollout)
-        yield from self._batches(rollout, plan, device)
+        self._check_same_rollout(rollout)
+        yield from self._batches(rollout, self.logprob_plan(rollout), device)
 
     def train_microbatches(self, rollout: Rollout, *, device: Any = None) -> Iterator[dict[str, Any]]:
         """This rank's training batches, ``accumulate_grad_batches`` per step, with the step totals."""
+        self._check_same_rollout(rollout)
         plan = self.plan(rollout)
-        yield from self._batches(rollout, plan, device)
+        step_weights = None if self.loss_weight_field is None else _step_weights(plan, rollout, self.loss_weight_field)
+        yield from self._batches(rollout, plan, device, step_weights=step_weights)
 
     @torch.no_grad()
     def compute_per_token(
@@ -185,61 +213,54 @@ class RolloutPlanner:
         Returns:
             ``N`` tensors (on the device ``fn`` returned); without ``gather``, entries of other ranks are ``None``.
         """
+        world_size, rank = self.world
+        gathered = gather and world_size > 1
+        if not gathered:  # the gather compares the fingerprints itself
+            self._check_same_rollout(rollout)
+        plan = self.logprob_plan(rollout)
         out: list[torch.Tensor | None] = [None] * len(rollout)
-        for batch in self.logprob_microbatches(rollout, device=device):
+        for batch in self._batches(rollout, plan, device):
             if batch["is_empty"]:
                 continue
             values = fn(batch)
             for index, value in zip(batch["sample_indices"], unpack(values, batch), strict=True):
                 out[index] = value.detach().clone()
-        if gather and self.world[0] > 1:
-            from lit_seqpack.rl._world import gather_per_sample
-
-            return gather_per_sample(
-                out, self.logprob_plan(rollout), rollout.lengths, self.world[1], rollout.fingerprint()
-            )
+        if gathered:
+            return gather_per_sample(out, plan, rollout.lengths, rank, rollout.fingerprint())
         return out
 
-    def _batches(self, rollout: Rollout, plan: RolloutPlan, device: Any) -> Iterator[dict[str, Any]]:
+    def _check_same_rollout(self, rollout: Rollout) -> None:
+        world_size = self.world[0]
+        if self.check_rollout is False or world_size == 1:
+            return
+        import torch.distributed as dist
+
+        initialised = dist.is_available() and dist.is_initialized()
+        in_worker = torch.utils.data.get_worker_info() is not None  # a DataLoader worker cannot join a collective
+        if self.check_rollout and (in_worker or not initialised):
+            where = "it runs in a DataLoader worker" if in_worker else "torch.distributed is not initialised"
+            raise ValueError(
+                f"check_rollout=True compares the rollout over ranks, but {where} (world_size={world_size}); "
+                "pass check_rollout=False or None, or compare Rollout.fingerprint() in the main process"
+            )
+        if initialised and not in_worker:
+            check_same_rollout(rollout.fingerprint(), world_size)
+
+    def _batches(
+        self, rollout: Rollout, plan: RolloutPlan, device: Any, *, step_weights: np.ndarray | None = None
+    ) -> Iterator[dict[str, Any]]:
         world_size, rank = self.world
-        groups = dense_group_labels(None if rollout.group_ids is None else rollout.group_ids.numpy(), len(rollout))
-        loss_tokens, accumulate = rollout.loss_tokens, plan.accumulate_grad_batches
-        collate = self._collator(rollout)
-        for step, slot, indices in plan.rank_microbatches(rank):
-            meta = MicrobatchMeta(
-                step=step,
-                step_loss_tokens=int(plan.step_loss_tokens[step]),
-                world_size=world_size,
-                accumulate_grad_batches=accumulate,
-                max_tokens=plan.config.max_tokens,
-                is_empty=not indices,
-                loss_tokens=int(loss_tokens[indices].sum()) if indices else None,
-            )
-            batch = collate(Microbatch([rollout.sample(i) for i in indices], meta=meta, indices=indices))
-            batch.update(
-                sample_indices=list(indices),
-                group_ids=torch.as_tensor(groups[indices], dtype=torch.int64),
-                document_loss_tokens=torch.as_tensor(loss_tokens[indices], dtype=torch.int64),
-                group_loss_tokens=torch.as_tensor(plan.group_loss_tokens[indices], dtype=torch.int64),
-                num_groups=int(np.unique(groups[indices]).size),
-                step=step,
-                step_documents=int(plan.step_documents[step]),
-                step_groups=int(plan.step_groups[step]),
-                is_last_in_step=slot == accumulate - 1,
-            )
+        fields = {"loss_weight_field": self.loss_weight_field} if step_weights is not None else {}
+        collate = self._collator_type(**self._collator_args, **collator_fields(rollout), **fields)
+        for batch in plan_batches(rollout, plan, rank, world_size, collate, step_weights=step_weights):
             yield batch if device is None else _to_device(batch, device)
 
-    def _collator(self, rollout: Rollout) -> Callable[[Any], dict[str, Any]]:
-        fields: dict[str, Any] = {}
-        if rollout.token_fields:
-            fields["token_fields"] = {name: 0.0 for name in rollout.token_fields}
-        if rollout.sample_fields:
-            fields["sample_fields"] = list(rollout.sample_fields)
-        return self._collator_type(**self._collator_args, **fields)
 
-
-def _fields(config: RolloutPlanConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in RolloutPlanConfig.__dataclass_fields__}
+def _step_weights(plan: RolloutPlan, rollout: Rollout, field: str) -> np.ndarray:
+    """The loss-weight sum of every optimizer step over all ranks (the same on every rank, no collective)."""
+    sums = rollout.loss_weight_sums(field)
+    members = [[i for share in ranks for mb in share for i in mb] for ranks in plan.microbatches]
+    return np.array([math.fsum(sums[step].tolist()) for step in members], dtype=np.float64)
 
 
 def _to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ given the tokens before it, so position 0 of a sample has no value of its own (i
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -22,7 +23,7 @@ __all__ = ["RESERVED_KEYS", "Rollout"]
 RESERVED_KEYS = frozenset(
     {"input_ids", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens", "max_seqlen", "group_ids"}
     | {"sample_indices", "document_loss_tokens", "group_loss_tokens", "num_groups", "step", "step_documents"}
-    | {"step_groups", "step_loss_tokens", "is_last_in_step"}
+    | {"step_groups", "step_loss_tokens", "is_last_in_step", "loss_weights", "num_loss_weight", "step_loss_weight"}
 )
 """Names a declared field cannot take: the batch contract's keys and the planner's own."""
 
@@ -224,14 +225,43 @@ class Rollout:
         """Loss-mask tokens of every sample (``int64``)."""
         return np.array([int(m.sum()) for m in self.loss_mask], dtype=np.int64)
 
+    def loss_weight_sums(self, field: str) -> np.ndarray:
+        """Each sample's loss-weight sum: the token field ``field`` summed over the loss mask (``float64``).
+
+        The weights are summed as the collators place them (float32, then added in float64), so a step's sum of
+        these equals the sum of its microbatches' ``loss_weights``.
+
+        Args:
+            field: the declared token field holding the per-token weights (finite, ``>= 0``).
+
+        Raises:
+            ValueError: ``field`` is not a declared token field, or a weight is negative.
+
+        Example:
+            >>> rollout = Rollout(input_ids=[[5, 6, 7]], token_fields={"w": [[9.0, 0.5, 2.0]]})
+            >>> rollout.loss_weight_sums("w").tolist()  # position 0 is off the loss mask
+            [2.5]
+        """
+        if field not in self.token_fields:
+            raise ValueError(
+                f"loss_weight_field={field!r} is not a token field of the rollout (declared: "
+                f"{sorted(self.token_fields)}); add it with rollout.with_fields(token_fields={{{field!r}: ...}})"
+            )
+        sums = np.empty(len(self), dtype=np.float64)
+        for i, (weights, mask) in enumerate(zip(self.token_fields[field], self.loss_mask, strict=True)):
+            if bool((weights < 0).any()):
+                raise ValueError(f"sample {i}: loss weights ({field!r}) must be >= 0, got {weights.min().item()}")
+            sums[i] = math.fsum(weights[mask].to(torch.float32).double().tolist())
+        return sums
+
     def fingerprint(self) -> str:
         """A SHA-256 digest of the token ids, loss masks and group ids (equal rollouts, equal digests).
 
         Every rank must plan the same rollout; ``compute_per_token(gather=True)`` compares the ranks' digests.
         """
-        digest = hashlib.sha256()
-        for ids, mask in zip(self.input_ids, self.loss_mask, strict=True):
-            digest.update(np.int64(len(ids)).tobytes() + ids.numpy().tobytes() + mask.numpy().tobytes())
+        digest = hashlib.sha256(self.lengths.tobytes())
+        digest.update(torch.cat(list(self.input_ids)).numpy().tobytes())
+        digest.update(torch.cat(list(self.loss_mask)).numpy().tobytes())
         if self.group_ids is not None:
             digest.update(self.group_ids.numpy().tobytes())
         return digest.hexdigest()

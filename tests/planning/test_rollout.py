@@ -150,9 +150,9 @@ def test_bad_rollouts_fail_with_the_setting_named(kwargs, lengths, groups, messa
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
-        ({"max_tokens": 8, "mode": "padded"}, "mode must be one of"),
-        ({"max_tokens": 8, "keep_together": "step"}, "keep_together must be one of"),
+        ({"max_tokens": 0}, "max_tokens must be an int >= 1, got 0"),
+        ({"max_tokens": 8, "mode": "padded"}, "mode=.padded. must be one of"),
+        ({"max_tokens": 8, "keep_together": "step"}, "keep_together=.step. must be one of"),
         ({"max_tokens": 8, "samples_per_step": 2, "steps_per_rollout": 2}, "not both"),
         ({"max_tokens": 8, "mode": "dynamic", "algorithm": "first_fit_decreasing"}, "in mode 'packing'"),
         ({"max_tokens": 8, "cost_quadratic": -1.0}, "cost_quadratic must be a finite number"),

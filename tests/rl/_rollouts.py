@@ -89,11 +89,22 @@ def with_policy_fields(module: LightningModule, rollout: Rollout, seed: int = 0)
     )
 
 
+def with_loss_weights(rollout: Rollout, seed: int = 0, field: str = "weights") -> Rollout:
+    """Adds random per-token loss weights in ``[0, 2)`` (some exactly 0) as the token field ``field``."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = []
+    for ids in rollout.input_ids:
+        w = 2 * torch.rand(len(ids), generator=gen)
+        weights.append(torch.where(torch.rand(len(ids), generator=gen) < 0.2, 0.0, w))
+    return rollout.with_fields(token_fields={field: weights})
+
+
 def padded_reference_gradients(
-    module: LightningModule, rollout: Rollout, steps: list[list[int]], normalize: str
+    module: LightningModule, rollout: Rollout, steps: list[list[int]], normalize: str, weight_field: str | None = None
 ) -> dict[str, torch.Tensor]:
     """Gradient (float64) of the clipped policy loss of the first step's samples as one big right-padded batch,
-    normalised over the step by tokens, sequences or groups; computed without lit_seqpack's batching."""
+    normalised over the step by tokens, sequences or groups (with ``weight_field``: the weighted token mean
+    ``sum(w * loss) / sum(w)``); computed without lit_seqpack's batching."""
     from lit_seqpack.rl import clipped_policy_loss
 
     model = stock_model(module).double()
@@ -106,16 +117,22 @@ def padded_reference_gradients(
         torch.zeros(shape),
     )
     old, adv = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+    weights = torch.zeros(shape, dtype=torch.float64)
     for row, i in enumerate(samples):
         n = int(rollout.lengths[i])
         ids[row, :n], mask[row, :n], attention[row, :n] = rollout.input_ids[i], rollout.loss_mask[i], 1
         old[row, :n] = rollout.token_fields["old_logprobs"][i].double()
         adv[row, :n] = rollout.token_fields["advantages"][i].double()
+        if weight_field is not None:
+            weights[row, :n] = rollout.token_fields[weight_field][i].float().double()
     logits = plain_logits(model, ids, attention.long())
     logprobs = token_logprobs(logits, torch.where(mask, ids, -100))
     loss = torch.where(mask, clipped_policy_loss(logprobs, old, adv), 0.0)
     per_sample, tokens = loss.sum(dim=1), mask.sum(dim=1).double()
-    if normalize == "token":
+    if weight_field is not None:
+        assert normalize == "token", normalize
+        total = (loss * weights).sum() / torch.where(mask, weights, 0.0).sum()
+    elif normalize == "token":
         total = per_sample.sum() / tokens.sum()
     elif normalize == "sequence":
         total = (per_sample / tokens).mean()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 
 from lit_seqpack.rl import RolloutPlanner
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
@@ -20,6 +20,7 @@ from tests.rl._rollouts import (
     make_rollout,
     padded_reference_gradients,
     policy_logprobs,
+    with_loss_weights,
     with_policy_fields,
 )
 
@@ -71,14 +72,14 @@ def test_gathered_logprobs_equal_each_sample_alone_on_two_ranks(tmp_path: Path) 
                 torch.testing.assert_close(gathered[index], want, rtol=0, atol=1e-5, msg=f"{case} sample {index}")
 
 
-def _ddp_trainer(**kwargs) -> Trainer:
+def _ddp_trainer(use_distributed_sampler: bool = False, **kwargs) -> Trainer:
     return Trainer(
         accelerator="cpu",
         devices=WORLD,
         strategy="ddp_spawn",
         precision="32-true",
         max_steps=1,
-        use_distributed_sampler=False,
+        use_distributed_sampler=use_distributed_sampler,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -89,13 +90,21 @@ def _ddp_trainer(**kwargs) -> Trainer:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("normalize", "mode"), [("token", "packing"), ("group", "dynamic")])
-def test_automatic_ddp_step_equals_the_big_padded_batch(normalize: str, mode: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("normalize", "mode", "weight_field"),
+    [("token", "packing", None), ("group", "dynamic", None), ("token", "packing", "weights")],
+)
+def test_automatic_ddp_step_equals_the_big_padded_batch(
+    normalize: str, mode: str, weight_field: str | None, tmp_path: Path
+) -> None:
     _, rollout = _policy_rollout()
-    kwargs = {"train_max_tokens": 48, "mode": mode, "accumulate_grad_batches": 4}
+    kwargs = {"train_max_tokens": 48, "mode": mode, "accumulate_grad_batches": 4, "loss_weight_field": weight_field}
+    if weight_field is not None:
+        rollout = with_loss_weights(rollout, seed=3, field=weight_field)
     torch.manual_seed(0)
     module = AutomaticPolicy(normalize)
-    expected = padded_reference_gradients(module, rollout, [list(range(len(rollout)))], normalize)
+    samples = [list(range(len(rollout)))]
+    expected = padded_reference_gradients(module, rollout, samples, normalize, weight_field)
     path = tmp_path / "grads.pt"
     _ddp_trainer(accumulate_grad_batches=4, callbacks=[GradientCapture(str(path))]).fit(
         module, datamodule=RolloutBatches(rollout, kwargs)
@@ -121,6 +130,68 @@ def test_manual_ddp_steps_equal_the_big_padded_batch_for_every_normalisation(tmp
             expected = padded_reference_gradients(module, rollout, [samples], normalize)
             for rank in range(WORLD):
                 assert_gradients_match(saved[rank][2 * k + s], prefixed(expected), rtol=1e-5)
+
+
+def _check_worker(rank: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        same, other = make_rollout(count=8, seed=3), make_rollout(count=8, seed=3 + rank)
+        results = {"same": len(list(RolloutPlanner(train_max_tokens=64).train_microbatches(same)))}
+        for name, planner in (
+            ("train", RolloutPlanner(train_max_tokens=64)),
+            ("logprob", RolloutPlanner(train_max_tokens=64, check_rollout=True)),
+        ):
+            batches = planner.train_microbatches if name == "train" else planner.logprob_microbatches
+            try:
+                next(batches(other))
+                results[name] = "no error"
+            except RuntimeError as err:
+                results[name] = str(err)
+        unchecked = RolloutPlanner(train_max_tokens=64, check_rollout=False)
+        results["unchecked"] = len(list(unchecked.train_microbatches(other)))  # the opt-out: no collective
+        dist.barrier()  # every rank got here: nobody waits in a check the other skipped
+        torch.save(results, Path(out_dir, f"check{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_different_rollouts_on_two_ranks_raise_on_both(tmp_path: Path) -> None:
+    mp.spawn(_check_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"check{rank}.pt") for rank in range(WORLD)]
+    for rank in range(WORLD):
+        assert results[rank]["same"] > 0 and results[rank]["unchecked"] > 0
+        for name in ("train", "logprob"):
+            assert "the ranks planned different rollouts" in results[rank][name], (rank, name)
+            assert "use_distributed_sampler=False" in results[rank][name]
+
+
+class RolloutPerSeed(LightningModule):
+    """Builds its rollout from the seed the DataLoader hands ``training_step``: the examples' mistake when
+    Lightning's DistributedSampler shards that loader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        planner = RolloutPlanner(train_max_tokens=64, trainer=self.trainer)
+        for _ in planner.train_microbatches(make_rollout(count=8, seed=int(batch))):
+            pass
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_distributed_sampler_over_rollout_seeds_is_caught_through_the_strategy() -> None:
+    seeds = torch.utils.data.DataLoader([0, 1], batch_size=None)
+    trainer = _ddp_trainer(use_distributed_sampler=True, max_epochs=1)  # Lightning's default: rank r gets seed r
+    with pytest.raises(Exception, match="the ranks planned different rollouts"):
+        trainer.fit(RolloutPerSeed(), seeds)
 
 
 def _policy_rollout():

@@ -11,7 +11,13 @@ from lightning.pytorch import Trainer
 from lit_seqpack.rl import RolloutPlanner, loss_output, scale_step_loss, step_loss, token_logprobs
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
 from tests.rl._policies import AutomaticPolicy, ManualPolicy, one_item_loader, prefixed
-from tests.rl._rollouts import make_policy, make_rollout, padded_reference_gradients, with_policy_fields
+from tests.rl._rollouts import (
+    make_policy,
+    make_rollout,
+    padded_reference_gradients,
+    with_loss_weights,
+    with_policy_fields,
+)
 
 NORMALIZE = ["token", "sequence", "group"]
 
@@ -119,3 +125,52 @@ def test_token_logprobs_score_the_labelled_token_from_the_previous_position() ->
             if labels[b, t] != -100:
                 expected[b, t] = logits[b, t - 1].log_softmax(-1)[labels[b, t]]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def weighted_rollout(seed: int = 0):
+    _, rollout = policy_rollout(seed)
+    return with_loss_weights(rollout, seed=seed)
+
+
+@pytest.mark.parametrize("mode", ["packing", "dynamic"])
+def test_weighted_automatic_step_equals_the_big_padded_batch(mode: str) -> None:
+    rollout = weighted_rollout()
+    torch.manual_seed(0)
+    module = AutomaticPolicy("token")
+    planner = RolloutPlanner(
+        train_max_tokens=48, mode=mode, accumulate_grad_batches=6, loss_weight_field="weights", world_size=1, rank=0
+    )
+    batches = list(planner.train_microbatches(rollout))
+    assert len({round(b["num_loss_weight"], 6) for b in batches}) > 1
+    expected = padded_reference_gradients(module, rollout, [list(range(len(rollout)))], "token", "weights")
+    unweighted = padded_reference_gradients(module, rollout, [list(range(len(rollout)))], "token")
+    with pytest.raises(AssertionError):  # the weights change the gradient: the comparison below can fail
+        assert_gradients_match(unweighted, expected, rtol=1e-3)
+    capture = GradientCapture()
+    trainer(accumulate_grad_batches=6, callbacks=[capture]).fit(
+        module, torch.utils.data.DataLoader(batches, batch_size=None)
+    )
+    assert_gradients_match(capture.grads, prefixed(expected), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["packing", "dynamic"])
+def test_weighted_manual_steps_equal_the_big_padded_batch_of_each_step(mode: str) -> None:
+    rollout = weighted_rollout(seed=1)
+    kwargs = {"train_max_tokens": 40, "mode": mode, "steps_per_rollout": 2, "loss_weight_field": "weights"}
+    torch.manual_seed(1)
+    module = ManualPolicy("token", rollout, kwargs)
+    plan = RolloutPlanner(**kwargs, world_size=1, rank=0).plan(rollout)
+    assert plan.num_steps == 2 and plan.accumulate_grad_batches > 1
+    first_step = [i for step, _, mb in plan.rank_microbatches(0) if step == 0 for i in mb]
+    expected = padded_reference_gradients(module, rollout, [sorted(first_step)], "token", "weights")
+    trainer().fit(module, one_item_loader())
+    assert len(module.step_gradients) == 2
+    assert_gradients_match(module.step_gradients[0], prefixed(expected), rtol=1e-5)
+
+
+@pytest.mark.parametrize("normalize", ["sequence", "group"])
+def test_weighted_batches_refuse_the_sequence_and_group_means(normalize: str) -> None:
+    planner = RolloutPlanner(train_max_tokens=64, loss_weight_field="weights", world_size=1, rank=0)
+    batch = next(planner.train_microbatches(weighted_rollout()))
+    with pytest.raises(ValueError, match=f"only normalize='token' supports, got normalize='{normalize}'"):
+        loss_output(torch.zeros(batch["labels"].shape), batch, normalize=normalize)

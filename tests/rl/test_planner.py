@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lit_seqpack.rl import Rollout, RolloutPlanner
-from tests.rl._rollouts import alone_logprobs, make_policy, make_rollout, policy_logprobs
+from tests.rl._rollouts import alone_logprobs, make_policy, make_rollout, policy_logprobs, with_loss_weights
 
 
 @pytest.mark.parametrize("kind", ["reference", "hf"])
@@ -115,3 +115,74 @@ def test_world_comes_from_the_trainer_when_given() -> None:
     plan = planner.plan(rollout)
     assert plan.config.world_size == 4 and len(batches) == plan.accumulate_grad_batches
     assert [b["sample_indices"] for b in batches] == [mb for _, _, mb in plan.rank_microbatches(3)]
+
+
+@pytest.mark.parametrize("mode", ["packing", "dynamic"])
+def test_weighted_batches_carry_the_step_weight_over_every_rank(mode: str) -> None:
+    rollout = with_loss_weights(make_rollout(count=12, seed=8, group_size=2), seed=8)
+    kwargs = {"train_max_tokens": 40, "mode": mode, "steps_per_rollout": 2, "loss_weight_field": "weights"}
+    per_rank = [list(RolloutPlanner(**kwargs, world_size=2, rank=r).train_microbatches(rollout)) for r in range(2)]
+    sums = rollout.loss_weight_sums("weights")
+    for step in range(2):
+        mine = [b for batches in per_rank for b in batches if b["step"] == step]
+        indices = [i for b in mine for i in b["sample_indices"]]
+        assert all(b["step_loss_weight"] == pytest.approx(sums[indices].sum(), rel=1e-12) for b in mine)
+        assert sum(b["num_loss_weight"] for b in mine) == pytest.approx(sums[indices].sum(), rel=1e-12)
+        for b in mine:  # the weights sit on the loss tokens only
+            assert (b["loss_weights"][b["labels"] == -100] == 0).all()
+            expected = sorted(
+                float(w)
+                for i in b["sample_indices"]
+                for w in rollout.token_fields["weights"][i][rollout.loss_mask[i]]
+                if w != 0
+            )
+            assert sorted(b["loss_weights"][b["loss_weights"] != 0].tolist()) == pytest.approx(expected)
+    assert sums[0] == pytest.approx(float(rollout.token_fields["weights"][0][rollout.loss_mask[0]].sum()))
+
+
+def test_the_logprob_pass_ignores_the_loss_weights() -> None:
+    rollout = make_rollout(count=4, seed=9)  # no weights yet: the log-prob pass comes before them
+    planner = RolloutPlanner(train_max_tokens=64, loss_weight_field="weights", world_size=1, rank=0)
+    assert all("loss_weights" not in b for b in planner.logprob_microbatches(rollout))
+    with pytest.raises(ValueError, match=r"loss_weight_field='weights' is not a token field of the rollout"):
+        next(planner.train_microbatches(rollout))
+
+
+def test_bad_loss_weights_are_refused_naming_the_setting() -> None:
+    with pytest.raises(ValueError, match="loss_weight_field='loss_mask' is not supported"):
+        RolloutPlanner(train_max_tokens=8, loss_weight_field="loss_mask")
+    with pytest.raises(ValueError, match="loss_weight_field must be None or a token field name, got 3"):
+        RolloutPlanner(train_max_tokens=8, loss_weight_field=3)
+    rollout = Rollout(input_ids=[[5, 6, 7]], token_fields={"weights": [[0.0, 1.0, -0.5]]})
+    planner = RolloutPlanner(train_max_tokens=8, loss_weight_field="weights", world_size=1, rank=0)
+    with pytest.raises(ValueError, match=r"sample 0: loss weights \('weights'\) must be >= 0, got -0.5"):
+        next(planner.train_microbatches(rollout))
+
+
+def test_the_rollout_check_is_off_on_one_process_and_needs_a_process_group_when_forced() -> None:
+    rollout = make_rollout(count=4, seed=10)
+    with pytest.raises(ValueError, match="check_rollout must be None, True or False, got 'yes'"):
+        RolloutPlanner(train_max_tokens=64, check_rollout="yes")
+    forced = RolloutPlanner(train_max_tokens=64, world_size=2, rank=0, check_rollout=True)
+    with pytest.raises(ValueError, match="check_rollout=True .* but torch.distributed is not initialised"):
+        next(forced.train_microbatches(rollout))
+    assert list(RolloutPlanner(train_max_tokens=64, world_size=2, rank=0).train_microbatches(rollout))
+
+
+class _PlannedRollout(torch.utils.data.IterableDataset):
+    def __init__(self, planner: RolloutPlanner) -> None:
+        self.planner = planner
+
+    def __iter__(self):
+        for batch in self.planner.train_microbatches(make_rollout(count=4, seed=11)):
+            yield batch["sample_indices"]
+
+
+def test_the_rollout_check_is_not_run_in_a_dataloader_worker() -> None:
+    unchecked = RolloutPlanner(train_max_tokens=64, world_size=2, rank=0)  # default: skipped in a worker
+    loader = torch.utils.data.DataLoader(_PlannedRollout(unchecked), batch_size=None, num_workers=1)
+    assert len(list(loader)) == unchecked.plan(make_rollout(count=4, seed=11)).accumulate_grad_batches
+    forced = RolloutPlanner(train_max_tokens=64, world_size=2, rank=0, check_rollout=True)
+    loader = torch.utils.data.DataLoader(_PlannedRollout(forced), batch_size=None, num_workers=1)
+    with pytest.raises(ValueError, match="check_rollout=True .* but it runs in a DataLoader worker"):
+        list(loader)

@@ -99,3 +99,18 @@ def test_bad_padded_rollouts_fail_fast(attention, message) -> None:
 def test_planner_refuses_what_is_not_a_rollout() -> None:
     with pytest.raises(TypeError, match="expected a lit_seqpack.rl.Rollout"):
         next(RolloutPlanner(train_max_tokens=8, world_size=1, rank=0).train_microbatches([[1, 2, 3]]))
+
+
+def test_the_fingerprint_tells_rollouts_apart_by_ids_masks_boundaries_and_groups() -> None:
+    base = Rollout(input_ids=[[1, 2, 3], [4, 5]], loss_mask=[[0, 1, 1], [0, 1]], group_ids=[0, 0])
+    same = Rollout(
+        input_ids=[torch.tensor([1, 2, 3]), torch.tensor([4, 5])], loss_mask=base.loss_mask, group_ids=[0, 0]
+    )
+    assert base.fingerprint() == same.fingerprint()
+    others = [
+        Rollout(input_ids=[[1, 2, 3], [4, 6]], loss_mask=base.loss_mask, group_ids=[0, 0]),
+        Rollout(input_ids=[[1, 2, 3], [4, 5]], loss_mask=[[0, 0, 1], [0, 1]], group_ids=[0, 0]),
+        Rollout(input_ids=[[1, 2], [3, 4, 5]], loss_mask=[[0, 1], [0, 1, 1]], group_ids=[0, 0]),
+        Rollout(input_ids=[[1, 2, 3], [4, 5]], loss_mask=base.loss_mask, group_ids=[0, 1]),
+    ]
+    assert len({base.fingerprint(), *(other.fingerprint() for other in others)}) == 1 + len(others)
