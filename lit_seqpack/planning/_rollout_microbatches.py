@@ -17,7 +17,7 @@ from lit_seqpack.planning._windows import DEFAULT_ALGORITHM
 from lit_seqpack.planning.dynamic import dynamic_group_sizes, round_up
 
 if TYPE_CHECKING:
-    from lit_seqpack.planning.rollout import RolloutPlanConfig
+    from lit_seqpack.planning.rollout_config import RolloutPlanConfig
 
 __all__ = ["rank_microbatches"]
 
@@ -28,7 +28,7 @@ def rank_microbatches(
     """One rank's items as ``target`` microbatches (as many as needed when 0), fillers included.
 
     Example:
-        >>> from lit_seqpack.planning.rollout import RolloutPlanConfig
+        >>> from lit_seqpack.planning.rollout_config import RolloutPlanConfig
         >>> rank_microbatches([[0], [1], [2]], np.array([5, 4, 3]), RolloutPlanConfig(max_tokens=8), target=3)
         [[0], [1], [2]]
     """

@@ -14,7 +14,7 @@ import numpy as np
 from lit_seqpack.planning._partition import karmarkar_karp
 
 if TYPE_CHECKING:
-    from lit_seqpack.planning.rollout import RolloutPlanConfig
+    from lit_seqpack.planning.rollout_config import RolloutPlanConfig
 
 __all__ = ["balance_step", "cut_steps", "group_units"]
 
