@@ -113,6 +113,8 @@ def build_stream_loader(dm: SeqPackDataModule) -> StreamingDataLoader:
         document_budget=None if counter is None else counter.max_tokens,
         document_multiple=dm.document_multiple if hp.mode == "packing" else 1,
         vocab_size=_model_vocab(dm),
+        check_samples=hp.content_check_samples,
+        seed=hp.seed,
     )
     loader = StreamingDataLoader(
         dataset,
