@@ -78,6 +78,7 @@ class StreamingDataset(IterableDataset):
         check_samples: samples of each window whose tokens go into its cross-rank digest (sent with the window's
             record; :mod:`~lit_seqpack.data.streaming.rank_check`); 0: no digest, no check.
         seed: picks those samples.
+        token_fields: the declared per-token fields, cut with the tokens by ``overlong="truncate"``.
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class StreamingDataset(IterableDataset):
         vocab_size: int | None = None,
         check_samples: int = 0,
         seed: int = 0,
+        token_fields: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         if not 0 <= rank < config.world_size:
@@ -102,6 +104,7 @@ class StreamingDataset(IterableDataset):
         self.collator, self.overlong, self.document_multiple = collator, overlong, document_multiple
         self.document_budget = document_budget if document_budget is not None else config.max_tokens
         self.vocab_size, self.check_samples, self.seed = vocab_size, check_samples, seed
+        self.token_fields = tuple(token_fields)
         self.start = StreamStart()
 
     def windows(self) -> Iterator[StreamWindow]:
@@ -109,7 +112,9 @@ class StreamingDataset(IterableDataset):
         record = self.start.window
         counter = None
         if self.document_budget is not None:
-            counter = OverlongCounter(policy=self.overlong, max_tokens=self.document_budget)
+            counter = OverlongCounter(
+                policy=self.overlong, max_tokens=self.document_budget, token_fields=self.token_fields
+            )
             if record is not None and record["overlong_before"] is not None:
                 counter.load_state(record["overlong_before"])
         numbers = (0, 0, 0, 0)

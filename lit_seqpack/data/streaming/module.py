@@ -115,6 +115,7 @@ def build_stream_loader(dm: SeqPackDataModule) -> StreamingDataLoader:
         vocab_size=_model_vocab(dm),
         check_samples=hp.content_check_samples,
         seed=hp.seed,
+        token_fields=tuple(dm._token_fields),
     )
     loader = StreamingDataLoader(
         dataset,
@@ -248,4 +249,5 @@ def _counter(dm: SeqPackDataModule) -> OverlongCounter | None:
     if hp.max_tokens is None:
         return None
     pads = {"pad_to_multiple_of": hp.pad_to_multiple_of, "document_multiple": dm.document_multiple}
-    return OverlongCounter(policy=hp.overlong, max_tokens=document_budget(hp.max_tokens, mode=hp.mode, **pads))
+    budget = document_budget(hp.max_tokens, mode=hp.mode, **pads)
+    return OverlongCounter(policy=hp.overlong, max_tokens=budget, token_fields=tuple(dm._token_fields))
