@@ -82,14 +82,16 @@ def check_ranks_agree(mine: WindowDigest) -> None:
     others = [r for r, other in enumerate(everyone) if other != mine]
     where = f"window {mine.window} of epoch {mine.epoch} (from stream sample {mine.first_sample})"
     fix = (
-        "every rank must read the same stream (same files, shards, order, tokenizer and preprocessing); a stream "
-        "whose samples change between reads (random augmentation) needs the check off (content_check_samples=0)"
+        "every rank must read the whole, same stream (same files, shards, order, tokenizer and preprocessing; not "
+        "a stream split by rank such as datasets' split_dataset_by_node: the loader splits each window's plan); a "
+        "stream whose samples change between reads (random augmentation) needs the check off "
+        "(content_check_samples=0)"
     )
     if any((o.epoch, o.window, o.first_sample) != (mine.epoch, mine.window, mine.first_sample) for o in everyone):
         at = [(o.epoch, o.window, o.first_sample) for o in everyone]
         raise RuntimeError(
             f"rank {rank} reads a different stream than ranks {others}: the ranks are at different windows "
-            f"(epoch, window, first stream sample per rank: {at}) at the same batch; {fix}"
+            f"(epoch, window, first stream sample per rank: {at}) at the same check; {fix}"
         )
     if any(o.lengths != mine.lengths for o in everyone):
         raise RuntimeError(
