@@ -134,7 +134,8 @@ class SeqPackDataModule(LightningDataModule):
         content_check_samples: under ``torch.distributed``, the tokens of this many samples (the same indices on
             every rank) are hashed and compared across ranks with the plan at the first batch, so ranks that
             read different data with equal lengths fail loudly on every rank; 0 compares the lengths only (for
-            datasets whose samples change between reads).
+            datasets whose samples change between reads). With ``stream``, each checked window's lengths and the
+            tokens of this many of its samples are compared instead; 0 turns that check off.
         token_fields: extra per-token fields of the samples to carry in every batch, each name mapped to its pad
             value (e.g. ``{"advantages": 0.0}``): concatenated or padded like ``input_ids``, truncated with the
             sample by ``overlong="truncate"``, sharded with the tokens under context parallelism (see
@@ -617,6 +618,11 @@ class SeqPackDataModule(LightningDataModule):
     def test_dataloader(self) -> StatefulDataLoader:
         """The test loader (same mode, no shuffle, no accumulation, ``eval_max_tokens``); needs ``test_fraction > 0``
         or ``test_path``."""
+        if self._stream is not None:
+            raise ValueError(
+                "a stream has no test split (test_fraction and test_path are refused with stream=...): test on an "
+                "indexed dataset with a second SeqPackDataModule (path=... or dataset=...) passed to trainer.test"
+            )
         return self._loader("test")
 
     # ------------------------------------------------------------------ checkpoint

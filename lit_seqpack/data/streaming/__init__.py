@@ -8,6 +8,8 @@ or Parquet files, a Hugging Face ``IterableDataset``, a weighted mixture of thos
   by the offline planner for all ranks (lock step, exact loss, every sample once) with the over-long policy counted;
 - :mod:`~lit_seqpack.data.streaming.dataset`: the rank's ``IterableDataset`` of collated microbatches;
 - :mod:`~lit_seqpack.data.streaming.loader`: the DataLoader and its mid-stream resume state;
+- :mod:`~lit_seqpack.data.streaming.rank_check`: the windows' digests, compared across ranks (every rank must read
+  the same stream);
 - :mod:`~lit_seqpack.data.streaming.module`: what the DataModule delegates to.
 """
 

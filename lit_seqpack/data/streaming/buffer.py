@@ -42,10 +42,14 @@ class OverlongCounter:
     Args:
         policy: ``"error"``, ``"truncate"`` or ``"drop"``.
         max_tokens: the longest document allowed.
+        token_fields: the declared per-token fields (:mod:`lit_seqpack.data.fields`), cut with the tokens under
+            ``"truncate"``; each must be as long as ``input_ids`` before the cut (a longer one would otherwise be
+            cut to the same length and misalign silently).
     """
 
     policy: str
     max_tokens: int
+    token_fields: tuple[str, ...] = ()
     num_samples: int = 0
     num_overlong: int = 0
     tokens_cut: int = 0
@@ -71,7 +75,14 @@ class OverlongCounter:
             self.tokens_cut += length
             return None
         self.tokens_cut += length - self.max_tokens
-        return {k: v[: self.max_tokens] if k in _TOKEN_KEYS else v for k, v in sample.items()}
+        cut = (*_TOKEN_KEYS, *self.token_fields)
+        for key in cut:
+            if sample.get(key) is not None and len(sample[key]) != length:
+                raise ValueError(
+                    f"sample {number} of the stream: {key} has {len(sample[key])} entries but input_ids has {length} "
+                    f"tokens (before overlong='truncate' cuts both to max_tokens={self.max_tokens})"
+                )
+        return {k: v[: self.max_tokens] if k in cut and v is not None else v for k, v in sample.items()}
 
     def state(self) -> dict[str, Any]:
         """The counts as a small dict (a checkpoint keeps the counts at the start of the window it resumes in)."""

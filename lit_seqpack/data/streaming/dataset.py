@@ -7,8 +7,9 @@ worker ``k`` collates the rank's microbatches ``k, k + W, ...`` (counted from th
 DataLoader's round robin over its workers returns in order. Each worker therefore holds one window.
 
 Every batch carries, under :data:`STREAM_KEY`, where it comes from (its window's start position in the stream and
-its microbatch number); :class:`~lit_seqpack.data.streaming.loader.StreamingDataLoader` takes that key out before
-the batch reaches the model and keeps the few facts a resume needs.
+its microbatch number, and with a window's first batch the window's digest for the cross-rank check);
+:class:`~lit_seqpack.data.streaming.loader.StreamingDataLoader` takes that key out before the batch reaches the model,
+keeps the few facts a resume needs and compares the digests across ranks in the main process.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.streaming.buffer import OverlongCounter, StreamWindow, stream_windows
+from lit_seqpack.data.streaming.rank_check import WindowDigest, window_digest
 from lit_seqpack.data.streaming.sources import StreamSource
 from lit_seqpack.planning.plan import PlanConfig
 
@@ -73,6 +75,10 @@ class StreamingDataset(IterableDataset):
         document_multiple: packed documents are padded to a multiple of this.
         vocab_size: the ids the model embeds (``None``: unchecked); a batch holding a larger id (a stream is never
             scanned up front) raises naming the stream samples and the vocabulary.
+        check_samples: samples of each window whose tokens go into its cross-rank digest (sent with the window's
+            record; :mod:`~lit_seqpack.data.streaming.rank_check`); 0: no digest, no check.
+        seed: picks those samples.
+        token_fields: the declared per-token fields, cut with the tokens by ``overlong="truncate"``.
     """
 
     def __init__(
@@ -87,6 +93,9 @@ class StreamingDataset(IterableDataset):
         document_budget: int | None = None,
         document_multiple: int = 1,
         vocab_size: int | None = None,
+        check_samples: int = 0,
+        seed: int = 0,
+        token_fields: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         if not 0 <= rank < config.world_size:
@@ -94,7 +103,8 @@ class StreamingDataset(IterableDataset):
         self.source, self.config, self.rank, self.buffer_size = source, config, rank, buffer_size
         self.collator, self.overlong, self.document_multiple = collator, overlong, document_multiple
         self.document_budget = document_budget if document_budget is not None else config.max_tokens
-        self.vocab_size = vocab_size
+        self.vocab_size, self.check_samples, self.seed = vocab_size, check_samples, seed
+        self.token_fields = tuple(token_fields)
         self.start = StreamStart()
 
     def windows(self) -> Iterator[StreamWindow]:
@@ -102,7 +112,9 @@ class StreamingDataset(IterableDataset):
         record = self.start.window
         counter = None
         if self.document_budget is not None:
-            counter = OverlongCounter(policy=self.overlong, max_tokens=self.document_budget)
+            counter = OverlongCounter(
+                policy=self.overlong, max_tokens=self.document_budget, token_fields=self.token_fields
+            )
             if record is not None and record["overlong_before"] is not None:
                 counter.load_state(record["overlong_before"])
         numbers = (0, 0, 0, 0)
@@ -158,5 +170,11 @@ class StreamingDataset(IterableDataset):
             "microbatch": number,
             "record": record,
             "overlong_after": window.overlong_after,
+            "digest": self._digest(window) if record is not None else None,
         }
         return batch
+
+    def _digest(self, window: StreamWindow) -> WindowDigest | None:
+        if not self.check_samples:
+            return None
+        return window_digest(window, epoch=self.start.epoch, samples=self.check_samples, seed=self.seed)

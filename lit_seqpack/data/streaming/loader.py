@@ -7,6 +7,10 @@ sample is ever stored). A resume reopens the stream at the start of the window h
 train, plans that window again (plans are deterministic) and skips the microbatches already trained. With ``W``
 workers and a prefetch of ``P``, the loader is at most ``W x P`` batches ahead of the training loop, and Lightning
 one more; :data:`KEPT_WINDOWS` windows (each at least one microbatch) cover that lead for the defaults.
+
+Under ``torch.distributed`` the loader also compares each checked window's digest across ranks in the main process
+(:mod:`~lit_seqpack.data.streaming.rank_check`): at the first batch of every iteration and at the first batch of every
+window numbered a multiple of :data:`~lit_seqpack.data.streaming.rank_check.CHECK_EVERY`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch.utils.data import DataLoader
 from lit_seqpack.data.overlong import OverlongReport
 from lit_seqpack.data.streaming.buffer import OverlongCounter
 from lit_seqpack.data.streaming.dataset import STREAM_KEY, StreamingDataset, StreamStart
+from lit_seqpack.data.streaming.rank_check import CHECK_EVERY, check_ranks_agree
 
 __all__ = ["KEPT_WINDOWS", "StreamingDataLoader"]
 
@@ -67,6 +72,7 @@ class StreamingDataLoader(DataLoader):
         self._windows: deque[dict[str, Any]] = deque(maxlen=KEPT_WINDOWS)
         self._overlong: dict[str, Any] | None = None
         self._saved: dict[str, Any] | None = None
+        self._checked: tuple[int, int] | None = None  # (epoch, window) last compared across ranks
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict[str, Any]]:  # type: ignore[override]
@@ -75,8 +81,11 @@ class StreamingDataLoader(DataLoader):
     def _batches(self) -> Iterator[dict[str, Any]]:
         """Starts the real iterator at the first ``next()``, so a state loaded after ``iter()`` is still used."""
         self.dataset.start = self._start()
+        self._checked = None
         for batch in super().__iter__():
-            self._record(batch.pop(STREAM_KEY))
+            facts = batch.pop(STREAM_KEY)
+            self._check(facts)
+            self._record(facts)
             yield batch
         report = self.overlong_report
         if report is not None and report.num_overlong:
@@ -103,6 +112,19 @@ class StreamingDataLoader(DataLoader):
                 f"{KEPT_WINDOWS} windows ahead of the loop); resume from a checkpoint written by ModelCheckpoint"
             )
         return StreamStart(epoch=epoch, window=self._windows[-1], microbatch=position)
+
+    def _check(self, facts: dict[str, Any]) -> None:
+        """Compare the window's digest across ranks at the iteration's first batch and every checked window's.
+
+        Every rank runs the same sequence of checks (one per checked window, in order), so a rank never waits for a
+        collective that another rank skips.
+        """
+        digest = facts.get("digest")
+        if digest is None or (digest.epoch, digest.window) == self._checked:
+            return
+        if self._checked is None or digest.window % CHECK_EVERY == 0:
+            self._checked = (digest.epoch, digest.window)
+            check_ranks_agree(digest)
 
     def _record(self, facts: dict[str, Any]) -> None:
         record = facts["record"]

@@ -113,6 +113,9 @@ def build_stream_loader(dm: SeqPackDataModule) -> StreamingDataLoader:
         document_budget=None if counter is None else counter.max_tokens,
         document_multiple=dm.document_multiple if hp.mode == "packing" else 1,
         vocab_size=_model_vocab(dm),
+        check_samples=hp.content_check_samples,
+        seed=hp.seed,
+        token_fields=tuple(dm._token_fields),
     )
     loader = StreamingDataLoader(
         dataset,
@@ -246,4 +249,5 @@ def _counter(dm: SeqPackDataModule) -> OverlongCounter | None:
     if hp.max_tokens is None:
         return None
     pads = {"pad_to_multiple_of": hp.pad_to_multiple_of, "document_multiple": dm.document_multiple}
-    return OverlongCounter(policy=hp.overlong, max_tokens=document_budget(hp.max_tokens, mode=hp.mode, **pads))
+    budget = document_budget(hp.max_tokens, mode=hp.mode, **pads)
+    return OverlongCounter(policy=hp.overlong, max_tokens=budget, token_fields=tuple(dm._token_fields))

@@ -116,3 +116,12 @@ def test_an_empty_sample_is_refused() -> None:
                 iter([{"input_ids": [1]}, {"input_ids": []}]), config=CONFIG, buffer_size=4, epoch=0, counter=counter
             )
         )
+
+
+def test_truncate_cuts_the_declared_token_fields_with_the_tokens() -> None:
+    counter = OverlongCounter(policy="truncate", max_tokens=3, token_fields=("score",))
+    sample = {"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4], "score": [0.1, 0.2, 0.3, 0.4], "reward": [9, 9]}
+    assert counter.admit(0, sample) == {"input_ids": [1, 2, 3], "labels": [1, 2, 3], "score": [0.1, 0.2, 0.3],
+                                        "reward": [9, 9]}  # fmt: skip
+    with pytest.raises(ValueError, match="sample 1 of the stream: score has 5 entries but input_ids has 4 tokens"):
+        counter.admit(1, {**sample, "score": [0.0] * 5})

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Any
 
 import lightning as L
+import numpy as np
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -141,3 +143,59 @@ def test_the_overlong_report_counts_the_stream_read_so_far_also_across_a_resume(
     for _ in resumed.train_dataloader():
         pass
     assert resumed.overlong_report == full.overlong_report
+
+
+def _fielded_samples() -> Any:
+    """Samples numbered in ``doc``, with a token field ``score`` that is a function of each token and its position."""
+    rng = np.random.default_rng(5)
+    for doc in range(60):
+        ids = rng.integers(1, script.VOCAB, int(rng.integers(2, 200))).tolist()
+        yield {"input_ids": ids, "score": [t + i / 1000 for i, t in enumerate(ids)], "doc": doc}
+
+
+@pytest.mark.parametrize("mode", ["packing", "dynamic"])
+def test_declared_fields_travel_aligned_through_streamed_batches_also_truncated(mode: str) -> None:
+    """``score`` stays on its tokens and ``doc`` on its document, in packed rows and padded blocks, with the
+    samples longer than the budget cut by ``overlong="truncate"`` (fields cut with their tokens)."""
+    samples = list(_fielded_samples())
+    assert max(len(s["input_ids"]) for s in samples) > 128  # some samples are cut
+    module = _module(
+        stream=GeneratorStream(_fielded_samples, vocab_size=script.VOCAB),
+        mode=mode,
+        overlong="truncate",
+        token_fields={"score": 0.0},
+        sample_fields=["doc"],
+    )
+    seen = []
+    for batch in module.train_dataloader():
+        ids, score, docs = batch["input_ids"], batch["score"], batch["doc"].tolist()
+        if mode == "packing":
+            bounds = batch["cu_seqlens"].tolist()
+            rows = [(ids[0, a:b], score[0, a:b]) for a, b in zip(bounds, bounds[1:], strict=False)][: len(docs)]
+        else:
+            rows = [(ids[r][m.bool()], score[r][m.bool()]) for r, m in enumerate(batch["attention_mask"])]
+            assert bool((score[batch["attention_mask"] == 0] == 0.0).all())  # the pad value on padding
+        assert len(rows) == len(docs)
+        for doc, (tokens, values) in zip(docs, rows, strict=True):
+            expected = samples[doc]["input_ids"][: module.overlong_report.max_tokens]
+            assert tokens.tolist() == expected
+            assert values.tolist() == pytest.approx([t + i / 1000 for i, t in enumerate(expected)])
+        seen += docs
+    assert sorted(seen) == list(range(60))
+    assert module.overlong_report.num_truncated == sum(len(s["input_ids"]) > 128 for s in samples) > 0
+
+
+def test_a_token_field_of_another_length_than_the_tokens_is_refused_before_the_cut() -> None:
+    def samples() -> Any:
+        yield {"input_ids": [1] * 200, "score": [0.0] * 300}
+
+    module = _module(stream=GeneratorStream(samples, vocab_size=script.VOCAB), overlong="truncate",
+                     token_fields={"score": 0.0})  # fmt: skip
+    with pytest.raises(ValueError, match="sample 0 of the stream: score has 300 entries but input_ids has 200"):
+        next(iter(module.train_dataloader()))
+
+
+def test_a_stream_has_no_test_split_and_the_error_says_so() -> None:
+    with pytest.raises(ValueError, match="a stream has no test split .* second SeqPackDataModule"):
+        _module().test_dataloader()
+    assert _module().val_dataloader() == []

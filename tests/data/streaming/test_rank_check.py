@@ -1,0 +1,210 @@
+"""Ranks that read different streams fail loudly on every rank (2 gloo processes through Lightning DDP)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from lit_seqpack import ReferenceLM, SeqPackDataModule
+from lit_seqpack.data.streaming import GeneratorStream, StreamingDataLoader, StreamingDataset, rank_check
+from lit_seqpack.data.streaming import loader as loader_module
+from lit_seqpack.data.streaming.buffer import stream_windows
+from lit_seqpack.data.streaming.rank_check import CHECK_EVERY, window_digest
+from lit_seqpack.planning.plan import PlanConfig
+
+WORLD, VOCAB, MAX_TOKENS, BUFFER, NUM_SAMPLES = 2, 64, 128, 10, 120
+
+
+def _samples(changed_from: int | None = None, longer: bool = False) -> Iterator[dict[str, list[int]]]:
+    """Seeded samples; from ``changed_from`` on, other tokens with the same lengths (``longer``: one more token)."""
+    rng = np.random.default_rng(3)
+    for index in range(NUM_SAMPLES):
+        ids = rng.integers(1, VOCAB - 1, int(rng.integers(2, 40))).tolist()
+        if changed_from is not None and index >= changed_from:
+            ids = [t + 1 for t in ids] + ([1] if longer else [])
+        yield {"input_ids": ids}
+
+
+def _stream(changed_from: int | None = None, longer: bool = False) -> GeneratorStream:
+    return GeneratorStream(functools.partial(_samples, changed_from, longer), vocab_size=VOCAB)
+
+
+def _windows(stream: GeneratorStream) -> list[Any]:
+    config = PlanConfig(max_tokens=MAX_TOKENS, world_size=WORLD)
+    return list(stream_windows(stream.open(), config=config, buffer_size=BUFFER, epoch=0))
+
+
+def _stand_in_collate(microbatch: Any) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.zeros(1)}
+
+
+def _dataset(stream: GeneratorStream, *, world: int = 1, rank: int = 0, check_samples: int = 4) -> StreamingDataset:
+    """A rank's streaming dataset with a stand-in collator (the check reads the windows, not the batches)."""
+    return StreamingDataset(
+        stream,
+        config=PlanConfig(max_tokens=MAX_TOKENS, world_size=world),
+        rank=rank,
+        buffer_size=BUFFER,
+        collator=_stand_in_collate,
+        check_samples=check_samples,
+    )
+
+
+def test_the_window_digest_tells_lengths_and_tokens_apart() -> None:
+    same, tokens, lengths = (_windows(s)[0] for s in (_stream(), _stream(0), _stream(0, longer=True)))
+    digest = functools.partial(window_digest, epoch=0, samples=4)
+    assert digest(same) == digest(_windows(_stream())[0])
+    assert digest(tokens).lengths == digest(same).lengths and digest(tokens).tokens != digest(same).tokens
+    assert digest(lengths).lengths != digest(same).lengths
+    assert digest(same).window == 0 and digest(same, epoch=3).epoch == 3
+
+
+def test_batches_carry_a_digest_only_when_the_check_is_on() -> None:
+    def loader_facts(check_samples: int) -> list[Any]:
+        return [batch["_stream"]["digest"] for batch in _dataset(_stream(), check_samples=check_samples)]
+
+    on, off = loader_facts(4), loader_facts(0)
+    assert all(d is None for d in off) and len(off) == len(on)
+    windows = [d.window for d in on if d is not None]
+    assert windows == sorted(set(windows)) and len(windows) > CHECK_EVERY  # one digest a window, with its record
+
+
+def _fit(stream: GeneratorStream, **settings: Any) -> str:
+    """Fit 2 steps under DDP on ``stream``; ``"trained"`` or the error's message."""
+    torch.manual_seed(0)
+    model = ReferenceLM(
+        vocab_size=VOCAB, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, intermediate_size=64,
+        max_seq_len=MAX_TOKENS, lr_schedule="constant", attn_backend="sdpa",
+    )  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy="ddp",
+        max_steps=2,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = SeqPackDataModule(stream=stream, stream_buffer=BUFFER, max_tokens=MAX_TOKENS, num_workers=1, **settings)
+    try:
+        trainer.fit(model, datamodule=data)
+    except RuntimeError as err:
+        return str(err)
+    return "trained"
+
+
+def _later_window(rank: int) -> str:
+    """A loader (2 workers) read to the end outside a Trainer, the streams differing from sample 70 on rank 1."""
+    dataset = _dataset(_stream(70 if rank else None), world=WORLD, rank=rank)
+    try:
+        return f"read {sum(1 for _ in StreamingDataLoader(dataset, num_workers=2))}"
+    except RuntimeError as err:
+        return str(err)
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD)})
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "OMP_NUM_THREADS": "1"})
+    torch.set_num_threads(1)
+    outcome = {
+        "equal": _fit(_stream()),
+        "different": _fit(_stream(0 if rank else None)),
+        "unchecked": _fit(_stream(0 if rank else None), content_check_samples=0),
+        "later": _later_window(rank),
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ranks_reading_different_streams_fail_on_every_rank_and_equal_streams_train(tmp_path: Path) -> None:
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert outcome["equal"] == "trained"
+        assert outcome["unchecked"] == "trained"  # content_check_samples=0 turns the check off
+        assert f"rank {rank} reads a different stream than ranks [{1 - rank}]" in outcome["different"]
+        assert "window 0 of epoch 0" in outcome["different"]
+        assert "agree but the tokens of the sampled samples do not" in outcome["different"]
+        assert f"window {CHECK_EVERY} of epoch 0" in outcome["later"]
+
+
+def _loader(num_workers: int, check_samples: int = 4) -> StreamingDataLoader:
+    return StreamingDataLoader(_dataset(_stream(), check_samples=check_samples), num_workers=num_workers)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_loader_checks_the_first_window_of_each_iteration_and_every_8th(monkeypatch, num_workers: int) -> None:
+    checked: list[tuple[int, int]] = []
+
+    def record(digest: Any) -> None:
+        checked.append((digest.epoch, digest.window))
+
+    monkeypatch.setattr(loader_module, "check_ranks_agree", record)
+    loader = _loader(num_workers)
+    for _ in loader:
+        pass
+    windows = loader.dataset.windows()
+    last = sum(1 for _ in windows) - 1
+    assert checked == [(0, w) for w in range(0, last + 1, CHECK_EVERY)]  # 1 + floor(last / 8) gathers
+    checked.clear()
+    batches = iter(loader)  # epoch 1, stopped after 13 microbatches and resumed in another loader
+    for _ in range(13):
+        next(batches)
+    assert checked == [(1, 0)]
+    state = loader.state_dict()
+    resumed_at = max(w["window"] for w in state["windows"] if w["first_microbatch"] <= state["yielded"])
+    assert 0 < resumed_at < CHECK_EVERY
+    checked.clear()
+    resumed = _loader(num_workers)
+    resumed.load_state_dict(state)
+    for _ in resumed:
+        pass
+    assert checked == [(1, resumed_at)] + [(1, w) for w in range(CHECK_EVERY, last + 1, CHECK_EVERY)]
+    checked.clear()
+    for _ in _loader(num_workers, check_samples=0):
+        pass
+    assert checked == []
+
+
+def test_the_error_names_what_differs(monkeypatch) -> None:
+    mine = rank_check.WindowDigest(epoch=0, window=8, first_sample=77, lengths="a", tokens="b")
+    monkeypatch.setattr(rank_check, "distributed", lambda: True)
+    monkeypatch.setattr(rank_check.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(rank_check.dist, "get_rank", lambda: 0)
+    for other, message in (
+        (dataclasses.replace(mine), None),
+        (dataclasses.replace(mine, tokens="c"), "the lengths of window 8 of epoch 0 .from stream sample 77. agree"),
+        (dataclasses.replace(mine, lengths="c"), "the lengths of the samples of window 8 of epoch 0 .* differ"),
+        (dataclasses.replace(mine, window=9), r"the ranks are at different windows .* \[\(0, 8, 77\), \(0, 9, 77\)\]"),
+    ):
+
+        def gather(everyone: list, digest: Any, other: Any = other) -> None:
+            everyone[:] = [digest, other]
+
+        monkeypatch.setattr(rank_check.dist, "all_gather_object", gather)
+        if message is None:
+            rank_check.check_ranks_agree(mine)
+        else:
+            with pytest.raises(RuntimeError, match=r"rank 0 reads a different stream than ranks \[1\]: " + message):
+                rank_check.check_ranks_agree(mine)
