@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_seqpack._checks import round_up
 from lit_seqpack.batch import IGNORE_INDEX
-from lit_seqpack.data.collate import PackedCollator, _round_up, _scalars
+from lit_seqpack.data.collate import PackedCollator, _scalars
 
 
 class LegacyPackedCollator(PackedCollator):
@@ -38,7 +39,7 @@ class LegacyPackedCollator(PackedCollator):
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         padded = -(-lengths // (self.pad_document_to_multiple_of or 1)) * (self.pad_document_to_multiple_of or 1)
         body = int(padded.sum())
-        total = dummy if dummy is not None else _round_up(body, self.pad_to_multiple_of)
+        total = dummy if dummy is not None else round_up(body, self.pad_to_multiple_of)
         segments = np.append(padded, total - body) if total > body else padded
         cu_seqlens = np.concatenate([[0], np.cumsum(segments)])
         starts = torch.from_numpy(cu_seqlens[: len(docs)])

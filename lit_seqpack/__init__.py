@@ -48,6 +48,17 @@ _EXPORTS: dict[str, str] = {
     "TokenDataset": "lit_seqpack.data.sources",
     "TokenizedDataset": "lit_seqpack.data.sources",
     "SyntheticInstructionDataset": "lit_seqpack.data.sources",
+    "ChatDataset": "lit_seqpack.data.sources",
+    # streams too big to index
+    "StreamSource": "lit_seqpack.data.streaming",
+    "GeneratorStream": "lit_seqpack.data.streaming",
+    "HFIterableStream": "lit_seqpack.data.streaming",
+    "JsonlStream": "lit_seqpack.data.streaming",
+    "MixtureStream": "lit_seqpack.data.streaming",
+    "ParquetStream": "lit_seqpack.data.streaming",
+    "SyntheticStream": "lit_seqpack.data.streaming",
+    # parallel layout of ranks (shared by data and model)
+    "ParallelLayout": "lit_seqpack.parallel",
     # model
     "varlen_attention": "lit_seqpack.model.attention",
     "available_backends": "lit_seqpack.model.attention",
@@ -66,11 +77,16 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "ChatDataset",
     "DynamicBatchSampler",
     "FabricAccumulation",
+    "GeneratorStream",
     "HFCausalLM",
+    "HFIterableStream",
+    "JsonlStream",
     "LossOutput",
     "MicrobatchMeta",
+    "MixtureStream",
     "OverlongReport",
     "PACKING_ALGORITHMS",
     "PackedBatchSampler",
@@ -84,10 +100,12 @@ __all__ = [
     "PaddedBatchSampler",
     "PaddedCollator",
     "PaddingRatio",
+    "ParallelLayout",
+    "ParquetStream",
     "Plan",
     "PlanConfig",
-    "PlannedBatchSampler",
     "PlanStats",
+    "PlannedBatchSampler",
     "PlannedDataset",
     "RankImbalance",
     "ReferenceConfig",
@@ -97,7 +115,9 @@ __all__ = [
     "RolloutPlanner",
     "SeqPackCLI",
     "SeqPackDataModule",
+    "StreamSource",
     "SyntheticInstructionDataset",
+    "SyntheticStream",
     "TextDataset",
     "TokenDataset",
     "TokenizedDataset",
@@ -127,11 +147,21 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
     from lit_seqpack.data.planned_sampler import PlannedBatchSampler
     from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
     from lit_seqpack.data.sources import (
+        ChatDataset,
         SyntheticInstructionDataset,
         TextDataset,
         TokenDataset,
         TokenizedDataset,
         load_tokenized,
+    )
+    from lit_seqpack.data.streaming import (
+        GeneratorStream,
+        HFIterableStream,
+        JsonlStream,
+        MixtureStream,
+        ParquetStream,
+        StreamSource,
+        SyntheticStream,
     )
     from lit_seqpack.metrics import PackingEfficiency, PaddingRatio, RankImbalance, TokensPerSecond
     from lit_seqpack.model.attention import available_backends, varlen_attention
@@ -141,6 +171,7 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
     from lit_seqpack.model.loss import LossOutput
     from lit_seqpack.model.mixin import PackedSequenceMixin
     from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
+    from lit_seqpack.parallel import ParallelLayout
     from lit_seqpack.planning import (
         PACKING_ALGORITHMS,
         Packer,

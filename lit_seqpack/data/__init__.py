@@ -51,26 +51,46 @@ _EXPORTS: dict[str, str] = {
     "DataScan": "lit_seqpack.data.validation",
     "check_vocab_range": "lit_seqpack.data.validation",
     "scan_dataset": "lit_seqpack.data.validation",
+    "ChatDataset": "lit_seqpack.data.sources",
+    "PlannedBatchSampler": "lit_seqpack.data.planned_sampler",
+    "GeneratorStream": "lit_seqpack.data.streaming",
+    "HFIterableStream": "lit_seqpack.data.streaming",
+    "JsonlStream": "lit_seqpack.data.streaming",
+    "MixtureStream": "lit_seqpack.data.streaming",
+    "ParquetStream": "lit_seqpack.data.streaming",
+    "StreamSource": "lit_seqpack.data.streaming",
+    "StreamingDataLoader": "lit_seqpack.data.streaming",
+    "SyntheticStream": "lit_seqpack.data.streaming",
 }
 
 __all__ = [
+    "ChatDataset",
     "ContextParallelCollator",
     "DataScan",
     "DroppedDataset",
     "DynamicBatchSampler",
+    "GeneratorStream",
+    "HFIterableStream",
     "IndexView",
+    "JsonlStream",
     "LENGTH_DISTRIBUTIONS",
+    "MixtureStream",
     "OVERLONG_POLICIES",
     "OverlongReport",
     "PackedBatchSampler",
     "PackedCollator",
     "PaddedBatchSampler",
     "PaddedCollator",
+    "ParquetStream",
+    "PlannedBatchSampler",
     "SOURCES",
     "SYNTHETIC_TASKS",
     "SeqPackDataModule",
     "Split",
+    "StreamSource",
+    "StreamingDataLoader",
     "SyntheticInstructionDataset",
+    "SyntheticStream",
     "SyntheticTaskConfig",
     "TOKENIZED_FORMATS",
     "TensorParallelCollator",
@@ -120,12 +140,14 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
         TruncatedDataset,
         apply_overlong_policy,
     )
+    from lit_seqpack.data.planned_sampler import PlannedBatchSampler
     from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
     from lit_seqpack.data.sources import (
         LENGTH_DISTRIBUTIONS,
         SOURCES,
         SYNTHETIC_TASKS,
         TOKENIZED_FORMATS,
+        ChatDataset,
         SyntheticInstructionDataset,
         SyntheticTaskConfig,
         TextDataset,
@@ -135,4 +157,14 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
         load_tokenized,
     )
     from lit_seqpack.data.splits import IndexView, Split, source_index, split_indices
+    from lit_seqpack.data.streaming import (
+        GeneratorStream,
+        HFIterableStream,
+        JsonlStream,
+        MixtureStream,
+        ParquetStream,
+        StreamingDataLoader,
+        StreamSource,
+        SyntheticStream,
+    )
     from lit_seqpack.data.validation import DataScan, check_vocab_range, scan_dataset

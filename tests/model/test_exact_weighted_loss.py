@@ -268,11 +268,12 @@ def test_datamodule_weighted_step_equals_the_big_padded_batch() -> None:
     assert_gradients_match(capture.grads, expected, rtol=1e-6)
 
 
-def test_datamodule_refuses_loss_mask_weights_and_undeclared_weight_fields() -> None:
+def test_datamodule_refuses_file_loss_mask_weights_and_undeclared_weight_fields() -> None:
     from lit_seqpack.data.datamodule import SeqPackDataModule
 
-    with pytest.raises(ValueError, match="loss_weight_field='loss_mask'\\) is not supported"):
-        SeqPackDataModule(loss_weight_field="loss_mask")
+    # a file reader turns loss_mask into labels at load: its weights would be lost (dataset= keeps them)
+    with pytest.raises(ValueError, match="loss_weight_field='loss_mask' is not supported with source='jsonl'"):
+        SeqPackDataModule(source="jsonl", path="data.jsonl", loss_weight_field="loss_mask")
     with pytest.raises(ValueError, match="loss_weight_field='w' must be 'loss_mask' or one of the declared"):
         SeqPackDataModule(loss_weight_field="w")
 

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+from lit_seqpack.data.sources.chat import ChatDataset
 from lit_seqpack.data.sources.factory import SOURCES, build_dataset
 from lit_seqpack.data.sources.protocol import TokenDataset, declared_counts, declared_fingerprint
 from lit_seqpack.data.sources.synthetic import (
@@ -44,6 +45,7 @@ __all__ = [
     "SOURCES",
     "SYNTHETIC_TASKS",
     "TOKENIZED_FORMATS",
+    "ChatDataset",
     "SyntheticInstructionDataset",
     "SyntheticTaskConfig",
     "TextDataset",
