@@ -8,13 +8,12 @@ import math
 
 import numpy as np
 import pytest
-from lightning.pytorch import Trainer
 
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.data.lengths import cached_scan
 from lit_seqpack.data.loss_weights import sample_loss_weight
 from lit_seqpack.data.validation import scan_dataset
-from tests.model.test_exact_loss import GradientCapture, assert_gradients_match, make_module
+from tests.model.test_exact_loss import GradientCapture, assert_gradients_match, make_module, one_step_trainer
 from tests.model.test_exact_weighted_loss import reference_weighted_gradients, weighted_samples
 
 MASKED = [
@@ -89,19 +88,7 @@ def test_a_weighted_step_through_the_datamodule_has_the_big_padded_batch_gradien
         targets = [np.where(np.asarray(s["labels"][1:]) != -100, 1, 0) for s in samples]
     assert sum(b["step_loss_tokens"] for b in batches) == int(sum((t != 0).sum() for t in targets))
     capture = GradientCapture()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="64-true",
-        max_steps=1,
-        accumulate_grad_batches=len(batches),
-        use_distributed_sampler=False,
-        callbacks=[capture],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = one_step_trainer(len(batches), capture)
     trainer.fit(module, datamodule=_datamodule(field, mode, samples, tmp_path))
     assert capture.grads is not None
     assert_gradients_match(capture.grads, expected, rtol=1e-6)

@@ -122,6 +122,23 @@ class GradientCapture(Callback):
                 torch.save(self.grads, self.path)
 
 
+def one_step_trainer(accumulate: int, capture: GradientCapture, precision: str = "64-true") -> Trainer:
+    """A one-process CPU Trainer for one optimizer step over ``accumulate`` microbatches, gradients to ``capture``."""
+    return Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision=precision,
+        max_steps=1,
+        accumulate_grad_batches=accumulate,
+        use_distributed_sampler=False,
+        callbacks=[capture],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
 def spawned_step_trainer(devices: int, path: str) -> Trainer:
     """A ``ddp_spawn`` CPU Trainer for one fp64 optimizer step (accumulation 2) that saves rank 0's gradients."""
     return Trainer(
@@ -145,18 +162,7 @@ def fit_one_step(
 ) -> dict[str, torch.Tensor]:
     """One optimizer step of a real single-process Trainer over ``batches``; the gradients it applies."""
     capture = GradientCapture()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision=precision,
-        max_steps=1,
-        accumulate_grad_batches=accumulate,
-        callbacks=[capture],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = one_step_trainer(accumulate, capture, precision=precision)
     trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
     assert capture.grads is not None
     return capture.grads
@@ -244,19 +250,7 @@ def test_real_sampler_collator_and_trainer_end_to_end() -> None:
     module = make_module("reference")
     expected = reference_gradients(module, step_samples)
     capture = GradientCapture()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="64-true",
-        max_steps=1,
-        accumulate_grad_batches=3,
-        use_distributed_sampler=False,
-        callbacks=[capture],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = one_step_trainer(3, capture)
     sampler = PackedBatchSampler(lengths, loss_tokens=tokens, **sampler_kwargs)
     trainer.fit(module, _planned_loader(sampler, samples, PackedCollator(pad_to_multiple_of=8)))
     assert capture.grads is not None

@@ -31,6 +31,7 @@ from tests.model.test_exact_loss import (
     fit_one_step,
     make_module,
     make_samples,
+    one_step_trainer,
     plain_logits,
     spawned_step_trainer,
 )
@@ -185,7 +186,6 @@ def test_context_parallel_shards_carry_the_local_weights_and_sum_back() -> None:
 
 def test_real_sampler_with_planned_step_weights_end_to_end() -> None:
     """PackedBatchSampler in StepWeightedBatchSampler -> PlannedDataset -> collator -> Trainer (accumulate 3)."""
-    from lightning.pytorch import Trainer
 
     samples = weighted_samples("weights", count=24, seed=7)
     lengths = [len(s["input_ids"]) for s in samples]
@@ -200,19 +200,7 @@ def test_real_sampler_with_planned_step_weights_end_to_end() -> None:
     module = make_module("reference")
     expected = reference_weighted_gradients(module, step_samples, "weights")
     capture = GradientCapture()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="64-true",
-        max_steps=1,
-        accumulate_grad_batches=3,
-        use_distributed_sampler=False,
-        callbacks=[capture],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = one_step_trainer(3, capture)
     sampler = StepWeightedBatchSampler(PackedBatchSampler(lengths, loss_tokens=tokens, **kwargs), sums)
     collate = PackedCollator(token_fields={"weights": 0.0}, loss_weight_field="weights")
     loader = torch.utils.data.DataLoader(PlannedDataset(samples), batch_sampler=sampler, collate_fn=collate)
@@ -236,7 +224,6 @@ def test_weighted_ddp_step_on_two_gloo_ranks_equals_the_big_padded_batch(tmp_pat
 
 def test_datamodule_weighted_step_equals_the_big_padded_batch() -> None:
     """SeqPackDataModule(loss_weight_field=...) plans the step's weight sum; one Trainer step (accumulate 2)."""
-    from lightning.pytorch import Trainer
 
     from lit_seqpack.data.datamodule import SeqPackDataModule
 
@@ -247,19 +234,7 @@ def test_datamodule_weighted_step_equals_the_big_padded_batch() -> None:
     module = make_module("reference")
     initial = copy.deepcopy(module)
     capture = GradientCapture()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="64-true",
-        max_steps=1,
-        accumulate_grad_batches=2,
-        use_distributed_sampler=False,
-        callbacks=[capture],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = one_step_trainer(2, capture)
     trainer.fit(module, datamodule=dm)
     plan = dm._train_sampler.lazy_plan
     step = [i for position in range(2) for i in plan.microbatch(0, position).indices]

@@ -28,9 +28,12 @@ def parquet_table(path: Path, columns: tuple[str, ...]) -> tuple[Any, list[str]]
         raise ValueError(f"{path}: not a readable Parquet file ({type(err).__name__}: {err})") from None
 
 
-def hf_disk_table(path: Path, split: str | None, fields: tuple[str, ...] = ()) -> tuple[Any, list[str]]:
-    """Load a ``save_to_disk`` directory; return its ``input_ids``/``labels``/``loss_mask`` columns and the
-    declared ``fields`` present as a Table, and all its column names."""
+def load_disk_split(path: Path, split: str | None) -> Any:
+    """The ``datasets.Dataset`` of a ``save_to_disk`` folder: the folder itself, or its ``split`` of a DatasetDict.
+
+    Raises:
+        ValueError: a DatasetDict without ``split`` among its splits, or a ``split`` for a single Dataset.
+    """
     datasets = require("datasets", purpose="reading save_to_disk folders")
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
@@ -39,9 +42,16 @@ def hf_disk_table(path: Path, split: str | None, fields: tuple[str, ...] = ()) -
                 f"{path} holds a DatasetDict with splits {sorted(loaded)}; split={split!r} is not one: choose one "
                 "with data.split (data.val_split / data.test_split for val_path / test_path)"
             )
-        loaded = loaded[split]
-    elif split is not None:
+        return loaded[split]
+    if split is not None:
         raise ValueError(f"split={split!r} was given but {path} holds a single Dataset, not a DatasetDict")
+    return loaded
+
+
+def hf_disk_table(path: Path, split: str | None, fields: tuple[str, ...] = ()) -> tuple[Any, list[str]]:
+    """Load a ``save_to_disk`` directory; return its ``input_ids``/``labels``/``loss_mask`` columns and the
+    declared ``fields`` present as a Table, and all its column names."""
+    loaded = load_disk_split(path, split)
     columns = [c for c in (INPUT_IDS, LABELS, LOSS_MASK, *fields) if c in loaded.column_names]
     if INPUT_IDS not in columns:
         raise ValueError(f"{path}: no 'input_ids' column (columns: {loaded.column_names})")

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lit_seqpack.data.sources._arrow import require
+from lit_seqpack.data.sources._arrow import load_disk_split, require
 from lit_seqpack.data.sources._files import text_lines
 
 __all__ = ["CHAT_FORMATS", "ROLES", "check_messages", "read_conversations"]
@@ -131,17 +131,7 @@ def _parquet_column(path: Path, field: str) -> list[Any]:
 
 
 def _hf_disk_column(path: Path, field: str, split: str | None) -> list[Any]:
-    datasets = require("datasets", purpose="reading save_to_disk conversations")
-    loaded = datasets.load_from_disk(str(path))
-    if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
-            raise ValueError(
-                f"{path} holds a DatasetDict with splits {sorted(loaded)}; split={split!r} is not one: choose one "
-                "with data.split (data.val_split / data.test_split for val_path / test_path)"
-            )
-        loaded = loaded[split]
-    elif split is not None:
-        raise ValueError(f"split={split!r} was given but {path} holds a single Dataset, not a DatasetDict")
+    loaded = load_disk_split(path, split)
     if field not in loaded.column_names:
         raise ValueError(f"{path}: no {field!r} column (columns: {loaded.column_names}); set messages_field")
     return loaded[field]
