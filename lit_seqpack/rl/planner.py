@@ -147,7 +147,7 @@ class RolloutPlanner:
             collator,
             {"pad_token_id": pad_token_id, "pad_to_multiple_of": pad_to_multiple_of},
         )
-        self._collator_type(**self._collator_args)  # validates the padding knobs now
+        self._collator_type(**self._collator_args)  # validates the padding settings now
 
     # --------------------------------------------------------------------------------------------- plans
     @property
