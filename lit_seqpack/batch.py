@@ -22,8 +22,16 @@ tokens) and ``position_ids``, no ``cu_seqlens``. Both kinds carry the Python sca
 field at position ``t`` is aligned with ``input_ids[t]``, and ``labels[t]`` is the token at ``t`` itself (or
 ``-100``). The model's loss shifts (:func:`shift_labels`): the logits at ``t`` predict ``labels[t + 1]``. So a
 document's first label is ``-100`` (no earlier token of the document predicts it), and no position is ever
-trained to predict across a document boundary. The only pre-shifted key is ``shift_labels``, written by the
-context-parallel sharder, whose next-token target of a chunk's last token lives on another rank.
+trained to predict across a document boundary. The only pre-shifted keys are ``shift_labels`` and
+``shift_<name>`` (:data:`SHIFT_PREFIX`), written by the context-parallel sharder, whose next-token target of a
+chunk's last token lives on another rank.
+
+**Declared fields.** Extra fields declared on the collators (``token_fields={"advantages": 0.0}``,
+``sample_fields=["reward"]``, see :mod:`lit_seqpack.data.fields`) travel under their own names: a token field is
+``[1, T]`` (packed) or ``[B, L]`` (padded), aligned with ``input_ids`` and padded with its declared value; a sample
+field is ``[num_documents]`` (packed) or ``[B]`` (padded). No declared name may be one of :data:`CONTRACT_KEYS` or
+start with :data:`SHIFT_PREFIX`. With a ``loss_weight_field`` the batch also carries :data:`LOSS_WEIGHTS`,
+:data:`NUM_LOSS_WEIGHT` and :data:`STEP_LOSS_WEIGHT`, the step's weight sum that normalises the loss.
 
 Example:
     >>> batch = {INPUT_IDS: torch.tensor([[5, 6, 7]]), CU_SEQLENS: torch.tensor([0, 3], dtype=torch.int32)}
