@@ -11,7 +11,6 @@ rank logs every trained microbatch to ``DIR/rank{r}.jsonl`` (``_train_script.Tra
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -19,8 +18,7 @@ from typing import Any
 
 import lightning as L
 import numpy as np
-import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -28,15 +26,16 @@ from lit_seqpack import SeqPackDataModule  # noqa: E402
 from lit_seqpack.data.streaming import GeneratorStream, StreamingDataLoader  # noqa: E402
 from tests.reliability._train_script import (  # noqa: E402
     ACCUMULATE,
-    CHECKPOINT_EVERY,
     EPOCHS,
     MAX_TOKENS,
     VOCAB,
     WORLD,
-    KillAtStep,
     WithIndices,
-    make_model,
+    fit,
+    parse_args,
 )
+
+__all__ = ["ACCUMULATE", "EPOCHS", "NUM_SAMPLES", "WORLD", "StreamTrainedLog", "make_datamodule", "samples"]
 
 NUM_SAMPLES = 150
 BUFFER = 40
@@ -94,36 +93,8 @@ def make_datamodule(num_workers: int = 1) -> RecordingStreamModule:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--kill-at-step", type=int, default=None)
-    parser.add_argument("--ckpt-path", type=str, default=None)
-    parser.add_argument("--num-workers", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    checkpoints = args.out / "checkpoints"
-    callbacks: list[Callback] = [
-        StreamTrainedLog(args.out),
-        ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=CHECKPOINT_EVERY, save_last=True, save_top_k=-1),
-    ]
-    if args.kill_at_step is not None:
-        callbacks.append(KillAtStep(args.kill_at_step, checkpoints / "last.ckpt"))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy="ddp",
-        max_epochs=EPOCHS,
-        accumulate_grad_batches=ACCUMULATE,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=args.out,
-        callbacks=callbacks,
-    )
-    trainer.fit(make_model(), datamodule=make_datamodule(args.num_workers), ckpt_path=args.ckpt_path)
-    trainer.save_checkpoint(args.out / "final.ckpt")
+    args = parse_args(default_workers=2)
+    fit(args, StreamTrainedLog(args.out), make_datamodule(args.num_workers))
 
 
 if __name__ == "__main__":

@@ -144,18 +144,24 @@ def make_datamodule(dataset: Any = None, *, num_workers: int = 1) -> RecordingDa
     )
 
 
-def main() -> None:
+def parse_args(default_workers: int = 1) -> argparse.Namespace:
+    """The command line of a crash/resume run (``--out``, ``--kill-at-step``, ``--ckpt-path``, ``--num-workers``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoints and per-rank logs go here")
     parser.add_argument("--kill-at-step", type=int, default=None, help="SIGKILL the run after this optimizer step")
     parser.add_argument("--ckpt-path", type=str, default=None, help="resume from this checkpoint")
-    parser.add_argument("--num-workers", type=int, default=1, help="DataLoader worker processes per rank")
-    args = parser.parse_args()
+    parser.add_argument("--num-workers", type=int, default=default_workers, help="DataLoader worker processes per rank")
+    return parser.parse_args()
+
+
+def fit(args: argparse.Namespace, log: Callback, datamodule: L.LightningDataModule) -> None:
+    """Train :func:`make_model` on ``datamodule`` with DDP over ``WORLD`` CPU ranks, checkpointing every
+    ``CHECKPOINT_EVERY`` steps, SIGKILLed after ``--kill-at-step``, resumed from ``--ckpt-path``."""
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoints = args.out / "checkpoints"
     callbacks: list[Callback] = [
-        TrainedLog(args.out),
+        log,
         ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=CHECKPOINT_EVERY, save_last=True, save_top_k=-1),
     ]
     if args.kill_at_step is not None:
@@ -173,8 +179,13 @@ def main() -> None:
         default_root_dir=args.out,
         callbacks=callbacks,
     )
-    trainer.fit(make_model(), datamodule=make_datamodule(num_workers=args.num_workers), ckpt_path=args.ckpt_path)
+    trainer.fit(make_model(), datamodule=datamodule, ckpt_path=args.ckpt_path)
     trainer.save_checkpoint(args.out / "final.ckpt")
+
+
+def main() -> None:
+    args = parse_args()
+    fit(args, TrainedLog(args.out), make_datamodule(num_workers=args.num_workers))
 
 
 if __name__ == "__main__":
