@@ -6,31 +6,34 @@ Each name still resolves to the same object, with a ``DeprecationWarning``; this
 from __future__ import annotations
 
 from lit_seqpack._lazy import deprecated_exports
+from lit_seqpack.data import _EXPORTS
 
-_MOVED = {
-    "cache_path": "lit_seqpack.data.lengths",
-    "cached_lengths": "lit_seqpack.data.lengths",
-    "cached_lengths_and_loss_tokens": "lit_seqpack.data.lengths",
-    "cached_loss_tokens": "lit_seqpack.data.lengths",
-    "compute_lengths": "lit_seqpack.data.lengths",
-    "compute_lengths_and_loss_tokens": "lit_seqpack.data.lengths",
-    "compute_loss_tokens": "lit_seqpack.data.lengths",
-    "dataset_fingerprint": "lit_seqpack.data.lengths",
-    "sample_loss_tokens": "lit_seqpack.data.lengths",
-    "OVERLONG_POLICIES": "lit_seqpack.data.overlong",
-    "DroppedDataset": "lit_seqpack.data.overlong",
-    "OverlongReport": "lit_seqpack.data.overlong",
-    "TruncatedDataset": "lit_seqpack.data.overlong",
-    "apply_overlong_policy": "lit_seqpack.data.overlong",
-    "TOKENIZED_FORMATS": "lit_seqpack.data.sources",
-    "TokenizedDataset": "lit_seqpack.data.sources",
-    "load_tokenized": "lit_seqpack.data.sources",
-    "LENGTH_DISTRIBUTIONS": "lit_seqpack.data.sources",
-    "SYNTHETIC_TASKS": "lit_seqpack.data.sources",
-    "SyntheticInstructionDataset": "lit_seqpack.data.sources",
-    "SyntheticTaskConfig": "lit_seqpack.data.sources",
-    "TextDataset": "lit_seqpack.data.sources",
-}
+# the names this old index re-exported; each now lives where ``lit_seqpack.data`` exports it from
+_NAMES = (
+    "cache_path",
+    "cached_lengths",
+    "cached_lengths_and_loss_tokens",
+    "cached_loss_tokens",
+    "compute_lengths",
+    "compute_lengths_and_loss_tokens",
+    "compute_loss_tokens",
+    "dataset_fingerprint",
+    "sample_loss_tokens",
+    "OVERLONG_POLICIES",
+    "DroppedDataset",
+    "OverlongReport",
+    "TruncatedDataset",
+    "apply_overlong_policy",
+    "TOKENIZED_FORMATS",
+    "TokenizedDataset",
+    "load_tokenized",
+    "LENGTH_DISTRIBUTIONS",
+    "SYNTHETIC_TASKS",
+    "SyntheticInstructionDataset",
+    "SyntheticTaskConfig",
+    "TextDataset",
+)
+_MOVED = {name: _EXPORTS[name] for name in _NAMES}
 
 __all__ = sorted(_MOVED)
 

@@ -39,13 +39,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start(out: Path, *args: str) -> subprocess.Popen:
+def _start(script: Path, out: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK"):
         env.pop(key, None)
     out.mkdir(parents=True)
     log = (out / "stdout.txt").open("w")
-    command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
+    command = [sys.executable, str(script), "--out", str(out), *args]
     # its own session: the SIGKILL of the process group reaches both ranks and the workers, not pytest
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -64,18 +64,23 @@ def _records(out: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("crash_resume")
+def run_killed_and_resumed(script: Path, root: Path, kill_at: int) -> dict[str, Path]:
+    """Run ``script`` uninterrupted (``reference``) and SIGKILLed after step ``kill_at`` (``killed``) side by side,
+    then resume the killed run from its last checkpoint (``resumed``); return the three output folders."""
     dirs = {name: root / name for name in ("reference", "killed", "resumed")}
-    reference, killed = _start(dirs["reference"]), _start(dirs["killed"], "--kill-at-step", str(KILL_AT))
+    reference = _start(script, dirs["reference"])
+    killed = _start(script, dirs["killed"], "--kill-at-step", str(kill_at))
     codes = {"reference": _wait(reference, dirs["reference"]), "killed": _wait(killed, dirs["killed"])}
     assert codes["reference"] == 0, (dirs["reference"] / "stdout.txt").read_text()[-4000:]
     assert codes["killed"] == -signal.SIGKILL, (dirs["killed"] / "stdout.txt").read_text()[-4000:]
-    last = dirs["killed"] / "checkpoints" / "last.ckpt"
-    resumed = _start(dirs["resumed"], "--ckpt-path", str(last))
+    resumed = _start(script, dirs["resumed"], "--ckpt-path", str(dirs["killed"] / "checkpoints" / "last.ckpt"))
     assert _wait(resumed, dirs["resumed"]) == 0, (dirs["resumed"] / "stdout.txt").read_text()[-4000:]
     return dirs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return run_killed_and_resumed(SCRIPT, tmp_path_factory.mktemp("crash_resume"), KILL_AT)
 
 
 def _key(record: dict) -> tuple[int, int, int]:

@@ -8,10 +8,6 @@ both ranks, the same number of microbatches on each rank, and end with the same 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -19,43 +15,15 @@ import pytest
 import torch
 
 from tests.reliability import _stream_train_script as script
-from tests.reliability.test_crash_resume import RUN_TIMEOUT_S, _free_port, _key, _records
+from tests.reliability.test_crash_resume import _key, _records, run_killed_and_resumed
 
 SCRIPT = Path(script.__file__)
-ROOT = SCRIPT.parents[2]
 KILL_AT = 18  # 12 steps an epoch, checkpoints every 4: the last one before the kill is step 16 (epoch 1, mid-stream)
-
-
-def _start(out: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK"):
-        env.pop(key, None)
-    out.mkdir(parents=True)
-    log = (out / "stdout.txt").open("w")
-    command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _wait(process: subprocess.Popen, out: Path) -> int:
-    try:
-        return process.wait(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        pytest.fail(f"{out.name} run hung for {RUN_TIMEOUT_S} s:\n{(out / 'stdout.txt').read_text()[-4000:]}")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("stream_crash_resume")
-    dirs = {name: root / name for name in ("reference", "killed", "resumed")}
-    reference, killed = _start(dirs["reference"]), _start(dirs["killed"], "--kill-at-step", str(KILL_AT))
-    codes = {"reference": _wait(reference, dirs["reference"]), "killed": _wait(killed, dirs["killed"])}
-    assert codes["reference"] == 0, (dirs["reference"] / "stdout.txt").read_text()[-4000:]
-    assert codes["killed"] == -signal.SIGKILL, (dirs["killed"] / "stdout.txt").read_text()[-4000:]
-    resumed = _start(dirs["resumed"], "--ckpt-path", str(dirs["killed"] / "checkpoints" / "last.ckpt"))
-    assert _wait(resumed, dirs["resumed"]) == 0, (dirs["resumed"] / "stdout.txt").read_text()[-4000:]
-    return dirs
+    return run_killed_and_resumed(SCRIPT, tmp_path_factory.mktemp("stream_crash_resume"), KILL_AT)
 
 
 @pytest.mark.slow
