@@ -130,7 +130,7 @@ def attention_elements(batch: dict[str, Any]) -> int:
 
 
 def datamodule_loader(dataset: Any, spec: dict[str, Any], *, accumulate: int = 1) -> Any:
-    """The training loader of a ``SeqPackDataModule(dataset=dataset, **spec)``, planned for one rank and ``accumulate``.
+    """The training loader of a ``SeqPackDataModule(source=dataset, **spec)``, planned for one rank and ``accumulate``.
 
     The DataModule reads world size, rank and accumulation from its Trainer: it gets a real, never fitted
     ``Trainer(accumulate_grad_batches=accumulate)`` on one CPU device.
@@ -139,7 +139,7 @@ def datamodule_loader(dataset: Any, spec: dict[str, Any], *, accumulate: int = 1
 
     from lit_seqpack.data.datamodule import SeqPackDataModule
 
-    datamodule = SeqPackDataModule(dataset=dataset, **spec)
+    datamodule = SeqPackDataModule(source=dataset, **spec)
     quiet = logging.getLogger("lightning.pytorch")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # "GPU available: False ..." lines

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lit_seqpack.data.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.model.attention import available_backends, varlen_attention
 from lit_seqpack.model.reference import REFERENCE_PRESETS, ReferenceConfig, ReferenceDecoder
 

@@ -25,7 +25,7 @@ import torch
 
 from lit_seqpack._checks import round_up
 from lit_seqpack.batch import IGNORE_INDEX
-from lit_seqpack.data.collate import PackedCollator, _scalars
+from lit_seqpack.data.batching.collate import PackedCollator, _scalars
 
 
 class LegacyPackedCollator(PackedCollator):

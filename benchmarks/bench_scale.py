@@ -124,6 +124,7 @@ def rank_child(path: str, sequences: int, max_tokens: int, world: int, accumulat
     import gc
 
     from lit_seqpack import PackedBatchSampler, SeqPackDataModule, SyntheticInstructionDataset
+    from lit_seqpack.parallel import DataParallelLayout
     from lit_seqpack.planning.plan import PlanConfig
 
     high = min(HIGH, max_tokens)
@@ -141,11 +142,11 @@ def rank_child(path: str, sequences: int, max_tokens: int, world: int, accumulat
     def build(values: object, plan: PlanConfig) -> PackedBatchSampler:
         if path == "sampler":
             return PackedBatchSampler.from_config(values, plan, rank=plan.world_size - 1, verify_plan=False)
-        data = SeqPackDataModule(dataset=values, max_tokens=max_tokens)
+        data = SeqPackDataModule(source=values, max_tokens=max_tokens)
         data.setup("fit")
-        data._layout = (plan.world_size, plan.world_size - 1, plan.accumulate_grad_batches)  # as from a Trainer
+        data.pipeline.layout = DataParallelLayout(plan.world_size, plan.world_size - 1, plan.accumulate_grad_batches)
         data.train_dataloader()
-        return data._train_sampler
+        return data.pipeline.train_sampler
 
     small = lengths[:10_000] if path == "sampler" else synthetic(10_000)
     next(iter(build(small, PlanConfig(max_tokens=max_tokens, world_size=1))))  # imports, compiled kernels
@@ -234,7 +235,7 @@ def _step_fn(model: object, optimizer: object) -> object:
 def loader_rows(args: argparse.Namespace) -> list[list[str]]:
     import torch
 
-    from lit_seqpack import ReferenceLM, SeqPackDataModule
+    from lit_seqpack import ReferenceLM, SeqPackDataModule, SyntheticInstructionDataset
     from lit_seqpack.model.reference import REFERENCE_PRESETS
 
     torch.manual_seed(0)
@@ -248,7 +249,9 @@ def loader_rows(args: argparse.Namespace) -> list[list[str]]:
     synthetic |= {"max_length": longest, "seed": 0}
     rows = []
     for workers in args.workers:
-        data = SeqPackDataModule(synthetic=synthetic, max_tokens=args.tokens, num_workers=workers)
+        data = SeqPackDataModule(
+            source=SyntheticInstructionDataset(**synthetic), max_tokens=args.tokens, num_workers=workers
+        )
         loader = iter(data.train_dataloader())
         step(next(loader))  # warm-up: workers start, first batch, allocator
         waits, steps, tokens = [], [], 0

@@ -8,7 +8,7 @@ Two Markdown tables on lognormal lengths (``--median`` tokens, shape ``--sigma``
    tokens / (microbatches x max_tokens), streamed / offline efficiency, lock-step fillers, samples carried, planning
    seconds (the stream's include generating its samples).
 2. Loader: one rank's DataLoader end to end (read, plan, collate into packed rows; ``num_workers=0``), the map-style
-   DataModule on the samples in memory against ``SeqPackDataModule(stream=SyntheticStream(...))``: microbatches/s
+   DataModule on the samples in memory against ``SeqPackDataModule(source=SyntheticStream(...))``: microbatches/s
    and real tokens/s, and the loader's peak Python memory (``tracemalloc``; the map-style loader holds the data).
 
     .venv/bin/python benchmarks/bench_stream.py            # 200k samples for packing, 20k through the loaders
@@ -27,7 +27,8 @@ import numpy as np
 from _common import machine_summary, markdown_table
 
 from lit_seqpack import SeqPackDataModule
-from lit_seqpack.data.streaming import SyntheticStream, stream_windows
+from lit_seqpack.data.sources import SyntheticStream
+from lit_seqpack.data.streaming import stream_windows
 from lit_seqpack.planning.plan import PlanConfig, build_plan
 
 
@@ -64,7 +65,7 @@ def packing_table(args: argparse.Namespace) -> str:
     for buffer in args.buffers:
         start = time.perf_counter()
         microbatches = empty = carried = 0
-        for window in stream_windows(stream.open(), config=config, buffer_size=buffer, epoch=0):
+        for window in stream_windows(stream.open(), config=config, window_size=buffer, epoch=0):
             microbatches += window.plan.stats.num_microbatches
             empty += window.plan.stats.num_empty_microbatches
             carried += len(window.carried_in)
@@ -102,10 +103,10 @@ def loader_table(args: argparse.Namespace) -> str:
 
     def offline() -> Iterable[dict[str, Any]]:
         data = list(_stream(args, count).open())  # a map-style dataset must exist in memory (or on disk) first
-        return SeqPackDataModule(dataset=data, content_check_samples=0, **common).train_dataloader()
+        return SeqPackDataModule(source=data, **common, content_check_samples=0).train_dataloader()
 
     def streamed(buffer: int) -> Callable[[], Iterable[dict[str, Any]]]:
-        return lambda: SeqPackDataModule(stream=_stream(args, count), stream_buffer=buffer, **common).train_dataloader()
+        return lambda: SeqPackDataModule(source=_stream(args, count), **common, window=buffer).train_dataloader()
 
     rows = []
     for name, buffer, make in [("offline (map-style)", "-", offline)] + [

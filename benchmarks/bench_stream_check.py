@@ -15,7 +15,8 @@ import time
 
 from _common import machine_summary, markdown_table
 
-from lit_seqpack.data.streaming import SyntheticStream, stream_windows
+from lit_seqpack.data.sources import SyntheticStream
+from lit_seqpack.data.streaming import stream_windows
 from lit_seqpack.data.streaming.rank_check import window_digest
 from lit_seqpack.planning.plan import PlanConfig
 
@@ -25,7 +26,7 @@ def measure(buffer: int, samples: int, check_samples: int) -> list[str]:
     stream = SyntheticStream(num_samples=samples, median_length=128, sigma=1.0, max_length=2048)
     config = PlanConfig(max_tokens=2048, world_size=2, accumulate_grad_batches=2, algorithm="best_fit_decreasing")
     start = time.perf_counter()
-    windows = list(stream_windows(stream.open(), config=config, buffer_size=buffer, epoch=0))
+    windows = list(stream_windows(stream.open(), config=config, window_size=buffer, epoch=0))
     planned = (time.perf_counter() - start) / len(windows)
     start = time.perf_counter()
     for window in windows:

@@ -50,9 +50,9 @@ from _common import (  # benchmarks/ is sys.path[0] when run as a script
 from _train_loop import ModeRun, held_out_loss
 from bench_attention import attention_cases, doc_lengths, median_times
 
-from lit_seqpack.batch import PlannedDataset
-from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
+from lit_seqpack.data import PlannedDataset
+from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.indexed.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
 from lit_seqpack.model.attention import available_backends
 
 SIZES = {  # preset, vocab, median / longest sample, max_tokens, real tokens per mode, attention row, repeats

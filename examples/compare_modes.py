@@ -23,7 +23,7 @@ from lightning.pytorch import Callback
 
 from lit_seqpack import PackingMonitor
 from lit_seqpack.cli import SeqPackCLI
-from lit_seqpack.data.lengths import compute_lengths_and_loss_tokens
+from lit_seqpack.data.indexed.lengths import compute_lengths_and_loss_tokens
 from lit_seqpack.inspection import default_padded_batch_size
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,6 +23,7 @@ import torch
 from lightning.fabric import Fabric
 
 from lit_seqpack import ReferenceLM, SeqPackDataModule
+from lit_seqpack.data.sources import SyntheticInstructionDataset
 from lit_seqpack.model.fabric import FabricAccumulation
 
 TINY = {"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "intermediate_size": 64}
@@ -52,7 +53,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     fabric.launch()
     synthetic = {"num_samples": args.num_samples, "vocab_size": 64, "median_length": 24, "max_length": 128}
-    data = SeqPackDataModule(mode="packing", max_tokens=args.max_tokens, synthetic=synthetic, seed=1)
+    data = SeqPackDataModule(
+        source=SyntheticInstructionDataset(**synthetic), mode="packing", max_tokens=args.max_tokens, seed=1
+    )
     accumulation = FabricAccumulation(fabric, accumulate_grad_batches=args.accumulate_grad_batches)
     planned = accumulation.accumulate_grad_batches if args.plan_accumulation is None else args.plan_accumulation
     data.attach_fabric(fabric, accumulate_grad_batches=planned)  # the plan's steps are the loop's steps

@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from lit_seqpack import PackingMonitor, SeqPackDataModule, check_packing_equivalence
+from lit_seqpack.data.sources import SyntheticInstructionDataset
 from lit_seqpack.model.lm import HFCausalLM
 
 
@@ -54,7 +55,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.manual_seed(0)
     synthetic = {"num_samples": args.num_samples, "vocab_size": 64, "median_length": 64, "sigma": 0.6,
                  "max_length": min(512, args.max_tokens), "tasks": ["sort", "copy"]}  # fmt: skip
-    data = SeqPackDataModule(mode="packing", max_tokens=args.max_tokens, synthetic=synthetic, sequence_length_round=8)
+    data = SeqPackDataModule(
+        source=SyntheticInstructionDataset(**synthetic),
+        mode="packing",
+        max_tokens=args.max_tokens,
+        sequence_length_round=8,
+    )
     model = HFCausalLM(config=llama_config(data.vocab_size, args.hidden_size, args.max_tokens), lr=3e-3)
 
     # the first row with several documents (the first step runs the costliest row, often one long document)

@@ -24,6 +24,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from lit_seqpack import PackedSequenceMixin, PackingMonitor, SeqPackDataModule, varlen_attention
+from lit_seqpack.data.sources import SyntheticInstructionDataset
 
 
 class Block(nn.Module):
@@ -103,7 +104,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.manual_seed(0)
     synthetic = {"num_samples": args.num_samples, "vocab_size": 64, "median_length": 64, "sigma": 0.6,
                  "max_length": min(512, args.max_tokens), "tasks": ["sort", "copy"]}  # fmt: skip
-    data = SeqPackDataModule(mode=args.mode, max_tokens=args.max_tokens, synthetic=synthetic, sequence_length_round=8)
+    data = SeqPackDataModule(
+        source=SyntheticInstructionDataset(**synthetic),
+        mode=args.mode,
+        max_tokens=args.max_tokens,
+        sequence_length_round=8,
+    )
     model = OwnLM(vocab_size=data.vocab_size, max_len=args.max_tokens)
     monitor = PackingMonitor()  # logs a summary at the end: padding, tokens/s, first -> last loss
     trainer = Trainer(

@@ -25,14 +25,19 @@ _EXPORTS: dict[str, str] = {
     "build_plan": "lit_seqpack.planning",
     # data
     "MicrobatchMeta": "lit_seqpack.batch",
-    "PlannedDataset": "lit_seqpack.batch",
-    "PackedBatchSampler": "lit_seqpack.data.samplers",
-    "DynamicBatchSampler": "lit_seqpack.data.samplers",
-    "PaddedBatchSampler": "lit_seqpack.data.samplers",
-    "PlannedBatchSampler": "lit_seqpack.data.planned_sampler",
-    "PackedCollator": "lit_seqpack.data.collate",
-    "PaddedCollator": "lit_seqpack.data.collate",
-    "SeqPackDataModule": "lit_seqpack.data.datamodule",
+    "PlannedDataset": "lit_seqpack.data",
+    "PackedBatchSampler": "lit_seqpack.data",
+    "DynamicBatchSampler": "lit_seqpack.data",
+    "PaddedBatchSampler": "lit_seqpack.data",
+    "PlannedBatchSampler": "lit_seqpack.data",
+    "PackedCollator": "lit_seqpack.data",
+    "PaddedCollator": "lit_seqpack.data",
+    "SeqPackDataModule": "lit_seqpack.data",
+    "BatchingSettings": "lit_seqpack.data",
+    "IndexedSource": "lit_seqpack.data",
+    "TokenizedSource": "lit_seqpack.data",
+    "TextSource": "lit_seqpack.data",
+    "ChatSource": "lit_seqpack.data",
     "SeqPackCLI": "lit_seqpack.cli",
     "PackingLeakError": "lit_seqpack.model.isolation",
     "prepare_hf_model": "lit_seqpack.model.hf",
@@ -41,24 +46,25 @@ _EXPORTS: dict[str, str] = {
     "ReferenceLM": "lit_seqpack.model.lm",
     "ReferenceDecoder": "lit_seqpack.model.reference",
     "ReferenceConfig": "lit_seqpack.model.reference",
-    "apply_overlong_policy": "lit_seqpack.data.overlong",
-    "OverlongReport": "lit_seqpack.data.overlong",
-    "TextDataset": "lit_seqpack.data.sources",
-    "load_tokenized": "lit_seqpack.data.sources",
-    "TokenDataset": "lit_seqpack.data.sources",
-    "TokenizedDataset": "lit_seqpack.data.sources",
-    "SyntheticInstructionDataset": "lit_seqpack.data.sources",
-    "ChatDataset": "lit_seqpack.data.sources",
+    "apply_overlong_policy": "lit_seqpack.data",
+    "OverlongReport": "lit_seqpack.data",
+    "TextDataset": "lit_seqpack.data",
+    "load_tokenized": "lit_seqpack.data",
+    "TokenDataset": "lit_seqpack.data",
+    "TokenizedDataset": "lit_seqpack.data",
+    "SyntheticInstructionDataset": "lit_seqpack.data",
+    "ChatDataset": "lit_seqpack.data",
     # streams too big to index
-    "StreamSource": "lit_seqpack.data.streaming",
-    "GeneratorStream": "lit_seqpack.data.streaming",
-    "HFIterableStream": "lit_seqpack.data.streaming",
-    "JsonlStream": "lit_seqpack.data.streaming",
-    "MixtureStream": "lit_seqpack.data.streaming",
-    "ParquetStream": "lit_seqpack.data.streaming",
-    "SyntheticStream": "lit_seqpack.data.streaming",
+    "StreamSource": "lit_seqpack.data",
+    "GeneratorStream": "lit_seqpack.data",
+    "HFIterableStream": "lit_seqpack.data",
+    "JsonlStream": "lit_seqpack.data",
+    "MixtureStream": "lit_seqpack.data",
+    "ParquetStream": "lit_seqpack.data",
+    "SyntheticStream": "lit_seqpack.data",
     # parallel layout of ranks (shared by data and model)
     "ParallelLayout": "lit_seqpack.parallel",
+    "DataParallelLayout": "lit_seqpack.parallel",
     # model
     "varlen_attention": "lit_seqpack.model.attention",
     "available_backends": "lit_seqpack.model.attention",
@@ -77,6 +83,12 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "BatchingSettings",
+    "ChatSource",
+    "DataParallelLayout",
+    "IndexedSource",
+    "TextSource",
+    "TokenizedSource",
     "ChatDataset",
     "DynamicBatchSampler",
     "FabricAccumulation",
@@ -138,30 +150,38 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
-    from lit_seqpack.batch import MicrobatchMeta, PlannedDataset
+    from lit_seqpack.batch import MicrobatchMeta
     from lit_seqpack.callbacks import PackingMonitor
     from lit_seqpack.cli import SeqPackCLI
-    from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-    from lit_seqpack.data.datamodule import SeqPackDataModule
-    from lit_seqpack.data.overlong import OverlongReport, apply_overlong_policy
-    from lit_seqpack.data.planned_sampler import PlannedBatchSampler
-    from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
-    from lit_seqpack.data.sources import (
+    from lit_seqpack.data import (
+        BatchingSettings,
         ChatDataset,
-        SyntheticInstructionDataset,
-        TextDataset,
-        TokenDataset,
-        TokenizedDataset,
-        load_tokenized,
-    )
-    from lit_seqpack.data.streaming import (
+        ChatSource,
+        DynamicBatchSampler,
         GeneratorStream,
         HFIterableStream,
+        IndexedSource,
         JsonlStream,
         MixtureStream,
+        OverlongReport,
+        PackedBatchSampler,
+        PackedCollator,
+        PaddedBatchSampler,
+        PaddedCollator,
         ParquetStream,
+        PlannedBatchSampler,
+        PlannedDataset,
+        SeqPackDataModule,
         StreamSource,
+        SyntheticInstructionDataset,
         SyntheticStream,
+        TextDataset,
+        TextSource,
+        TokenDataset,
+        TokenizedDataset,
+        TokenizedSource,
+        apply_overlong_policy,
+        load_tokenized,
     )
     from lit_seqpack.metrics import PackingEfficiency, PaddingRatio, RankImbalance, TokensPerSecond
     from lit_seqpack.model.attention import available_backends, varlen_attention
@@ -171,7 +191,7 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
     from lit_seqpack.model.loss import LossOutput
     from lit_seqpack.model.mixin import PackedSequenceMixin
     from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
-    from lit_seqpack.parallel import ParallelLayout
+    from lit_seqpack.parallel import DataParallelLayout, ParallelLayout
     from lit_seqpack.planning import (
         PACKING_ALGORITHMS,
         Packer,

@@ -74,7 +74,7 @@ def build_inspect_parser() -> Any:
         "--max_samples",
         type=int,
         default=10_000,
-        help="with data.stream: inspect the stream's first this many samples (a stream has no index)",
+        help="with a stream source: inspect the stream's first this many samples (a stream has no index)",
     )
     parser.add_argument("--plot", type=str | None, default=None, help="write a PNG of lengths and bin fill here")
     parser.add_argument("--trainer", type=dict | None, default=None, help="a fit config's trainer section")
@@ -99,12 +99,16 @@ def _world_size(trainer: Mapping[str, Any]) -> tuple[int, str | None]:
     return devices * _positive("trainer.num_nodes", nodes), None
 
 
+def _is_stream(data: Any) -> bool:
+    from lit_seqpack.data.streaming.pipeline import StreamPipeline
+
+    return isinstance(data.pipeline, StreamPipeline)
+
+
 def _train_split(data: Any, max_samples: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Lengths and loss tokens of the training split, as ``SeqPackDataModule.setup`` prepares them."""
-    if data._stream is not None:
-        from lit_seqpack.data.streaming.module import stream_prefix
-
-        return (*stream_prefix(data, max_samples), 0)
+    if _is_stream(data):
+        return (*data.pipeline.prefix(max_samples), 0)
     data.prepare_data()
     data.setup("fit")
     splits = data.splits
@@ -114,14 +118,14 @@ def _train_split(data: Any, max_samples: int) -> tuple[np.ndarray, np.ndarray, i
 
 
 def _header(data: Any, lengths: np.ndarray, held_out: int, world: int, accumulate: int) -> str:
-    hp = data.hparams
-    source = hp.source if data._stream is None else "stream prefix"
+    hp, settings = data.hparams, data.settings
+    source = "stream prefix" if _is_stream(data) else repr(data.source)
     lines = [
         f"data: {source} ({lengths.size:,} training samples, {held_out:,} held out), {int(lengths.sum()):,} tokens; "
         f"length min/median/mean/max = {int(lengths.min())}/{np.median(lengths):g}/{lengths.mean():.1f}/"
         f"{int(lengths.max())}",
-        f"plan: max_tokens={hp.max_tokens}, window={hp.window}, sequence_length_round={data.row_multiple}, "
-        f"pad_to_multiple_of={data.document_multiple}, data-parallel ranks={world}, "
+        f"plan: max_tokens={hp.max_tokens}, window={hp.window}, sequence_length_round={settings.row_multiple}, "
+        f"pad_to_multiple_of={settings.document_multiple}, data-parallel ranks={world}, "
         f"accumulate_grad_batches={accumulate}",
     ]
     if data.overlong_report is not None and data.overlong_report.num_overlong:
@@ -130,13 +134,13 @@ def _header(data: Any, lengths: np.ndarray, held_out: int, world: int, accumulat
 
 
 def _stream_line(data: Any, max_samples: int, kept: int, rows: Any, world: int, accumulate: int) -> str:
-    """How the streaming loader packs the prefix (windows of ``stream_buffer``) against the offline plan."""
-    from lit_seqpack.data.streaming.module import stream_prefix_microbatches
+    """How the streaming loader packs the prefix (windows of ``window`` samples) against the offline plan."""
+    from lit_seqpack.parallel import DataParallelLayout
 
-    streamed = stream_prefix_microbatches(data, max_samples, world_size=world, accumulate=accumulate)
+    streamed = data.pipeline.prefix_microbatches(max_samples, DataParallelLayout(world, 0, accumulate))
     offline = next(row for row in rows if row.configured).stats.num_steps * accumulate
     return (
-        f"stream: {type(data._stream).__name__}, first {kept:,} samples; windows of {data.hparams.stream_buffer:,} "
+        f"stream: {type(data.source).__name__}, first {kept:,} samples; windows of {data.settings.stream_window:,} "
         f"samples train them in {streamed:,} microbatches a rank (the offline plan below: {offline:,}; "
         f"ratio {offline / streamed:.4f})"
     )
@@ -182,15 +186,15 @@ def inspect_command(argv: Sequence[str]) -> str:
         loss_tokens=loss_tokens,
         max_tokens=hp.max_tokens,
         padded_batch_size=cfg.padded_batch_size,
-        pad_to_multiple_of=data.document_multiple,
+        pad_to_multiple_of=data.settings.document_multiple,
         epoch=cfg.epoch,
     )
     parts = [_header(data, lengths, held_out, world, accumulate)] + ([note] if note else [])
-    if data._stream is not None:
+    if _is_stream(data):
         parts.append(_stream_line(data, cfg.max_samples, lengths.size, rows, world, accumulate))
     parts += ["", format_table(rows), "* the configured mode"]
     if cfg.plot:
-        title = f"{hp.source}: max_tokens={hp.max_tokens}, world_size={world}, accumulate={accumulate}"
+        title = f"{type(data.source).__name__}: max_tokens={hp.max_tokens}, world_size={world}, accumulate={accumulate}"
         parts.append(f"plot: {plot_inspection(rows, lengths, cfg.plot, title=title)}")
     return "\n".join(parts)
 

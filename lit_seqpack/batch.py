@@ -27,10 +27,10 @@ trained to predict across a document boundary. The only pre-shifted keys are ``s
 chunk's last token lives on another rank.
 
 **Declared fields.** Extra fields declared on the collators (``token_fields={"advantages": 0.0}``,
-``sample_fields=["reward"]``, see :mod:`lit_seqpack.data.fields`) travel under their own names: a token field is
-``[1, T]`` (packed) or ``[B, L]`` (padded), aligned with ``input_ids`` and padded with its declared value; a sample
-field is ``[num_documents]`` (packed) or ``[B]`` (padded). No declared name may be one of :data:`CONTRACT_KEYS` or
-start with :data:`SHIFT_PREFIX`. With a ``loss_weight_field`` the batch also carries :data:`LOSS_WEIGHTS`,
+``sample_fields=["reward"]``, see :mod:`~lit_seqpack.data.batching.fields`) travel under their own names: a token
+field is ``[1, T]`` (packed) or ``[B, L]`` (padded), aligned with ``input_ids`` and padded with its declared value; a
+sample field is ``[num_documents]`` (packed) or ``[B]`` (padded). No declared name may be one of :data:`CONTRACT_KEYS`
+or start with :data:`SHIFT_PREFIX`. With a ``loss_weight_field`` the batch also carries :data:`LOSS_WEIGHTS`,
 :data:`NUM_LOSS_WEIGHT` and :data:`STEP_LOSS_WEIGHT`, the step's weight sum that normalises the loss.
 
 Example:
@@ -85,7 +85,6 @@ __all__ = [
     "MicrobatchMeta",
     "PackedBatch",
     "PaddedBatch",
-    "PlannedDataset",
     "is_packed_batch",
     "shift_labels",
 ]
@@ -264,7 +263,7 @@ class MicrobatchMeta:
         loss_tokens: the loss tokens the plan counted for this microbatch (``None``: not checked); the
             collator compares them with the samples' labels, so a wrong count cannot skew the exact loss.
         step_loss_weight: the loss-weight sum of this optimizer step over all ranks, for a weighted loss
-            (:mod:`lit_seqpack.data.loss_weights`); ``None`` without one.
+            (:mod:`lit_seqpack.data.batching.loss_weights`); ``None`` without one.
 
     Example:
         >>> MicrobatchMeta(step=0, step_loss_tokens=12, world_size=2, accumulate_grad_batches=1).max_tokens is None
@@ -311,62 +310,3 @@ class Microbatch(list):
 
     def __repr__(self) -> str:
         return f"Microbatch({list.__repr__(self)}, meta={self.meta!r})"
-
-
-class PlannedDataset:
-    """Wraps a map-style dataset so that a batch sampler's :class:`Microbatch` metadata reaches the collator.
-
-    Use it to wire a planned batch sampler and a collator into a plain ``DataLoader`` by hand (the DataModule does
-    it for you).
-
-    Args:
-        dataset: any object with ``__getitem__`` and ``__len__`` returning sample mappings.
-
-    Example:
-        >>> planned = PlannedDataset([{"input_ids": [5, 6]}, {"input_ids": [7]}])
-        >>> batch = planned.__getitems__(Microbatch([1, 0], meta=None))
-        >>> [sample["input_ids"] for sample in batch], list(batch.indices)
-        ([[7], [5, 6]], [1, 0])
-    """
-
-    def __init__(self, dataset: Sequence[Mapping[str, Any]]) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> Mapping[str, Any]:
-        return self.dataset[index]
-
-    def __getitems__(self, indices: Sequence[int]) -> Microbatch:
-        return Microbatch(
-            (self.dataset[i] for i in indices),
-            meta=getattr(indices, "meta", None),
-            indices=SourceIndices(self.dataset, indices),
-        )
-
-
-class SourceIndices(Sequence[int]):
-    """The original dataset indices of a microbatch's samples, resolved only when asked (in an error message).
-
-    Args:
-        dataset: the (possibly split, dropped or truncated) dataset the indices point into.
-        indices: positions in ``dataset``.
-    """
-
-    def __init__(self, dataset: Any, indices: Sequence[int]) -> None:
-        self._dataset, self._indices = dataset, list(indices)
-
-    def __len__(self) -> int:
-        return len(self._indices)
-
-    def __getitem__(self, position: Any) -> Any:
-        # the data layer's views (split, drop, truncate) know how to map back; resolved on the error path only
-        from lit_seqpack.data.splits import source_index
-
-        if isinstance(position, slice):
-            return [source_index(self._dataset, int(i)) for i in self._indices[position]]
-        return source_index(self._dataset, int(self._indices[position]))
-
-    def __reduce__(self) -> tuple[Any, ...]:  # never ship the dataset: the resolved indices are small
-        return (list, (list(self),))

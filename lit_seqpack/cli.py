@@ -38,8 +38,8 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_seqpack._checks import check_int
-from lit_seqpack.data._vocab import vocab_hint
 from lit_seqpack.data.datamodule import SeqPackDataModule
+from lit_seqpack.data.sources._vocab import vocab_hint
 from lit_seqpack.model.vocab import model_vocab_size
 
 __all__ = ["DEFAULT_MODEL", "SUBCOMMANDS", "TRAINER_DEFAULTS", "SeqPackCLI", "check_vocab", "model_vocab_size"]
@@ -74,7 +74,7 @@ def check_vocab(model: LightningModule, data_vocab_size: int, *, hint: str = "or
     Args:
         model: the LightningModule.
         data_vocab_size: the vocabulary the data needs (``SeqPackDataModule.vocab_size``).
-        hint: the data-side fix, ending the message (:func:`~lit_seqpack.data._vocab.vocab_hint`).
+        hint: the data-side fix, ending the message (:func:`~lit_seqpack.data.sources._vocab.vocab_hint`).
 
     Raises:
         ValueError: the model's vocabulary is smaller than the data's (the message names both values).
@@ -221,7 +221,7 @@ class SeqPackCLI(LightningCLI):
                 f"model.init_args.vocab_size={configured} is set twice: the CLI links it to data.vocab_size="
                 f"{data_vocab}. Remove it from the model section (the data decides the vocabulary)"
             )
-        check_vocab(self.model, data_vocab, hint=vocab_hint(self.datamodule.hparams))
+        check_vocab(self.model, data_vocab, hint=vocab_hint(getattr(self.datamodule, "source", None)))
 
 
 _VOCAB_KEY = "vocab_size"

@@ -15,12 +15,12 @@ from lit_seqpack.batch import (
     MicrobatchMeta,
     PackedBatch,
     PaddedBatch,
-    PlannedDataset,
     is_packed_batch,
     shift_labels,
 )
-from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.splits import IndexView
+from lit_seqpack.data import PlannedDataset
+from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.indexed.splits import IndexView
 
 DOCS = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]
 DECLARED = {value for name, value in vars(contract).items() if name.isupper() and isinstance(value, str)}
@@ -101,32 +101,27 @@ def test_meta_rejects_bad_values(setting, value):
 
 
 @pytest.mark.parametrize(
-    ("old", "name", "new"),
+    "old",
     [
-        ("lit_seqpack.data.labels", "IGNORE_INDEX", "lit_seqpack.batch"),
-        ("lit_seqpack.data.labels", "shift_labels", "lit_seqpack.batch"),
-        ("lit_seqpack.data.microbatch", "MicrobatchMeta", "lit_seqpack.batch"),
-        ("lit_seqpack.data.microbatch", "PlannedDataset", "lit_seqpack.batch"),
-        ("lit_seqpack.data.microbatch", "source_index", "lit_seqpack.data.splits"),
-        ("lit_seqpack.data.sources_factory", "build_dataset", "lit_seqpack.data.sources"),
-        ("lit_seqpack.data.synthetic", "SyntheticInstructionDataset", "lit_seqpack.data.sources.synthetic"),
-        ("lit_seqpack.data.text", "TextDataset", "lit_seqpack.data.sources.text"),
-        ("lit_seqpack.data.validation", "model_vocab_size", "lit_seqpack.model.vocab"),
+        "lit_seqpack.data.labels",
+        "lit_seqpack.data.microbatch",
+        "lit_seqpack.data.sources_factory",
+        "lit_seqpack.data.synthetic",
+        "lit_seqpack.data.text",
+        "lit_seqpack.data.datasets",
+        "lit_seqpack.data._planned_sampler",
+        "lit_seqpack.data.streaming.module",
     ],
 )
-def test_old_paths_still_import_with_a_deprecation_warning(old, name, new):
-    module = importlib.import_module(old)
-    with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} moved to {new}\.{name}"):
-        value = getattr(module, name)
-    assert value is getattr(importlib.import_module(new), name)
-    with pytest.raises(AttributeError, match=f"module '{old}' has no attribute 'nope'"):
-        module.nope  # noqa: B018
+def test_the_deprecated_alias_modules_are_gone(old):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
 
 
 def test_names_that_did_not_move_import_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        from lit_seqpack.data.indexed.validation import scan_dataset
         from lit_seqpack.data.sources import TokenizedDataset, load_tokenized  # the package took the module's path
-        from lit_seqpack.data.validation import scan_dataset
     assert callable(load_tokenized) and callable(scan_dataset)
     assert TokenizedDataset.__module__ == "lit_seqpack.data.sources.tokenized"

@@ -86,8 +86,8 @@ def test_model_and_data_modules_import_no_config_packages():
         "lit_seqpack.model.mixin",
         "lit_seqpack.model.hf",
         "lit_seqpack.model.lm",
-        "lit_seqpack.data.collate",
-        "lit_seqpack.data.samplers",
+        "lit_seqpack.data.batching.collate",
+        "lit_seqpack.data.indexed.samplers",
         "lit_seqpack.batch",
         "lit_seqpack.planning.plan",
     ]

@@ -38,7 +38,7 @@ def tiny_demo(tmp_path: Path, **trainer: Any) -> Path:
     """The shipped demo config with a small dataset and budget, written to ``tmp_path``."""
     config = yaml.safe_load(DEMO.read_text())
     config["data"]["max_tokens"] = 256
-    config["data"]["synthetic"].update(TINY_DATA)
+    config["data"]["source"]["init_args"].update(TINY_DATA)
     config["data"]["val_fraction"] = 0.05
     config["trainer"].update(trainer)
     for callback in config["trainer"]["callbacks"]:
@@ -107,7 +107,7 @@ def test_demo_config_trains_logs_checkpoints_and_resumes_mid_epoch_exactly(tmp_p
     config = tiny_demo(tmp_path, max_steps=8, log_every_n_steps=2)
     caplog.set_level(logging.INFO)
     first, before = _fit(config)
-    train_size = len(first.datamodule._splits["train"][0])
+    train_size = len(first.datamodule.pipeline.splits["train"][0])
     sampler = first.datamodule.train_dataloader().batch_sampler
     sampler.set_epoch(0)
     epoch = sampler.plan.rank_microbatches(0)
@@ -148,9 +148,11 @@ def _tiny_cli(*args: str, model: str = "lit_seqpack.model.lm.ReferenceLM") -> Se
         args=[
             "--model",
             model,
-            "--data.synthetic.num_samples",
+            "--data.source",
+            "SyntheticInstructionDataset",
+            "--data.source.init_args.num_samples",
             "64",
-            "--data.synthetic.vocab_size",
+            "--data.source.init_args.vocab_size",
             "40",
             "--trainer.logger",
             "false",
@@ -196,7 +198,7 @@ def test_hf_checkpoint_written_by_the_cli_resumes_and_loads(tmp_path, monkeypatc
     config = yaml.safe_load((ROOT / "configs" / "hf_llama.yaml").read_text())
     config["model"]["init_args"]["config"].update(hidden_size=16, intermediate_size=32, num_hidden_layers=1)
     config["data"].update(max_tokens=256)
-    config["data"]["synthetic"].update(TINY_DATA)
+    config["data"]["source"]["init_args"].update(TINY_DATA)
     config["trainer"].update(max_steps=2, logger=False)
     path = tmp_path / "hf.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -225,8 +227,8 @@ def test_help_lists_the_subcommands_and_inspect(capsys):
     assert all(name in text for name in ("fit", "validate", "test")) and "predict" not in text
 
 
-def _run(args: list[str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+def _run(args: list[str], cwd: Path, timeout: int, path: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (ROOT, *path))), "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
         [sys.executable, "-m", "lit_seqpack", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -245,7 +247,7 @@ def test_demo_command_as_a_new_user_runs_it(tmp_path):
             "2",
             "--data.max_tokens",
             "256",
-            *[f"--data.synthetic.{key}={value}" for key, value in TINY_DATA.items()],
+            *[f"--data.source.init_args.{key}={value}" for key, value in TINY_DATA.items()],
         ],
         cwd=tmp_path,
         timeout=300,
@@ -255,6 +257,48 @@ def test_demo_command_as_a_new_user_runs_it(tmp_path):
     assert "train/tokens_per_sec=" in output and "train/padding_ratio=" in output
     assert "PackingMonitor summary" in output
     assert (tmp_path / "outputs" / "demo" / "checkpoints" / "last.ckpt").is_file()
+
+
+_OWN_DATASET = """
+import torch
+from torch.utils.data import Dataset
+
+
+class CountingDataset(Dataset):
+    \"\"\"A user's own dataset: ids 1..vocab-1 in documents of 3..17 tokens.\"\"\"
+
+    def __init__(self, num_samples: int = 50, vocab: int = 40) -> None:
+        self.items = [torch.arange(3 + i % 15) % (vocab - 1) + 1 for i in range(num_samples)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.items[index]}
+"""
+
+
+@pytest.mark.slow
+def test_a_users_own_dataset_class_trains_from_a_yaml_class_path(tmp_path):
+    """``data.source.class_path`` names a torch Dataset subclass of a module on PYTHONPATH: no registration."""
+    package = tmp_path / "user_code"
+    package.mkdir()
+    (package / "my_data.py").write_text(_OWN_DATASET)
+    config = yaml.safe_load(DEMO.read_text())
+    config["data"]["source"] = {"class_path": "my_data.CountingDataset", "init_args": {"num_samples": 120}}
+    config["data"] |= {"max_tokens": 64, "val_fraction": 0.1}
+    config["trainer"] |= {"max_steps": 4, "val_check_interval": 2, "log_every_n_steps": 1}
+    config["model"]["init_args"]["max_seq_len"] = 64
+    path = tmp_path / "own.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = _run(["fit", "--config", str(path)], cwd=tmp_path, timeout=900, path=(package,))
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = next((tmp_path / "outputs" / "demo").glob("version_*/metrics.csv")).read_text()
+    assert "val/loss" in metrics and "train/loss" in metrics
+    saved = yaml.safe_load(next((tmp_path / "outputs" / "demo").glob("version_*/config.yaml")).read_text())
+    assert saved["data"]["source"]["class_path"] == "my_data.CountingDataset"
+    hparams = yaml.safe_load(next((tmp_path / "outputs" / "demo").glob("version_*/hparams.yaml")).read_text())
+    assert hparams["vocab_size"] == 18  # linked to the data's vocabulary: its largest id (17) + 1
 
 
 @pytest.mark.slow
@@ -268,7 +312,7 @@ def test_ddp_config_runs_two_cpu_processes_without_hanging(tmp_path):
             "3",
             "--trainer.log_every_n_steps",
             "1",
-            "--data.synthetic.num_samples",
+            "--data.source.init_args.num_samples",
             "400",
         ],
         cwd=tmp_path,

@@ -69,7 +69,7 @@ def test_config_instantiates_the_documented_classes(path, tmp_path, monkeypatch)
     # the DataModule plans without a Trainer: one epoch covers every training sample exactly once
     sampler = data.train_dataloader().batch_sampler
     seen = sorted(i for mb in sampler for i in mb)
-    assert seen == list(range(len(data._splits["train"][0])))
+    assert seen == list(range(len(data.pipeline.splits["train"][0])))
 
 
 def _link_assets(folder: Path) -> None:
@@ -99,7 +99,7 @@ def test_chat_sft_config_trains_on_assistant_tokens_and_validates_its_own_file(t
     data, metrics = cli.datamodule, cli.trainer.callback_metrics
     assert cli.trainer.global_step == 3 and torch.isfinite(metrics["val/loss"])
     assert len(data.splits["val"].lengths) == 40 and len(data.splits["train"].lengths) == 400  # nothing held out
-    assert data.eval_max_tokens == 1024 > data.hparams.max_tokens
+    assert data.settings.eval_max_tokens == 1024 > data.hparams.max_tokens
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(CHAT_ASSETS / "tokenizer")
@@ -143,9 +143,9 @@ def test_demo_config_checkpoints_mid_epoch_and_keeps_last(tmp_path, monkeypatch)
 
 def test_stream_config_trains_a_few_steps(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    overrides = ["--trainer.max_steps=3", "--data.num_workers=0", "--data.stream.init_args.num_samples=300"]
+    overrides = ["--trainer.max_steps=3", "--data.num_workers=0", "--data.source.init_args.num_samples=300"]
     cli = _cli(ROOT / "configs" / "stream.yaml", *overrides, "--trainer.enable_progress_bar=false")
-    assert cli.datamodule._stream.num_samples == 300
+    assert cli.datamodule.source.num_samples == 300
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == 3
     assert cli.datamodule.state_dict()["stream_loader"]["loader"]["yielded"] > 0  # a resumable position

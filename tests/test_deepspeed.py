@@ -31,7 +31,7 @@ def _auto_batch_size(loader: object) -> int:
     ({"mode": "padded", "max_tokens": None, "batch_size": 3}, 3),
 ])  # fmt: skip
 def test_deepspeed_reads_one_microbatch_per_rank_from_the_batch_sampler(knobs, expected):
-    loader = SeqPackDataModule(dataset=odd_samples(), **knobs).train_dataloader()
+    loader = SeqPackDataModule(source=odd_samples(), **knobs).train_dataloader()
     assert loader.batch_sampler.batch_size == expected
     assert _auto_batch_size(loader) == expected
 
@@ -66,7 +66,7 @@ def test_deepspeed_step_equals_the_big_padded_batch(stage):
     from lightning.pytorch import Trainer
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    data = SeqPackDataModule(dataset=odd_samples(), **KNOBS)
+    data = SeqPackDataModule(source=odd_samples(), **KNOBS)
     data.setup("fit")
     first = next(iter(data.train_dataloader().batch_sampler))
     view = data.splits["train"][0]
@@ -86,5 +86,5 @@ def test_deepspeed_step_equals_the_big_padded_batch(stage):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, datamodule=SeqPackDataModule(dataset=odd_samples(), **KNOBS))
+    trainer.fit(module, datamodule=SeqPackDataModule(source=odd_samples(), **KNOBS))
     assert_gradients_match(capture.grads, expected, rtol=1e-5)

@@ -73,9 +73,9 @@ def test_compare_modes_trains_each_mode_on_the_same_real_tokens(tmp_path):
         "--real-tokens",
         "3000",
         "--",
-        "--data.synthetic.num_samples=300",
+        "--data.source.init_args.num_samples=300",
         "--data.max_tokens=256",
-        "--data.synthetic.max_length=128",
+        "--data.source.init_args.max_length=128",
         cwd=tmp_path,
     )
     assert list(tmp_path.iterdir()) == []  # a comparison writes no config, log or checkpoint

@@ -15,7 +15,7 @@ from lit_seqpack.planning import PACKING_ALGORITHMS, PlanConfig, build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
-SMALL = ["--data.synthetic.num_samples=600", "--data.max_tokens=256", "--data.synthetic.max_length=200"]
+SMALL = ["--data.source.init_args.num_samples=600", "--data.max_tokens=256", "--data.source.init_args.max_length=200"]
 LENGTHS = np.random.default_rng(0).integers(4, 120, size=300)
 
 
@@ -106,10 +106,10 @@ def test_inspect_reads_the_fit_config_and_writes_the_plot(tmp_path, capsys):
 
 def test_inspect_takes_the_layout_from_the_trainer_section_and_flags_override_it():
     ddp = str(ROOT / "configs" / "ddp.yaml")
-    text = inspect_command(["--config", ddp, "--data.synthetic.num_samples=400"])
+    text = inspect_command(["--config", ddp, "--data.source.init_args.num_samples=400"])
     assert "data-parallel ranks=2" in text and "accumulate_grad_batches=2" in text
     text = inspect_command(
-        ["--config", ddp, "--data.synthetic.num_samples=400", "--world_size=4", "--data.mode=dynamic"]
+        ["--config", ddp, "--data.source.init_args.num_samples=400", "--world_size=4", "--data.mode=dynamic"]
     )
     assert "data-parallel ranks=4" in text
     configured = [line for line in text.splitlines() if "*" in line and not line.startswith("*")]
@@ -117,7 +117,14 @@ def test_inspect_takes_the_layout_from_the_trainer_section_and_flags_override_it
 
 
 def test_inspect_notes_a_hardware_dependent_device_count():
-    text = inspect_command(["--data.synthetic.num_samples=300", "--trainer", '{"devices": "auto"}'])
+    text = inspect_command(
+        [
+            "--data.source=SyntheticInstructionDataset",
+            "--data.source.init_args.num_samples=300",
+            "--trainer",
+            '{"devices": "auto"}',
+        ]
+    )
     assert "depends on the hardware" in text and "data-parallel ranks=1" in text
 
 
@@ -131,7 +138,7 @@ def test_inspect_notes_a_hardware_dependent_device_count():
 )
 def test_inspect_bad_values_are_named(argv, knob):
     with pytest.raises(ValueError, match=knob):
-        inspect_command(["--data.synthetic.num_samples=100", *argv])
+        inspect_command(["--data.source=SyntheticInstructionDataset", "--data.source.init_args.num_samples=100", *argv])
 
 
 def test_inspect_help(capsys):
@@ -151,8 +158,8 @@ def test_inspect_dataclass_rows_are_frozen():
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_inspect_reads_every_shipped_config(path):
     argv = ["--config", str(path)]
-    if "source: synthetic" in path.read_text():  # a smaller task (chat_sft.yaml reads its committed assets)
-        argv.append("--data.synthetic.num_samples=300")
+    if "SyntheticInstructionDataset" in path.read_text():  # a smaller task (chat_sft.yaml reads its committed assets)
+        argv.append("--data.source.init_args.num_samples=300")
     if "mode: padded" in path.read_text():
         with pytest.raises(ValueError, match=r"pass --data.max_tokens N"):
             inspect_command(argv)

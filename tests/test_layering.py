@@ -153,10 +153,10 @@ def test_metrics_import_nothing_from_the_data_layer():
     assert _offenders("lit_seqpack.metrics", ("lit_seqpack.data", "lit_seqpack.model")) == []
 
 
-def test_the_batch_contract_imports_no_layer_at_import_time():
-    """``batch.py`` is read by data and model alike (its one lazy import resolves an error message's index)."""
+def test_the_batch_contract_imports_no_layer():
+    """``batch.py`` is read by data and model alike: it imports nothing from them, not even lazily."""
     forbidden = ("lit_seqpack.data", "lit_seqpack.model", "lit_seqpack.metrics", "lightning")
-    assert _offenders("lit_seqpack.batch", forbidden, module_level=True) == []
+    assert _offenders("lit_seqpack.batch", forbidden) == []
     assert _offenders("lit_seqpack._checks", ("torch", "lightning", PACKAGE)) == []
 
 
@@ -166,7 +166,7 @@ def test_the_model_layer_imports_nothing_from_the_data_layer():
 
 def test_the_model_layer_reaches_the_data_layer_only_through_the_parallel_layout():
     """What stays of model -> data at this point: the parallel layout only (owned by helper `fields`)."""
-    allowed = {"lit_seqpack.data._layout", "lit_seqpack.data.context_parallel"}
+    allowed = {"lit_seqpack.data._trainer", "lit_seqpack.data.batching.context_parallel"}
     edges = _offenders("lit_seqpack.model", ("lit_seqpack.data",))
     assert {edge.split(" imports ")[1] for edge in edges} <= allowed
 
@@ -186,3 +186,28 @@ def test_importing_the_metrics_or_the_contract_loads_no_data_module():
 def test_importing_the_mixin_loads_no_data_module():
     loaded = _loaded_after("import lit_seqpack.model.mixin")
     assert not {m for m in loaded if _inside(m, "lit_seqpack.data")}
+
+
+def test_the_pipelines_take_the_settings_and_the_source_never_the_datamodule():
+    """Only the DataModule's own module and the entry points import it; sources and batching import no pipeline."""
+    below = ("lit_seqpack.data.indexed", "lit_seqpack.data.streaming", "lit_seqpack.data.batching")
+    below += ("lit_seqpack.data.sources", "lit_seqpack.data.settings", "lit_seqpack.data._trainer")
+    for layer in below:
+        assert _offenders(layer, ("lit_seqpack.data.datamodule",)) == [], layer
+    for layer in ("lit_seqpack.data.sources", "lit_seqpack.data.batching"):
+        assert _offenders(layer, ("lit_seqpack.data.indexed", "lit_seqpack.data.streaming")) == [], layer
+    assert _offenders("lit_seqpack.data.indexed", ("lit_seqpack.data.streaming",)) == []
+    assert _offenders("lit_seqpack.data.streaming", ("lit_seqpack.data.indexed.pipeline",)) == []
+
+
+def test_the_data_layer_stays_a_few_rooms_and_a_thin_datamodule():
+    """The measures of the data-layer redesign: ~14 entries in data/, a DataModule of ~400 lines and ~26 settings."""
+    import inspect
+
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+
+    data = ROOT / "data"
+    entries = [p for p in data.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()]
+    assert len(entries) <= 14, sorted(p.name for p in entries)
+    assert len((data / "datamodule.py").read_text().splitlines()) <= 400
+    assert len(inspect.signature(SeqPackDataModule).parameters) <= 27

@@ -21,16 +21,3 @@ def test_cp_attention_and_the_mixin_do_not_load_the_collators():
         code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('lit_seqpack.data.c')))"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
         assert out == "[]", module
-
-
-def test_the_old_import_paths_give_the_same_objects():
-    import lit_seqpack.data._layout as old_layout
-    import lit_seqpack.data.context_parallel as old_cp
-    import lit_seqpack.parallel as parallel
-
-    for name in ("ParallelLayout", "context_parallel_index", "gather_packed_batches", "shard_packed_batch"):
-        assert getattr(old_cp, name) is getattr(parallel, name)
-    for name in ("shard_tokens", "unshard_tokens"):
-        assert getattr(old_cp, name) is getattr(parallel, name)
-    for name in ("MeshLayout", "check_mesh", "mesh_layout", "strategy_mesh"):
-        assert getattr(old_layout, name) is getattr(parallel, name)

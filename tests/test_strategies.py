@@ -143,9 +143,9 @@ def _tp_run(rank: int, out: Path) -> None:
     recorder = Recorder(str(out / f"tp_{rank}.json"), grads=True)
     strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=WORLD)
     trainer = _trainer(strategy, recorder, max_steps=2, accumulate_grad_batches=2)
-    trainer.fit(module, datamodule=SeqPackDataModule(dataset=odd_samples(), tensor_parallel_size=WORLD, **KNOBS))
+    trainer.fit(module, datamodule=SeqPackDataModule(source=odd_samples(), **KNOBS, tensor_parallel_size=WORLD))
     errors = {}
-    unset = SeqPackDataModule(dataset=odd_samples(), **KNOBS)  # tensor_parallel_size left at 1
+    unset = SeqPackDataModule(source=odd_samples(), **KNOBS)  # tensor_parallel_size left at 1
     unset.trainer = trainer
     try:
         unset.setup("fit")
@@ -164,7 +164,7 @@ def _fsdp2_run(rank: int, out: Path) -> None:
     recorder = Recorder(str(out / f"fsdp2_{rank}.json"), grads=True)
     strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
     trainer = _trainer(strategy, recorder, max_steps=1, accumulate_grad_batches=2)  # 64-bit weights
-    trainer.fit(module, datamodule=SeqPackDataModule(dataset=odd_samples(), **KNOBS))
+    trainer.fit(module, datamodule=SeqPackDataModule(source=odd_samples(), **KNOBS))
 
 
 def _fsdp1_run(rank: int, out: Path) -> None:
@@ -174,7 +174,7 @@ def _fsdp1_run(rank: int, out: Path) -> None:
     module = ReferenceLM(vocab_size=VOCAB, **TINY, lr_schedule="constant", attn_backend="sdpa")
     recorder = Recorder(str(out / f"fsdp1_{rank}.json"))
     trainer = _trainer(CPUFSDPStrategy(auto_wrap_policy={_Block}), recorder, max_steps=1)
-    trainer.fit(module, datamodule=SeqPackDataModule(dataset=odd_samples(), **KNOBS))
+    trainer.fit(module, datamodule=SeqPackDataModule(source=odd_samples(), **KNOBS))
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -245,7 +245,7 @@ def test_a_tensor_parallel_size_that_contradicts_the_mesh_names_both(runs: Path)
 @pytest.mark.parametrize(("run", "data_parallel"), [("fsdp2_0", WORLD), ("tp_0", 1)])
 def test_one_step_with_accumulation_equals_the_big_padded_batch(runs: Path, run: str, data_parallel: int) -> None:
     """FSDP2 over 2 data-parallel ranks, and TP over 2 ranks that form one data-parallel rank (plan for 1)."""
-    planner = SeqPackDataModule(dataset=odd_samples(), **KNOBS)  # the same plan, read in this process
+    planner = SeqPackDataModule(source=odd_samples(), **KNOBS)  # the same plan, read in this process
     planner.trainer = SimpleNamespace(
         world_size=data_parallel,
         global_rank=0,

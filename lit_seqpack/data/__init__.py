@@ -1,7 +1,19 @@
-"""Data layer: the sources, lengths and over-long policy, the samplers (a rank's view of the plan), collation into
-the batch contract (:mod:`lit_seqpack.batch`), and the DataModule that wires them.
+"""Data layer: sources, batching settings, and the two pipelines behind one DataModule.
 
-Public names are imported lazily (PEP 562): ``import lit_seqpack.data.splits`` does not load the DataModule.
+==========================  ================================================================================
+module                      what
+==========================  ================================================================================
+``datamodule.py``           :class:`SeqPackDataModule`: a thin face; every Lightning hook delegates to ONE pipeline
+``settings.py``             :class:`BatchingSettings`: mode, budgets, plan, layout, fields; checked once
+``sources/``                where samples come from: one class per source, any map-style dataset, the streams
+``batching/``               what both pipelines share: collation, fields, sample rules, over-long policy, loss
+                            weights, context-parallel sharding
+``indexed/``                :class:`IndexedPipeline`: scan, over-long policy, splits, samplers, loaders, resume
+``streaming/``              :class:`StreamPipeline`: windows, loader, cross-rank checks, resume
+``_trainer.py``             what the pipelines read from the Trainer: the layout and where training resumes
+==========================  ================================================================================
+
+Public names are imported lazily (PEP 562): ``import lit_seqpack.data.indexed.splits`` does not load the DataModule.
 """
 
 from __future__ import annotations
@@ -11,67 +23,82 @@ from typing import TYPE_CHECKING
 from lit_seqpack._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
-    "PackedCollator": "lit_seqpack.data.collate",
-    "PaddedCollator": "lit_seqpack.data.collate",
-    "ContextParallelCollator": "lit_seqpack.data.context_parallel",
-    "TensorParallelCollator": "lit_seqpack.data.context_parallel",
     "SeqPackDataModule": "lit_seqpack.data.datamodule",
-    "cache_path": "lit_seqpack.data.lengths",
-    "cached_lengths": "lit_seqpack.data.lengths",
-    "cached_lengths_and_loss_tokens": "lit_seqpack.data.lengths",
-    "cached_loss_tokens": "lit_seqpack.data.lengths",
-    "compute_lengths": "lit_seqpack.data.lengths",
-    "compute_lengths_and_loss_tokens": "lit_seqpack.data.lengths",
-    "compute_loss_tokens": "lit_seqpack.data.lengths",
-    "dataset_fingerprint": "lit_seqpack.data.lengths",
-    "sample_loss_tokens": "lit_seqpack.data.lengths",
-    "OVERLONG_POLICIES": "lit_seqpack.data.overlong",
-    "DroppedDataset": "lit_seqpack.data.overlong",
-    "OverlongReport": "lit_seqpack.data.overlong",
-    "TruncatedDataset": "lit_seqpack.data.overlong",
-    "apply_overlong_policy": "lit_seqpack.data.overlong",
-    "DynamicBatchSampler": "lit_seqpack.data.samplers",
-    "PackedBatchSampler": "lit_seqpack.data.samplers",
-    "PaddedBatchSampler": "lit_seqpack.data.samplers",
+    "BatchingSettings": "lit_seqpack.data.settings",
+    "PackedCollator": "lit_seqpack.data.batching.collate",
+    "PaddedCollator": "lit_seqpack.data.batching.collate",
+    "ContextParallelCollator": "lit_seqpack.data.batching.context_parallel",
+    "TensorParallelCollator": "lit_seqpack.data.batching.context_parallel",
+    "OVERLONG_POLICIES": "lit_seqpack.data.batching.overlong",
+    "DroppedDataset": "lit_seqpack.data.batching.overlong",
+    "OverlongReport": "lit_seqpack.data.batching.overlong",
+    "TruncatedDataset": "lit_seqpack.data.batching.overlong",
+    "apply_overlong_policy": "lit_seqpack.data.batching.overlong",
+    "sample_loss_tokens": "lit_seqpack.data.batching._samples",
+    "cache_path": "lit_seqpack.data.indexed.lengths",
+    "cached_lengths": "lit_seqpack.data.indexed.lengths",
+    "cached_lengths_and_loss_tokens": "lit_seqpack.data.indexed.lengths",
+    "cached_loss_tokens": "lit_seqpack.data.indexed.lengths",
+    "compute_lengths": "lit_seqpack.data.indexed.lengths",
+    "compute_lengths_and_loss_tokens": "lit_seqpack.data.indexed.lengths",
+    "compute_loss_tokens": "lit_seqpack.data.indexed.lengths",
+    "dataset_fingerprint": "lit_seqpack.data.indexed.lengths",
+    "DynamicBatchSampler": "lit_seqpack.data.indexed.samplers",
+    "PackedBatchSampler": "lit_seqpack.data.indexed.samplers",
+    "PaddedBatchSampler": "lit_seqpack.data.indexed.samplers",
+    "PlannedBatchSampler": "lit_seqpack.data.indexed.planned_sampler",
+    "PlannedDataset": "lit_seqpack.data.indexed.planned_dataset",
+    "IndexView": "lit_seqpack.data.indexed.splits",
+    "Split": "lit_seqpack.data.indexed.splits",
+    "source_index": "lit_seqpack.data.indexed.splits",
+    "split_indices": "lit_seqpack.data.indexed.splits",
+    "DataScan": "lit_seqpack.data.indexed.validation",
+    "check_vocab_range": "lit_seqpack.data.indexed.validation",
+    "scan_dataset": "lit_seqpack.data.indexed.validation",
+    "IndexedPipeline": "lit_seqpack.data.indexed.pipeline",
+    "StreamPipeline": "lit_seqpack.data.streaming.pipeline",
+    "StreamingDataLoader": "lit_seqpack.data.streaming.loader",
     "LENGTH_DISTRIBUTIONS": "lit_seqpack.data.sources",
-    "SOURCES": "lit_seqpack.data.sources",
     "SYNTHETIC_TASKS": "lit_seqpack.data.sources",
     "TOKENIZED_FORMATS": "lit_seqpack.data.sources",
+    "ChatDataset": "lit_seqpack.data.sources",
+    "ChatSource": "lit_seqpack.data.sources",
+    "DatasetSource": "lit_seqpack.data.sources",
+    "FileSource": "lit_seqpack.data.sources",
+    "GeneratorStream": "lit_seqpack.data.sources",
+    "HFIterableStream": "lit_seqpack.data.sources",
+    "IndexedSource": "lit_seqpack.data.sources",
+    "JsonlStream": "lit_seqpack.data.sources",
+    "MixtureStream": "lit_seqpack.data.sources",
+    "ParquetStream": "lit_seqpack.data.sources",
+    "StreamSource": "lit_seqpack.data.sources",
     "SyntheticInstructionDataset": "lit_seqpack.data.sources",
+    "SyntheticStream": "lit_seqpack.data.sources",
     "SyntheticTaskConfig": "lit_seqpack.data.sources",
     "TextDataset": "lit_seqpack.data.sources",
+    "TextSource": "lit_seqpack.data.sources",
     "TokenDataset": "lit_seqpack.data.sources",
     "TokenizedDataset": "lit_seqpack.data.sources",
-    "build_dataset": "lit_seqpack.data.sources",
+    "TokenizedSource": "lit_seqpack.data.sources",
     "load_tokenized": "lit_seqpack.data.sources",
-    "IndexView": "lit_seqpack.data.splits",
-    "Split": "lit_seqpack.data.splits",
-    "source_index": "lit_seqpack.data.splits",
-    "split_indices": "lit_seqpack.data.splits",
-    "DataScan": "lit_seqpack.data.validation",
-    "check_vocab_range": "lit_seqpack.data.validation",
-    "scan_dataset": "lit_seqpack.data.validation",
-    "ChatDataset": "lit_seqpack.data.sources",
-    "PlannedBatchSampler": "lit_seqpack.data.planned_sampler",
-    "GeneratorStream": "lit_seqpack.data.streaming",
-    "HFIterableStream": "lit_seqpack.data.streaming",
-    "JsonlStream": "lit_seqpack.data.streaming",
-    "MixtureStream": "lit_seqpack.data.streaming",
-    "ParquetStream": "lit_seqpack.data.streaming",
-    "StreamSource": "lit_seqpack.data.streaming",
-    "StreamingDataLoader": "lit_seqpack.data.streaming",
-    "SyntheticStream": "lit_seqpack.data.streaming",
+    "resolve_source": "lit_seqpack.data.sources",
 }
 
 __all__ = [
+    "BatchingSettings",
     "ChatDataset",
+    "ChatSource",
     "ContextParallelCollator",
     "DataScan",
+    "DatasetSource",
     "DroppedDataset",
     "DynamicBatchSampler",
+    "FileSource",
     "GeneratorStream",
     "HFIterableStream",
     "IndexView",
+    "IndexedPipeline",
+    "IndexedSource",
     "JsonlStream",
     "LENGTH_DISTRIBUTIONS",
     "MixtureStream",
@@ -83,10 +110,11 @@ __all__ = [
     "PaddedCollator",
     "ParquetStream",
     "PlannedBatchSampler",
-    "SOURCES",
+    "PlannedDataset",
     "SYNTHETIC_TASKS",
     "SeqPackDataModule",
     "Split",
+    "StreamPipeline",
     "StreamSource",
     "StreamingDataLoader",
     "SyntheticInstructionDataset",
@@ -95,11 +123,12 @@ __all__ = [
     "TOKENIZED_FORMATS",
     "TensorParallelCollator",
     "TextDataset",
+    "TextSource",
     "TokenDataset",
     "TokenizedDataset",
+    "TokenizedSource",
     "TruncatedDataset",
     "apply_overlong_policy",
-    "build_dataset",
     "cache_path",
     "cached_lengths",
     "cached_lengths_and_loss_tokens",
@@ -110,6 +139,7 @@ __all__ = [
     "compute_loss_tokens",
     "dataset_fingerprint",
     "load_tokenized",
+    "resolve_source",
     "sample_loss_tokens",
     "scan_dataset",
     "source_index",
@@ -119,10 +149,19 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
-    from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-    from lit_seqpack.data.context_parallel import ContextParallelCollator, TensorParallelCollator
+    from lit_seqpack.data.batching._samples import sample_loss_tokens
+    from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
+    from lit_seqpack.data.batching.context_parallel import ContextParallelCollator, TensorParallelCollator
+    from lit_seqpack.data.batching.overlong import (
+        OVERLONG_POLICIES,
+        DroppedDataset,
+        OverlongReport,
+        TruncatedDataset,
+        apply_overlong_policy,
+    )
     from lit_seqpack.data.datamodule import SeqPackDataModule
-    from lit_seqpack.data.lengths import (
+    from lit_seqpack.data.indexed.planned_dataset import PlannedDataset
+    from lit_seqpack.data.indexed.lengths import (
         cache_path,
         cached_lengths,
         cached_lengths_and_loss_tokens,
@@ -131,40 +170,38 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
         compute_lengths_and_loss_tokens,
         compute_loss_tokens,
         dataset_fingerprint,
-        sample_loss_tokens,
     )
-    from lit_seqpack.data.overlong import (
-        OVERLONG_POLICIES,
-        DroppedDataset,
-        OverlongReport,
-        TruncatedDataset,
-        apply_overlong_policy,
-    )
-    from lit_seqpack.data.planned_sampler import PlannedBatchSampler
-    from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
+    from lit_seqpack.data.indexed.pipeline import IndexedPipeline
+    from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler
+    from lit_seqpack.data.indexed.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
+    from lit_seqpack.data.indexed.splits import IndexView, Split, source_index, split_indices
+    from lit_seqpack.data.indexed.validation import DataScan, check_vocab_range, scan_dataset
+    from lit_seqpack.data.settings import BatchingSettings
     from lit_seqpack.data.sources import (
         LENGTH_DISTRIBUTIONS,
-        SOURCES,
         SYNTHETIC_TASKS,
         TOKENIZED_FORMATS,
         ChatDataset,
-        SyntheticInstructionDataset,
-        SyntheticTaskConfig,
-        TextDataset,
-        TokenDataset,
-        TokenizedDataset,
-        build_dataset,
-        load_tokenized,
-    )
-    from lit_seqpack.data.splits import IndexView, Split, source_index, split_indices
-    from lit_seqpack.data.streaming import (
+        ChatSource,
+        DatasetSource,
+        FileSource,
         GeneratorStream,
         HFIterableStream,
+        IndexedSource,
         JsonlStream,
         MixtureStream,
         ParquetStream,
-        StreamingDataLoader,
         StreamSource,
+        SyntheticInstructionDataset,
         SyntheticStream,
+        SyntheticTaskConfig,
+        TextDataset,
+        TextSource,
+        TokenDataset,
+        TokenizedDataset,
+        TokenizedSource,
+        load_tokenized,
+        resolve_source,
     )
-    from lit_seqpack.data.validation import DataScan, check_vocab_range, scan_dataset
+    from lit_seqpack.data.streaming.loader import StreamingDataLoader
+    from lit_seqpack.data.streaming.pipeline import StreamPipeline

@@ -44,7 +44,7 @@ without the boundaries, a convolution or state-space layer) raises
 so the epoch value is the token-weighted mean over all batches and ranks. Zero-weight dummy batches (lock-step
 fillers) return ``0 * logits.sum()`` so every parameter still gets a (zero) gradient under DDP.
 
-**Context parallelism.** A batch sharded by :func:`~lit_seqpack.data.context_parallel.shard_packed_batch` (as
+**Context parallelism.** A batch sharded by :func:`~lit_seqpack.data.batching.context_parallel.shard_packed_batch` (as
 ``SeqPackDataModule(context_parallel_size=...)`` delivers) is run inside
 :func:`~lit_seqpack.model.cp_attention.context_parallel_scope`, so the model's ``varlen_attention`` calls become
 context parallel; the default loss reads the shard's ``shift_labels`` (targets computed on the whole row), and the

@@ -1,6 +1,7 @@
 """How ranks split the work, shared by the data and model layers (neither imports the other's collators or models).
 
-* :mod:`~lit_seqpack.parallel.layout`: :class:`ParallelLayout`, the rank order and every pad multiple.
+* :mod:`~lit_seqpack.parallel.layout`: :class:`ParallelLayout`, the rank order and every pad multiple;
+  :class:`DataParallelLayout`, the data-parallel world size, rank and accumulation a plan is made for.
 * :mod:`~lit_seqpack.parallel.context`: context-parallel sharding of packed rows (:func:`shard_packed_batch`,
   :func:`gather_packed_batches`, :func:`shard_tokens`, :func:`unshard_tokens`, :func:`context_parallel_index`).
 * :mod:`~lit_seqpack.parallel.mesh`: the strategy's device mesh, the source of truth for the data-parallel size
@@ -16,11 +17,12 @@ from lit_seqpack.parallel.context import (
     shift_tokens,
     unshard_tokens,
 )
-from lit_seqpack.parallel.layout import ParallelLayout
+from lit_seqpack.parallel.layout import DataParallelLayout, ParallelLayout
 from lit_seqpack.parallel.mesh import MeshLayout, check_mesh, mesh_layout, strategy_mesh
 
 __all__ = [
     "SHIFT_PREFIX",
+    "DataParallelLayout",
     "MeshLayout",
     "ParallelLayout",
     "check_mesh",

@@ -9,10 +9,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from lit_seqpack._checks import check_int
 
-__all__ = ["ParallelLayout"]
+__all__ = ["DataParallelLayout", "ParallelLayout"]
+
+
+class DataParallelLayout(NamedTuple):
+    """What a plan is made for: data-parallel ranks, this process's data-parallel rank, microbatches per step.
+
+    Example:
+        >>> layout = DataParallelLayout(world_size=4, rank=1, accumulate_grad_batches=2)
+        >>> layout.world_size, layout.rank, layout.accumulate_grad_batches
+        (4, 1, 2)
+    """
+
+    world_size: int = 1
+    """Data-parallel ranks (context- and tensor-parallel ranks of one data-parallel rank count once)."""
+    rank: int = 0
+    """This process's data-parallel rank."""
+    accumulate_grad_batches: int = 1
+    """Microbatches per rank per optimizer step."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -3,8 +3,8 @@
 Every rank builds the same torch-free :class:`~lit_seqpack.planning.rollout.RolloutPlan` from the same rollout and
 runs its own share; no collective is needed to agree on microbatch counts (``compute_per_token(gather=True)``
 gathers the results, the only communication). Batches are built by the library's collators
-(:class:`~lit_seqpack.data.collate.PackedCollator` in ``packing`` mode,
-:class:`~lit_seqpack.data.collate.PaddedCollator` in ``dynamic`` mode) with the rollout's declared fields, plus the
+(:class:`~lit_seqpack.data.batching.collate.PackedCollator` in ``packing`` mode,
+:class:`~lit_seqpack.data.PaddedCollator` in ``dynamic`` mode) with the rollout's declared fields, plus the
 plan's facts:
 
 =========================  =======================================================================================
@@ -16,7 +16,7 @@ plan's facts:
 ``step``                   the optimizer step (0-based) within the rollout
 ``step_loss_tokens``       loss tokens of the step over all ranks (also ``step_documents``, ``step_groups``)
 ``step_loss_weight``       with ``loss_weight_field``: the step's loss-weight sum over all ranks (and the batch's
-                           ``loss_weights``, ``num_loss_weight``, as :mod:`lit_seqpack.data.loss_weights` places them)
+                           ``loss_weights``, ``num_loss_weight``, as the collators place them)
 ``is_last_in_step``        the last microbatch of this rank in the step: call ``optimizer.step()`` after it
 =========================  =======================================================================================
 
@@ -36,7 +36,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from lit_seqpack.data.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.planning.rollout import RolloutPlan, RolloutPlanConfig, plan_rollout
 from lit_seqpack.rl._batches import collator_fields, plan_batches
 from lit_seqpack.rl._world import check_same_rollout, gather_per_sample, resolve_world

@@ -27,7 +27,7 @@ def document_lengths(batch: Mapping[str, Any]) -> list[int]:
     """Tokens of each document of ``batch`` (Python ints, one device sync at most).
 
     Example:
-        >>> from lit_seqpack.data.collate import PackedCollator
+        >>> from lit_seqpack.data.batching.collate import PackedCollator
         >>> document_lengths(PackedCollator(pad_to_multiple_of=8)([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]))
         [3, 2]
     """
@@ -50,7 +50,7 @@ def unpack(values: torch.Tensor, batch: Mapping[str, Any]) -> list[torch.Tensor]
         One tensor per document (views, not copies), in the order of ``batch["sample_indices"]``.
 
     Example:
-        >>> from lit_seqpack.data.collate import PaddedCollator
+        >>> from lit_seqpack.data.batching.collate import PaddedCollator
         >>> batch = PaddedCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
         >>> [v.tolist() for v in unpack(batch["input_ids"] * 10, batch)]
         [[50, 60, 70], [80, 90]]
@@ -69,7 +69,7 @@ def document_index(batch: Mapping[str, Any]) -> torch.Tensor:
     """``[B, T]`` int64: the document of every position, ``-1`` on padding.
 
     Example:
-        >>> from lit_seqpack.data.collate import PackedCollator
+        >>> from lit_seqpack.data.batching.collate import PackedCollator
         >>> batch = PackedCollator(pad_to_multiple_of=8)([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
         >>> document_index(batch).tolist()
         [[0, 0, 0, 1, 1, -1, -1, -1]]
@@ -90,7 +90,7 @@ def document_sums(values: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tenso
     """``[num_documents]``: the sum of a per-token ``[B, T]`` tensor over each document (differentiable).
 
     Example:
-        >>> from lit_seqpack.data.collate import PackedCollator
+        >>> from lit_seqpack.data.batching.collate import PackedCollator
         >>> batch = PackedCollator(pad_to_multiple_of=8)([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
         >>> document_sums(batch["input_ids"].double(), batch).tolist()
         [18.0, 17.0]
@@ -106,7 +106,7 @@ def per_document_to_tokens(per_document: torch.Tensor, batch: Mapping[str, Any],
     """``[B, T]``: each position gets its document's value from a ``[num_documents]`` tensor, ``fill`` on padding.
 
     Example:
-        >>> from lit_seqpack.data.collate import PackedCollator
+        >>> from lit_seqpack.data.batching.collate import PackedCollator
         >>> batch = PackedCollator(pad_to_multiple_of=8)([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
         >>> per_document_to_tokens(torch.tensor([1.0, 2.0]), batch).tolist()
         [[1.0, 1.0, 1.0, 2.0, 2.0, 0.0, 0.0, 0.0]]

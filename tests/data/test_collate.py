@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
-from lit_seqpack.data.collate import IGNORE_INDEX, PackedCollator, PaddedCollator
+from lit_seqpack.data.batching.collate import IGNORE_INDEX, PackedCollator, PaddedCollator
 
 X = IGNORE_INDEX
 DOCS = [[11, 12, 13], [21, 22, 23, 24, 25], [31, 32]]  # DESIGN.md's example: 3, 5, 2 tokens
@@ -267,8 +267,8 @@ def test_collator_does_not_alias_the_samples():
 
 def test_a_plan_that_miscounts_loss_tokens_is_refused_not_silently_rescaled():
     """A sampler given no loss_tokens assumes length - 1 per sample; prompt-masked labels then disagree."""
-    from lit_seqpack.batch import PlannedDataset
-    from lit_seqpack.data.samplers import PackedBatchSampler
+    from lit_seqpack.data import PlannedDataset
+    from lit_seqpack.data.indexed.samplers import PackedBatchSampler
 
     samples = [{"input_ids": list(range(1, 9)), "labels": [-100] * 6 + [7, 8]} for _ in range(4)]
     lengths = [8] * 4

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_seqpack import PackedBatchSampler, SeqPackDataModule
-from lit_seqpack.data._hashing import content_digest, sampled_indices
+from lit_seqpack._hashing import content_digest, sampled_indices
 
 WORLD = 2
 LENGTHS = np.random.default_rng(11).integers(2, 60, 200).tolist()
@@ -36,7 +36,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             except RuntimeError as err:
                 outcome[case] = str(err)
         # the same through the DataModule (its content_check_samples default), outside a Trainer
-        module = SeqPackDataModule(dataset=_dataset(rank), max_tokens=128)
+        module = SeqPackDataModule(source=_dataset(rank), max_tokens=128)
         try:
             next(iter(module.train_dataloader()))
             outcome["datamodule"] = "no error"
@@ -75,10 +75,10 @@ def test_content_digest_reads_a_few_fixed_samples():
 
 
 def test_datamodule_hands_the_sampler_a_content_digest():
-    module = SeqPackDataModule(dataset=_dataset(), max_tokens=128)
+    module = SeqPackDataModule(source=_dataset(), max_tokens=128)
     sampler = module.train_dataloader().batch_sampler
     assert sampler.content_digest() == content_digest(module.splits["train"][0], 8, 0)
-    off = SeqPackDataModule(dataset=_dataset(), max_tokens=128, content_check_samples=0)
+    off = SeqPackDataModule(source=_dataset(), max_tokens=128, content_check_samples=0)
     assert off.train_dataloader().batch_sampler.content_digest is None
     with pytest.raises(ValueError, match="content_check_samples"):
-        SeqPackDataModule(dataset=_dataset(), max_tokens=128, content_check_samples=-1)
+        SeqPackDataModule(source=_dataset(), max_tokens=128, content_check_samples=-1)

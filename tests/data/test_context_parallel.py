@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
-from lit_seqpack.data.collate import IGNORE_INDEX, PackedCollator
-from lit_seqpack.data.context_parallel import (
-    ContextParallelCollator,
+from lit_seqpack.data.batching.collate import IGNORE_INDEX, PackedCollator
+from lit_seqpack.data.batching.context_parallel import ContextParallelCollator
+from lit_seqpack.parallel import (
     ParallelLayout,
     context_parallel_index,
     gather_packed_batches,

@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
+from lit_seqpack.data.batching.overlong import apply_overlong_policy
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.data.overlong import apply_overlong_policy
 from lit_seqpack.parallel import gather_packed_batches
 
 PAD = -1.0
@@ -56,7 +56,12 @@ def _check_batch(batch, records, max_tokens=None):
 def test_fields_travel_aligned_through_every_mode(mode, extra):
     records = _records()
     dm = SeqPackDataModule(
-        mode=mode, max_tokens=None if mode == "padded" else 64, dataset=records, val_fraction=0.1, **FIELDS, **extra
+        source=records,
+        **FIELDS,
+        **extra,
+        mode=mode,
+        max_tokens=None if mode == "padded" else 64,
+        val_fraction=0.1,
     )
     dm.setup("fit")
     seen = 0
@@ -68,7 +73,7 @@ def test_fields_travel_aligned_through_every_mode(mode, extra):
 
 def test_fields_are_truncated_with_the_sample_and_sample_fields_kept():
     records = _records(longest=70)
-    dm = SeqPackDataModule(mode="packing", max_tokens=32, overlong="truncate", dataset=records, **FIELDS)
+    dm = SeqPackDataModule(source=records, **FIELDS, mode="packing", max_tokens=32, overlong="truncate")
     dm.setup("fit")
     assert dm.overlong_report.num_truncated > 0
     for batch in dm.train_dataloader():
@@ -99,7 +104,7 @@ def test_fields_are_sharded_under_context_parallelism_and_gather_back():
     records = _records()
     shards = []
     for rank in range(2):
-        dm = SeqPackDataModule(mode="packing", max_tokens=96, dataset=records, context_parallel_size=2, **FIELDS)
+        dm = SeqPackDataModule(source=records, **FIELDS, mode="packing", max_tokens=96, context_parallel_size=2)
         dm.trainer = _FakeTrainer(2, rank)
         dm.setup("fit")
         shards.append(list(dm.train_dataloader()))
@@ -110,8 +115,8 @@ def test_fields_are_sharded_under_context_parallelism_and_gather_back():
 
 
 def test_undeclared_keys_warn_through_the_datamodule(caplog):
-    dm = SeqPackDataModule(mode="packing", max_tokens=64, dataset=_records(), sample_fields=["reward"])
-    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.fields"):
+    dm = SeqPackDataModule(source=_records(), mode="packing", max_tokens=64, sample_fields=["reward"])
+    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.batching.fields"):
         batches = list(dm.train_dataloader())
     assert [r.getMessage().split(",")[0] for r in caplog.records] == ["samples carry ['score']"]
     assert all("score" not in b for b in batches)
@@ -131,8 +136,7 @@ def test_fields_are_settable_from_the_cli_yaml(tmp_path):
     data.write_text(json.dumps(record) + "\n")
     config = {
         "data": {
-            "source": "jsonl",
-            "path": str(data),
+            "source": {"class_path": "lit_seqpack.data.sources.TokenizedSource", "init_args": {"path": str(data)}},
             "token_fields": {"advantages": 0.0, "mask": 0},
             "sample_fields": ["reward"],
         },
@@ -141,6 +145,6 @@ def test_fields_are_settable_from_the_cli_yaml(tmp_path):
     path = tmp_path / "fields.yaml"
     path.write_text(yaml.safe_dump(config))
     cli = SeqPackCLI(args=["--model", "lit_seqpack.model.lm.ReferenceLM", "--config", str(path)], run=False)
-    collator = cli.datamodule._collator()
+    collator = cli.datamodule.settings.collator()
     assert collator.token_fields == {"advantages": 0.0, "mask": 0} and collator.sample_fields == ("reward",)
     assert type(collator.token_fields["mask"]) is int and type(collator.token_fields["advantages"]) is float

@@ -9,10 +9,11 @@ import math
 import numpy as np
 import pytest
 
+from lit_seqpack.data.batching.loss_weights import sample_loss_weight
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.data.lengths import cached_scan
-from lit_seqpack.data.loss_weights import sample_loss_weight
-from lit_seqpack.data.validation import scan_dataset
+from lit_seqpack.data.indexed.lengths import cached_scan
+from lit_seqpack.data.indexed.validation import scan_dataset
+from lit_seqpack.data.sources import TokenizedSource
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match, make_module, one_step_trainer
 from tests.model.test_exact_weighted_loss import reference_weighted_gradients, weighted_samples
 
@@ -50,24 +51,25 @@ def test_the_lengths_cache_keeps_the_scans_with_and_without_mask_weights_apart(t
 
 
 def test_loss_mask_weights_from_a_file_source_are_refused_naming_the_setting(tmp_path):
-    with pytest.raises(ValueError, match="loss_weight_field='loss_mask' is not supported with source='jsonl'"):
-        SeqPackDataModule(source="jsonl", path=str(tmp_path / "x.jsonl"), loss_weight_field="loss_mask")
+    with pytest.raises(ValueError, match="loss_weight_field='loss_mask' is not supported with TokenizedSource"):
+        SeqPackDataModule(
+            source=TokenizedSource(str(tmp_path / "x.jsonl"), format="jsonl"), loss_weight_field="loss_mask"
+        )
 
 
 def _datamodule(field: str, mode: str, samples: list[dict], tmp_path) -> SeqPackDataModule:
     budget = {"batch_size": 3, "max_tokens": None} if mode == "padded" else {"max_tokens": 40}
     if field == "loss_mask":
-        return SeqPackDataModule(dataset=samples, mode=mode, loss_weight_field="loss_mask", seed=3, **budget)
+        return SeqPackDataModule(source=samples, **budget, mode=mode, loss_weight_field="loss_mask", seed=3)
     path = tmp_path / "weighted.jsonl"  # the weights as a declared token field of a file
     path.write_text("".join(json.dumps(s) + "\n" for s in samples))
     return SeqPackDataModule(
-        source="jsonl",
-        path=str(path),
+        source=TokenizedSource(str(path), format="jsonl"),
+        **budget,
         mode=mode,
         token_fields={field: 0.0},
         loss_weight_field=field,
         seed=3,
-        **budget,
     )
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from lit_seqpack.data.datamodule import SeqPackDataModule
+from lit_seqpack.data.sources import SyntheticInstructionDataset, TokenizedSource
 
 SYNTH = {"num_samples": 120, "median_length": 24, "max_length": 96, "vocab_size": 64, "seed": 1}
 
@@ -49,7 +50,9 @@ def _evaluated(loader) -> list[list[int]]:
 def test_val_path_and_test_path_are_evaluated_whole_and_exactly_once(files, mode):
     extra = {"batch_size": 4} if mode == "padded" else {"max_tokens": 128}
     dm = SeqPackDataModule(
-        source="jsonl", path=files["train"], val_path=files["val"], test_path=files["test"], mode=mode, **extra
+        source=TokenizedSource(files["train"], format="jsonl", val_path=files["val"], test_path=files["test"]),
+        **extra,
+        mode=mode,
     )
     dm.setup("fit")
     assert len(dm.splits["train"].lengths) == 80  # nothing held out of the training file
@@ -61,21 +64,26 @@ def test_val_path_and_test_path_are_evaluated_whole_and_exactly_once(files, mode
 
 
 def test_val_path_and_val_fraction_together_are_refused(files):
-    with pytest.raises(ValueError, match=r"val_path=.* and val_fraction=0.1 both choose the val samples"):
-        SeqPackDataModule(source="jsonl", path=files["train"], val_path=files["val"], val_fraction=0.1)
-    with pytest.raises(ValueError, match=r"test_path=.* and test_fraction=0.2 both"):
-        SeqPackDataModule(source="jsonl", path=files["train"], test_path=files["test"], test_fraction=0.2)
+    with pytest.raises(ValueError, match=r"the source's val data .* and val_fraction=0.1 all choose the val samples"):
+        SeqPackDataModule(
+            source=TokenizedSource(files["train"], format="jsonl", val_path=files["val"]), val_fraction=0.1
+        )
+    with pytest.raises(ValueError, match=r"the source's test data .* and test_fraction=0.2 all choose"):
+        SeqPackDataModule(
+            source=TokenizedSource(files["train"], format="jsonl", test_path=files["test"]), test_fraction=0.2
+        )
 
 
 def test_val_path_that_is_the_training_data_or_has_no_source_is_refused(files):
     with pytest.raises(ValueError, match=r"is the training data itself"):
-        SeqPackDataModule(source="jsonl", path=files["train"], val_path=files["train"])
-    with pytest.raises(ValueError, match=r"val_path=.* needs an on-disk source, but source='synthetic'"):
-        SeqPackDataModule(synthetic=SYNTH, val_path=files["val"])
-    with pytest.raises(ValueError, match=r"dataset= replaces the source"):
-        SeqPackDataModule(dataset=_records(4, 0), val_path=files["val"])
-    with pytest.raises(ValueError, match=r"no 'test' data: set test_fraction > 0 .* or test_path"):
-        SeqPackDataModule(source="jsonl", path=files["train"]).test_dataloader()
+        SeqPackDataModule(source=TokenizedSource(files["train"], format="jsonl", val_path=files["train"]))
+    with pytest.raises(ValueError, match=r"val_source and the source's val data .* all choose the val samples"):
+        own_val = TokenizedSource(files["train"], val_path=files["val"])
+        SeqPackDataModule(source=own_val, val_source=TokenizedSource(files["val"]))
+    with pytest.raises(ValueError, match=r"val_source and val_fraction=0.1 all choose the val samples"):
+        SeqPackDataModule(source=_records(4, 0), val_source=_records(4, 1), val_fraction=0.1)
+    with pytest.raises(ValueError, match=r"no 'test' data: set test_fraction > 0 .* or test_source"):
+        SeqPackDataModule(source=TokenizedSource(files["train"], format="jsonl")).test_dataloader()
 
 
 def test_splits_of_one_dataset_dict_folder(tmp_path):
@@ -86,26 +94,29 @@ def test_splits_of_one_dataset_dict_folder(tmp_path):
         str(folder)
     )
     with pytest.raises(
-        ValueError, match=r"splits \['test', 'train', 'validation'\]; split=None is not one: .*data.split"
+        ValueError, match=r"splits \['test', 'train', 'validation'\]; split=None is not one: .*the source's split"
     ):
-        SeqPackDataModule(source="hf_disk", path=str(folder)).setup("fit")
+        SeqPackDataModule(source=TokenizedSource(str(folder), format="hf_disk")).setup("fit")
     dm = SeqPackDataModule(
-        source="hf_disk", path=str(folder), split="train", val_split="validation", test_split="test", max_tokens=128
+        source=TokenizedSource(str(folder), format="hf_disk", split="train", val_split="validation", test_split="test"),
+        max_tokens=128,
     )
     assert {name: len(split.lengths) for name, split in dm.splits.items()} == {"train": 40, "val": 10, "test": 6}
     assert sorted(_evaluated(dm.val_dataloader())) == sorted(r["input_ids"] for r in parts["validation"])
     with pytest.raises(ValueError, match=r"is the training data itself"):
-        SeqPackDataModule(source="hf_disk", path=str(folder), split="train", val_split="train")
-    with pytest.raises(ValueError, match=r"split='train' picks a split of a DatasetDict folder, which source='jsonl'"):
-        SeqPackDataModule(source="jsonl", path=str(tmp_path / "x.jsonl"), split="train")
-    with pytest.raises(ValueError, match=r"val_split='validation' picks a split .* source='synthetic'"):
-        SeqPackDataModule(synthetic=SYNTH, val_split="validation")
+        SeqPackDataModule(source=TokenizedSource(str(folder), format="hf_disk", split="train", val_split="train"))
+    with pytest.raises(
+        ValueError, match=r"split='train'\) picks a split of a DatasetDict folder, which format='jsonl'"
+    ):
+        TokenizedSource(str(tmp_path / "x.jsonl"), format="jsonl", split="train")
 
 
 @pytest.mark.parametrize("mode", ["packing", "dynamic"])
 def test_eval_microbatches_respect_eval_max_tokens_and_cover_every_sample_once(mode):
-    dm = SeqPackDataModule(mode=mode, synthetic=SYNTH, max_tokens=128, eval_max_tokens=512, val_fraction=0.3)
-    assert dm.eval_max_tokens == 512
+    dm = SeqPackDataModule(
+        source=SyntheticInstructionDataset(**SYNTH), mode=mode, max_tokens=128, eval_max_tokens=512, val_fraction=0.3
+    )
+    assert dm.settings.eval_max_tokens == 512
     val_count = len(dm.splits["val"].lengths)
     seen, largest = [], 0
     for batch in dm.val_dataloader():
@@ -120,24 +131,31 @@ def test_eval_microbatches_respect_eval_max_tokens_and_cover_every_sample_once(m
 
 
 def test_eval_max_tokens_defaults_to_the_training_budget_and_bad_values_name_the_setting():
-    dm = SeqPackDataModule(synthetic=SYNTH, max_tokens=128, val_fraction=0.3)
-    assert dm.eval_max_tokens == 128
+    dm = SeqPackDataModule(source=SyntheticInstructionDataset(**SYNTH), max_tokens=128, val_fraction=0.3)
+    assert dm.settings.eval_max_tokens == 128
     assert all(b["input_ids"].numel() <= 128 for b in dm.val_dataloader())
     with pytest.raises(ValueError, match=r"eval_max_tokens=64 is below max_tokens=128"):
-        SeqPackDataModule(synthetic=SYNTH, max_tokens=128, eval_max_tokens=64)
+        SeqPackDataModule(source=SyntheticInstructionDataset(**SYNTH), max_tokens=128, eval_max_tokens=64)
     with pytest.raises(ValueError, match=r"eval_max_tokens=300 must be a multiple of 8"):
-        SeqPackDataModule(synthetic=SYNTH, max_tokens=128, sequence_length_round=8, eval_max_tokens=300)
+        SeqPackDataModule(
+            source=SyntheticInstructionDataset(**SYNTH), max_tokens=128, sequence_length_round=8, eval_max_tokens=300
+        )
     with pytest.raises(ValueError, match=r"eval_max_tokens=512 is a token budget, but mode='padded'"):
-        SeqPackDataModule(synthetic=SYNTH, mode="padded", batch_size=4, eval_max_tokens=512)
+        SeqPackDataModule(source=SyntheticInstructionDataset(**SYNTH), mode="padded", batch_size=4, eval_max_tokens=512)
 
 
 def test_eval_documents_keep_the_training_document_budget(tmp_path, files):
     long_val = _jsonl(tmp_path / "long.jsonl", _records(5, 3, low=4, high=20) + [{"input_ids": list(range(1, 200))}])
-    with pytest.raises(ValueError, match=r"the val data \(val_path\): 1 of 6 samples are longer than max_tokens=128"):
-        dm = SeqPackDataModule(source="jsonl", path=files["train"], val_path=long_val, max_tokens=128)
+    with pytest.raises(ValueError, match=r"the val data: 1 of 6 samples are longer than max_tokens=128"):
+        dm = SeqPackDataModule(
+            source=TokenizedSource(files["train"], format="jsonl", val_path=long_val), max_tokens=128
+        )
         dm.setup("fit")
     dm = SeqPackDataModule(
-        source="jsonl", path=files["train"], val_path=long_val, max_tokens=128, eval_max_tokens=256, overlong="drop"
+        source=TokenizedSource(files["train"], format="jsonl", val_path=long_val),
+        max_tokens=128,
+        eval_max_tokens=256,
+        overlong="drop",
     )
     dm.setup("fit")
     assert dm.eval_overlong_reports["val"].num_overlong == 1 and len(dm.splits["val"].lengths) == 5
@@ -145,10 +163,10 @@ def test_eval_documents_keep_the_training_document_budget(tmp_path, files):
 
 def test_the_vocabulary_counts_the_eval_files(tmp_path, files):
     high_val = _jsonl(tmp_path / "high.jsonl", _records(3, 4, offset=100))
-    dm = SeqPackDataModule(source="jsonl", path=files["train"], val_path=high_val)
+    dm = SeqPackDataModule(source=TokenizedSource(files["train"], format="jsonl", val_path=high_val))
     assert dm.vocab_size == max(max(r["input_ids"]) for r in _records(3, 4, offset=100)) + 1
 
 
 def test_padded_mode_without_batch_size_names_the_setting_and_the_mode():
     with pytest.raises(ValueError, match=r"mode='padded' needs batch_size \(data.batch_size"):
-        SeqPackDataModule(synthetic=SYNTH, mode="padded")
+        SeqPackDataModule(source=SyntheticInstructionDataset(**SYNTH), mode="padded")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lit_seqpack.data.datamodule import SeqPackDataModule
+from lit_seqpack.data.sources import TokenizedSource
 
 WORLD, MAX_TOKENS, EVAL_MAX_TOKENS, NUM_VAL, FIRST_ID = 2, 64, 256, 37, 1000
 
@@ -48,9 +49,11 @@ def _write(path: Path, count: int, seed: int, first_id: int | None = None) -> st
 @pytest.mark.timeout(300)
 def test_every_val_sample_once_over_two_ranks_within_eval_max_tokens(tmp_path):
     data = SeqPackDataModule(
-        source="jsonl",
-        path=_write(tmp_path / "train.jsonl", 50, 0),
-        val_path=_write(tmp_path / "val.jsonl", NUM_VAL, 1, first_id=FIRST_ID),
+        source=TokenizedSource(
+            _write(tmp_path / "train.jsonl", 50, 0),
+            format="jsonl",
+            val_path=_write(tmp_path / "val.jsonl", NUM_VAL, 1, first_id=FIRST_ID),
+        ),
         max_tokens=MAX_TOKENS,
         eval_max_tokens=EVAL_MAX_TOKENS,
     )

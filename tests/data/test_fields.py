@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
-from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.context_parallel import ContextParallelCollator, TensorParallelCollator
-from lit_seqpack.data.fields import check_fields, sample_field_tensor
+from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.batching.context_parallel import ContextParallelCollator, TensorParallelCollator
+from lit_seqpack.data.batching.fields import check_fields, sample_field_tensor
 from lit_seqpack.parallel import context_parallel_index, gather_packed_batches, shard_packed_batch
 
 DOCS = [[11, 12, 13], [21, 22, 23, 24, 25], [31, 32]]
@@ -155,7 +155,7 @@ def test_bad_declarations_fail_at_construction(kwargs, match):
 def test_undeclared_keys_warn_once_per_collator_naming_them(caplog):
     collator = PackedCollator(token_fields={"score": 0.0})
     samples = [{"input_ids": [1, 2], "score": [0.0, 1.0], "advantages": [1.0, 2.0], "reward": 3}]
-    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.fields"):
+    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.batching.fields"):
         batch = collator(samples)
         collator(samples)
     warnings = [r.getMessage() for r in caplog.records]
@@ -165,7 +165,7 @@ def test_undeclared_keys_warn_once_per_collator_naming_them(caplog):
     )
     assert "advantages" not in batch
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.fields"):
+    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.batching.fields"):
         PackedCollator()([{"input_ids": [1], "labels": [1]}])  # contract keys are not reported
         PaddedCollator()(samples)  # another collator reports again
     assert len(caplog.records) == 1

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lit_seqpack.data._hashing import hashed_uniform
+from lit_seqpack._hashing import hashed_uniform
 
 
 def test_pure_function_of_seed_index_and_stream():

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from lit_seqpack.data._layout import check_mesh, mesh_layout, read_layout
-from lit_seqpack.data.context_parallel import ParallelLayout
+from lit_seqpack.data._trainer import read_layout
 from lit_seqpack.data.datamodule import SeqPackDataModule
+from lit_seqpack.parallel import ParallelLayout, check_mesh, mesh_layout
 from tests.test_strategies import odd_samples
 
 
@@ -57,10 +57,10 @@ def test_data_parallel_size_and_rank_come_from_the_mesh_not_the_world_size():
     seen = []
     for rank in range(4):
         mesh = FakeMesh(names, (2, 2), (rank // 2, rank % 2))
-        dm = SeqPackDataModule(dataset=odd_samples(), max_tokens=64, tensor_parallel_size=2)
+        dm = SeqPackDataModule(source=odd_samples(), max_tokens=64, tensor_parallel_size=2)
         dm.trainer = _trainer(mesh, rank, accumulate=2)
         dm.setup("fit")
-        assert dm._layout == (2, rank // 2, 2)
+        assert dm.layout == (2, rank // 2, 2)
         seen.append([list(mb) for mb in dm.train_dataloader().batch_sampler])
     assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2]
     assert sorted(i for rank in (0, 2) for mb in seen[rank] for i in mb) == list(range(20))
@@ -72,7 +72,7 @@ def test_data_parallel_size_and_rank_come_from_the_mesh_not_the_world_size():
     ({"context_parallel_size": 2, "tensor_parallel_size": 2}, r"context_parallel size 1 but .*context_parallel_size=2"),
 ])  # fmt: skip
 def test_settings_that_contradict_the_mesh_name_both(knobs, match):
-    dm = SeqPackDataModule(dataset=odd_samples(), max_tokens=64, **knobs)
+    dm = SeqPackDataModule(source=odd_samples(), **knobs, max_tokens=64)
     dm.trainer = _trainer(FakeMesh(("data_parallel", "tensor_parallel"), (1, 2), (0, 1)), 1)
     with pytest.raises(ValueError, match=match):
         dm.setup("fit")
@@ -91,7 +91,7 @@ def test_context_parallel_needs_the_rank_order_its_groups_assume():
 @pytest.mark.parametrize("mode", ["packing", "dynamic"])
 def test_tensor_parallel_without_context_parallel_takes_odd_documents(mode):
     """17-token documents: rows (packed, or the L of a dynamic block) are padded to a multiple of tp, never refused."""
-    dm = SeqPackDataModule(dataset=odd_samples(), mode=mode, max_tokens=64, tensor_parallel_size=2, shuffle=False)
+    dm = SeqPackDataModule(source=odd_samples(), mode=mode, max_tokens=64, tensor_parallel_size=2, shuffle=False)
     dm.trainer = _trainer(FakeMesh(("data_parallel", "tensor_parallel"), (1, 2), (0, 1)), 1)
     batches = list(dm.train_dataloader())
     assert sum(b["num_real_tokens"] for b in batches) == sum(len(s["input_ids"]) for s in odd_samples())

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lit_seqpack.data.lengths import (
+from lit_seqpack.data.indexed.lengths import (
     cache_path,
     cached_lengths,
     cached_lengths_and_loss_tokens,
@@ -18,6 +18,7 @@ from lit_seqpack.data.lengths import (
     dataset_fingerprint,
     sample_loss_tokens,
 )
+from lit_seqpack.data.sources import TokenizedSource
 from lit_seqpack.data.sources.synthetic import SyntheticInstructionDataset
 
 SAMPLES = [
@@ -135,7 +136,7 @@ def test_broken_cache_is_recomputed_with_a_warning(tmp_path, caplog, content):
         np.savez(path, lengths=np.arange(2), loss_tokens=np.arange(2))
     else:
         path.write_bytes(content)
-    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.lengths"):
+    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.indexed.lengths"):
         assert cached_lengths(data, tmp_path).tolist() == LENGTHS
     assert "ignoring" in caplog.text and data.reads == len(SAMPLES)
     fresh = Counting(SAMPLES, fingerprint="fp")
@@ -152,7 +153,7 @@ def test_a_cache_that_disagrees_with_the_data_is_recomputed_with_a_warning(tmp_p
     """Regression: a cache keyed by path/size/mtime overrode the lengths of rewritten data (an 80-token row)."""
     cached_lengths(Counting(SAMPLES, fingerprint="fp"), tmp_path)
     changed = [*SAMPLES[:3], {"input_ids": [9, 9, 9, 9, 9, 9]}]  # same fingerprint and size, other content
-    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.lengths"):
+    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.indexed.lengths"):
         assert cached_lengths(Counting(changed, fingerprint="fp"), tmp_path).tolist() == [4, 3, 1, 6]
     assert "dataset[3] has length 6 and 5 loss tokens, the cache says 2 and 0; recomputing" in caplog.text
 
@@ -169,10 +170,10 @@ def test_a_cache_that_disagrees_with_the_data_is_recomputed_with_a_warning(tmp_p
 def test_a_cache_with_bad_values_is_blamed_not_the_data(tmp_path, caplog, arrays, problem):
     data = Counting(SAMPLES, fingerprint="fp")
     path = cache_path(data, tmp_path)
-    from lit_seqpack.data.lengths import _identity
+    from lit_seqpack.data.indexed.lengths import _identity
 
     np.savez(path, **({"max_id": np.int64(9), "identity": np.array(_identity(data, None))} | arrays))
-    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.lengths"):
+    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.indexed.lengths"):
         assert cached_lengths(data, tmp_path).tolist() == LENGTHS
     assert f"ignoring the lengths cache {path}" in caplog.text and problem in caplog.text
 
@@ -202,7 +203,7 @@ def test_the_cache_never_follows_a_symlink(tmp_path, caplog):
     cache = tmp_path / "cache"
     cache.mkdir()
     cache_path(data, cache).symlink_to(victim)
-    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.lengths"):
+    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.indexed.lengths"):
         assert cached_lengths(data, cache).tolist() == LENGTHS
     assert "symbolic link" in caplog.text and victim.read_text() == "keep me"
     assert not cache_path(data, cache).is_symlink() and cache_path(data, cache).is_file()
@@ -218,11 +219,15 @@ def test_a_same_size_rewrite_of_a_jsonl_file_plans_the_new_lengths(tmp_path):
     rows = [[1] * 40, [2] * 10, [3] * 10, [4] * 40]
     path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
     stat = path.stat()
-    dm = SeqPackDataModule(source="jsonl", path=str(path), max_tokens=64, cache_dir=str(tmp_path / "c"))
+    dm = SeqPackDataModule(
+        source=TokenizedSource(str(path), format="jsonl"), max_tokens=64, cache_dir=str(tmp_path / "c")
+    )
     assert sum(b["num_real_tokens"] for b in dm.train_dataloader()) == 100
     rows = [[1] * 10, [2] * 40, [3] * 40, [4] * 10]  # the same size, other lengths, the same mtime
     path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    dm = SeqPackDataModule(source="jsonl", path=str(path), max_tokens=64, cache_dir=str(tmp_path / "c"))
+    dm = SeqPackDataModule(
+        source=TokenizedSource(str(path), format="jsonl"), max_tokens=64, cache_dir=str(tmp_path / "c")
+    )
     assert dm.splits["train"].lengths.tolist() == [10, 40, 40, 10]
     assert all(b["input_ids"].shape[1] <= 64 for b in dm.train_dataloader())

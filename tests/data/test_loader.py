@@ -8,9 +8,9 @@ import pytest
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher, _PrefetchDataFetcher
 
 from lit_seqpack import PackedBatchSampler
-from lit_seqpack.batch import PlannedDataset
-from lit_seqpack.data._loader import ResumableDataLoader, loader_workers, sampler_state_of
-from lit_seqpack.data._resume import check_start, rewind_fit_loop
+from lit_seqpack.data import PlannedDataset
+from lit_seqpack.data._trainer import check_start, rewind_fit_loop
+from lit_seqpack.data.indexed._loader import ResumableDataLoader, loader_workers, sampler_state_of
 
 LENGTHS = [5, 3, 7, 2, 6, 4, 8, 1, 5, 3, 2, 7, 6, 4, 3, 5]
 

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from lit_seqpack.data.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.batching.loss_weights import StepWeightedBatchSampler, sample_loss_weight
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.data.loss_weights import StepWeightedBatchSampler, sample_loss_weight
-from lit_seqpack.data.samplers import PackedBatchSampler
+from lit_seqpack.data.indexed.samplers import PackedBatchSampler
 
 WEIGHTED = {"token_fields": {"w": 0.0}, "loss_weight_field": "w"}
 
@@ -75,7 +75,7 @@ def test_the_datamodule_resumes_a_weighted_loader_mid_epoch_with_a_worker():
     for i in range(40):
         n = 3 + i % 11
         samples.append({"input_ids": list(range(1, n + 1)), "w": [(i % 4) / 4 + 0.125] * n})
-    kwargs = {"mode": "packing", "max_tokens": 32, "dataset": samples, "num_workers": 1, **WEIGHTED}
+    kwargs = {"mode": "packing", "max_tokens": 32, "source": samples, "num_workers": 1, **WEIGHTED}
     loader = SeqPackDataModule(**kwargs).train_dataloader()
     batches = iter(loader)
     head = [next(batches) for _ in range(3)]

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from lit_seqpack.data.lengths import compute_lengths, compute_loss_tokens
-from lit_seqpack.data.overlong import (
+from lit_seqpack.data.batching.overlong import (
     DroppedDataset,
     OverlongReport,
     TruncatedDataset,
     apply_overlong_policy,
 )
+from lit_seqpack.data.indexed.lengths import compute_lengths, compute_loss_tokens
 from lit_seqpack.data.sources import TokenizedDataset
 from lit_seqpack.data.sources.synthetic import SyntheticInstructionDataset
 
@@ -48,7 +48,7 @@ def test_error_lists_count_indices_lengths_and_settings():
 
 def test_truncate_cuts_and_counts(caplog):
     data = _data()
-    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.overlong"):
+    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.batching.overlong"):
         view, lengths, report = apply_overlong_policy(data, data.lengths, 6, "truncate")
     assert isinstance(view, TruncatedDataset) and len(view) == 6
     assert lengths.tolist() == [3, 6, 4, 6, 5, 6]

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader
 
 import lit_seqpack.data as data
 import lit_seqpack.model as model
-from lit_seqpack.batch import Microbatch, MicrobatchMeta, PlannedDataset
+from lit_seqpack.batch import Microbatch, MicrobatchMeta
+from lit_seqpack.data import PlannedDataset
 
 
 def _identity(samples):
@@ -32,14 +33,6 @@ def test_every_public_name_resolves_to_its_defining_module(package):
 def test_an_unknown_name_is_an_attribute_error_naming_the_package():
     with pytest.raises(AttributeError, match="module 'lit_seqpack.data' has no attribute 'PackedColator'"):
         data.PackedColator  # noqa: B018
-
-
-def test_the_old_dataset_index_still_resolves_every_name_with_a_deprecation_warning():
-    from lit_seqpack.data import datasets
-
-    for name in datasets.__all__:
-        with pytest.warns(DeprecationWarning, match=f"lit_seqpack.data.datasets.{name} moved to"):
-            assert getattr(datasets, name) is getattr(data, name)
 
 
 def test_synthetic_to_cached_lengths_to_overlong_through_spawned_workers(tmp_path):
@@ -72,7 +65,7 @@ def test_synthetic_to_cached_lengths_to_overlong_through_spawned_workers(tmp_pat
 
 def test_importing_one_data_module_does_not_load_the_datamodule():
     code = (
-        "import sys, lit_seqpack.data.splits\n"
+        "import sys, lit_seqpack.data.indexed.splits\n"
         "assert 'lit_seqpack.data.datamodule' not in sys.modules and 'lightning' not in sys.modules\n"
         "print('ok')"
     )

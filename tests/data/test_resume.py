@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lit_seqpack.data._resume import LOADER_STATE, check_resume, digest, layout_state
-from lit_seqpack.data.splits import Split
+from lit_seqpack.data.indexed._resume import LOADER_STATE, check_resume, digest, layout_state
+from lit_seqpack.data.indexed.splits import Split
 
 
 def _state(**changes):

@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lit_seqpack import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler, PlannedBatchSampler
-from lit_seqpack.batch import Microbatch, PlannedDataset
+from lit_seqpack.batch import Microbatch
+from lit_seqpack.data import PlannedDataset
 from lit_seqpack.planning import PlanConfig, build_plan
 
 SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
@@ -143,7 +144,7 @@ def test_count_change_between_epochs_warns(caplog):
     lengths = np.random.default_rng(2).integers(1, 64, 400)
     sampler = make("packing", lengths, algorithm="first_fit_shuffle", window=37, num_replicas=2)
     counts = {len(sampler)}  # like Lightning: len() once, at setup
-    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.planned_sampler"):
+    with caplog.at_level(logging.WARNING, logger="lit_seqpack.data.indexed.planned_sampler"):
         for epoch in range(6):
             sampler.set_epoch(epoch)
             counts.add(sum(1 for _ in sampler))  # list() would call len() again
@@ -211,12 +212,6 @@ def test_planned_batch_sampler_takes_a_config_and_equals_the_mode_sampler(mode):
     other = "padded" if mode != "padded" else "packing"
     with pytest.raises(ValueError, match=f"plans mode='{other}'"):
         SAMPLERS[other].from_config(lengths, convenience.config)
-
-
-def test_old_import_path_of_the_planned_sampler_still_works():
-    from lit_seqpack.data import _planned_sampler
-
-    assert _planned_sampler.PlannedBatchSampler is PlannedBatchSampler
 
 
 @pytest.mark.parametrize(
@@ -365,7 +360,7 @@ def test_lightning_resumes_exactly_from_mid_epoch_and_end_of_epoch_checkpoints(t
 
 
 def test_plan_key_names_the_layout_and_ignores_the_input_dtype(monkeypatch):
-    from lit_seqpack.data import planned_sampler as _planned_sampler
+    from lit_seqpack.data.indexed import planned_sampler as _planned_sampler
 
     lengths = np.random.default_rng(5).integers(1, 64, 80)
     assert make("packing", lengths.tolist())._plan_key == make("packing", lengths.astype(np.uint16))._plan_key

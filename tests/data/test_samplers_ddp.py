@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lit_seqpack import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
-from lit_seqpack.batch import Microbatch, PlannedDataset
+from lit_seqpack.batch import Microbatch
+from lit_seqpack.data import PlannedDataset
 
 WORLD = 2
 LENGTHS = np.random.default_rng(7).integers(1, 200, 120).tolist()

@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_seqpack.data.collate import PackedCollator
-from lit_seqpack.data.context_parallel import shard_packed_batch, shard_tokens, unshard_tokens
+from lit_seqpack.data.batching.collate import PackedCollator
 from lit_seqpack.model.attention import reference_varlen_attention, route_varlen_attention, varlen_attention
 from lit_seqpack.model.cp_attention import (
     all_gather_tokens,
@@ -21,6 +20,7 @@ from lit_seqpack.model.cp_attention import (
     context_parallel_scope,
 )
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
+from lit_seqpack.parallel import shard_packed_batch, shard_tokens, unshard_tokens
 
 CP = 2
 # documents of 12, 20, 4, 8 tokens and a padding tail of 4: every segment a multiple of 2 x CP

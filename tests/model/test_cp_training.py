@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
-from lit_seqpack.data.collate import PackedCollator
-from lit_seqpack.data.context_parallel import shard_packed_batch
+from lit_seqpack.data.batching.collate import PackedCollator
 from lit_seqpack.data.datamodule import SeqPackDataModule
+from lit_seqpack.parallel import shard_packed_batch
 from tests.model.test_exact_loss import (
     assert_gradients_match,
     loss_tokens,
@@ -115,7 +115,7 @@ def test_lightning_ddp_with_the_datamodule_cp_knob_equals_the_unsharded_step(tmp
     samples = make_samples(count=20, seed=4)
     knobs = {"mode": "packing", "max_tokens": 64, "context_parallel_size": CP, "seed": 1}
 
-    planner = SeqPackDataModule(dataset=samples, **knobs)  # the same plan, read in this process
+    planner = SeqPackDataModule(source=samples, **knobs)  # the same plan, read in this process
     planner.trainer = SimpleNamespace(
         world_size=CP,
         global_rank=0,
@@ -125,11 +125,11 @@ def test_lightning_ddp_with_the_datamodule_cp_knob_equals_the_unsharded_step(tmp
     )
     planner.setup("fit")
     step = planner.train_dataloader().batch_sampler.plan.step_microbatches(0)[0]
-    view = planner._splits["train"][0]
+    view = planner.pipeline.splits["train"][0]
     module = make_module("reference")
     expected = reference_gradients(module, [view[i] for micro in step for i in micro])
 
     path = tmp_path / "grads.pt"
     trainer = spawned_step_trainer(CP, str(path))
-    trainer.fit(module, datamodule=SeqPackDataModule(dataset=samples, **knobs))
+    trainer.fit(module, datamodule=SeqPackDataModule(source=samples, **knobs))
     assert_gradients_match(torch.load(path), expected, rtol=1e-5)

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lit_seqpack.batch import Microbatch, MicrobatchMeta, PlannedDataset
-from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.samplers import DynamicBatchSampler, PackedBatchSampler
+from lit_seqpack.batch import Microbatch, MicrobatchMeta
+from lit_seqpack.data import PlannedDataset
+from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.indexed.samplers import DynamicBatchSampler, PackedBatchSampler
 from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
 from lit_seqpack.model.loss import LossOutput
 

@@ -16,11 +16,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from lit_seqpack.batch import Microbatch, MicrobatchMeta, PlannedDataset
-from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.context_parallel import ContextParallelCollator
-from lit_seqpack.data.loss_weights import StepWeightedBatchSampler, sample_loss_weight
-from lit_seqpack.data.samplers import PackedBatchSampler
+from lit_seqpack.batch import Microbatch, MicrobatchMeta
+from lit_seqpack.data import PlannedDataset
+from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.batching.context_parallel import ContextParallelCollator
+from lit_seqpack.data.batching.loss_weights import StepWeightedBatchSampler, sample_loss_weight
+from lit_seqpack.data.indexed.samplers import PackedBatchSampler
+from lit_seqpack.data.sources import TokenizedSource
 from lit_seqpack.parallel import gather_packed_batches, shard_packed_batch
 from tests.model.test_exact_loss import (
     PACKED_GROUPS,
@@ -229,14 +231,18 @@ def test_datamodule_weighted_step_equals_the_big_padded_batch() -> None:
 
     samples = weighted_samples("weights", count=24, seed=9)
     dm = SeqPackDataModule(
-        mode="packing", max_tokens=32, dataset=samples, token_fields={"weights": 0.0}, loss_weight_field="weights"
+        source=samples,
+        mode="packing",
+        max_tokens=32,
+        token_fields={"weights": 0.0},
+        loss_weight_field="weights",
     )
     module = make_module("reference")
     initial = copy.deepcopy(module)
     capture = GradientCapture()
     trainer = one_step_trainer(2, capture)
     trainer.fit(module, datamodule=dm)
-    plan = dm._train_sampler.lazy_plan
+    plan = dm.pipeline.train_sampler.lazy_plan
     step = [i for position in range(2) for i in plan.microbatch(0, position).indices]
     expected = reference_weighted_gradients(initial, [samples[i] for i in step], "weights")
     assert capture.grads is not None
@@ -246,9 +252,9 @@ def test_datamodule_weighted_step_equals_the_big_padded_batch() -> None:
 def test_datamodule_refuses_file_loss_mask_weights_and_undeclared_weight_fields() -> None:
     from lit_seqpack.data.datamodule import SeqPackDataModule
 
-    # a file reader turns loss_mask into labels at load: its weights would be lost (dataset= keeps them)
-    with pytest.raises(ValueError, match="loss_weight_field='loss_mask' is not supported with source='jsonl'"):
-        SeqPackDataModule(source="jsonl", path="data.jsonl", loss_weight_field="loss_mask")
+    # a file reader turns loss_mask into labels at load: its weights would be lost (a dataset source keeps them)
+    with pytest.raises(ValueError, match="loss_weight_field='loss_mask' is not supported with TokenizedSource"):
+        SeqPackDataModule(source=TokenizedSource("data.jsonl", format="jsonl"), loss_weight_field="loss_mask")
     with pytest.raises(ValueError, match="loss_weight_field='w' must be 'loss_mask' or one of the declared"):
         SeqPackDataModule(loss_weight_field="w")
 

@@ -139,7 +139,7 @@ def test_cached_and_left_padded_generation_equal_the_stock_model(model_type: str
 def test_generation_after_training_and_after_load_from_checkpoint(tmp_path: Any) -> None:
     from lightning.pytorch import Trainer
 
-    from lit_seqpack.data.collate import PackedCollator
+    from lit_seqpack.data.batching.collate import PackedCollator
     from lit_seqpack.model.lm import HFCausalLM
 
     gen = torch.Generator().manual_seed(0)

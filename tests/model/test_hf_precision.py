@@ -12,7 +12,7 @@ from lightning.pytorch import Trainer
 pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from lit_seqpack.data.collate import PackedCollator  # noqa: E402
+from lit_seqpack.data.batching.collate import PackedCollator  # noqa: E402
 from lit_seqpack.model.attention import (  # noqa: E402
     override_backend,
     reference_flash_attn_varlen_func,

@@ -10,6 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from lit_seqpack.data.sources import SyntheticInstructionDataset  # noqa: E402
 from lit_seqpack.model.isolation import (  # noqa: E402
     PackingLeakError,
     check_packing_equivalence,
@@ -136,7 +137,7 @@ def test_an_lfm2_run_is_refused_before_any_step_when_packed_and_trains_when_dyna
     module = _hf("lfm2", layer_types=["conv", "full_attention"])
     before = {k: v.clone() for k, v in module.state_dict().items()}
     synthetic = {"num_samples": 24, "median_length": 12, "max_length": 30, "vocab_size": 64, "seed": 3}
-    data = SeqPackDataModule(synthetic=synthetic, max_tokens=64, mode=mode)
+    data = SeqPackDataModule(source=SyntheticInstructionDataset(**synthetic), max_tokens=64, mode=mode)
     trainer = Trainer(
         accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, default_root_dir=tmp_path,

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_seqpack.data.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.model.attention import override_backend, reference_flash_attn_varlen_func
 from lit_seqpack.model.reference import REFERENCE_PRESETS, ReferenceConfig, ReferenceDecoder
 

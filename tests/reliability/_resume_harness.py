@@ -106,7 +106,7 @@ def make_datamodule(mode: str, num_workers: int, **overrides: Any) -> script.Rec
     """The run's DataModule: ``IndexedSamples`` batched in ``mode`` (``overrides``: other DataModule knobs)."""
     budget = {"max_tokens": None, "batch_size": 6} if mode == "padded" else {"max_tokens": script.MAX_TOKENS}
     return script.RecordingDataModule(
-        dataset=script.IndexedSamples(), mode=mode, num_workers=num_workers, **(budget | overrides)
+        source=script.IndexedSamples(), mode=mode, num_workers=num_workers, **(budget | overrides)
     )
 
 

@@ -2,8 +2,8 @@
 
 ``python tests/reliability/_stream_train_script.py --out DIR [--kill-at-step K] [--ckpt-path CKPT]`` trains the
 tiny ``ReferenceLM`` of ``_train_script`` on :data:`NUM_SAMPLES` generated samples read as a
-:class:`~lit_seqpack.data.streaming.GeneratorStream` (windows of :data:`BUFFER` samples, so the stream spans several
-windows and ends in a short one) through ``SeqPackDataModule(stream=...)`` under ``Trainer(strategy="ddp")``. Each
+:class:`~lit_seqpack.data.sources.GeneratorStream` (windows of :data:`BUFFER` samples, so the stream spans several
+windows and ends in a short one) through ``SeqPackDataModule(source=...)`` under ``Trainer(strategy="ddp")``. Each
 rank logs every trained microbatch to ``DIR/rank{r}.jsonl`` (``_train_script.TrainedLog`` without the plan lookup)::
 
     {"epoch": 1, "step": 9, "batch_idx": 4, "indices": [17, 3, 40], "loss": 1.93..., "empty": false}
@@ -23,7 +23,8 @@ from lightning.pytorch.callbacks import Callback
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lit_seqpack import SeqPackDataModule  # noqa: E402
-from lit_seqpack.data.streaming import GeneratorStream, StreamingDataLoader  # noqa: E402
+from lit_seqpack.data.sources import GeneratorStream
+from lit_seqpack.data.streaming import StreamingDataLoader  # noqa: E402
 from tests.reliability._train_script import (  # noqa: E402
     ACCUMULATE,
     EPOCHS,
@@ -84,8 +85,8 @@ class StreamTrainedLog(Callback):
 def make_datamodule(num_workers: int = 1) -> RecordingStreamModule:
     """The streaming DataModule of the run (packing, best fit over each window)."""
     return RecordingStreamModule(
-        stream=GeneratorStream(samples, vocab_size=VOCAB),
-        stream_buffer=BUFFER,
+        source=GeneratorStream(samples, vocab_size=VOCAB),
+        window=BUFFER,
         max_tokens=MAX_TOKENS,
         algorithm="best_fit_decreasing",
         num_workers=num_workers,

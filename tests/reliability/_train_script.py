@@ -140,7 +140,7 @@ def make_model() -> ReferenceLM:
 def make_datamodule(dataset: Any = None, *, num_workers: int = 1) -> RecordingDataModule:
     """The DataModule of the run (packing, shuffled, seed 0)."""
     return RecordingDataModule(
-        dataset=IndexedSamples() if dataset is None else dataset, max_tokens=MAX_TOKENS, num_workers=num_workers
+        source=IndexedSamples() if dataset is None else dataset, max_tokens=MAX_TOKENS, num_workers=num_workers
     )
 
 

@@ -12,6 +12,7 @@ from lit_seqpack.cli import SeqPackCLI
 
 REPO = Path(__file__).resolve().parents[2]
 SYNTH = {"num_samples": 40, "median_length": 12, "max_length": 40, "vocab_size": 64, "seed": 3}
+SYNTH_SOURCE = {"class_path": "lit_seqpack.data.sources.SyntheticInstructionDataset", "init_args": SYNTH}
 
 
 def _config(tmp_path: Path, data: dict) -> Path:
@@ -25,7 +26,7 @@ def _config(tmp_path: Path, data: dict) -> Path:
 def test_interpolation_on_the_command_line_is_resolved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression: --trainer.default_root_dir '${oc.env:HOME}' made a folder named '${oc.env:HOME}'."""
     monkeypatch.setenv("LIT_SEQPACK_TEST_ROOT", str(tmp_path / "runs"))
-    config = _config(tmp_path, {"synthetic": SYNTH, "max_tokens": 64})
+    config = _config(tmp_path, {"source": SYNTH_SOURCE, "max_tokens": 64})
     args = ["--config", str(config), "--trainer.logger", "false"]
     args += [
         "--trainer.default_root_dir",
@@ -44,7 +45,7 @@ def test_interpolation_on_the_command_line_of_a_subcommand_is_resolved(
 ) -> None:
     monkeypatch.setenv("LIT_SEQPACK_TEST_ROOT", str(tmp_path / "runs"))
     monkeypatch.setattr(SeqPackCLI, "_run_subcommand", lambda self, name: None)
-    config = _config(tmp_path, {"synthetic": SYNTH, "max_tokens": 64})
+    config = _config(tmp_path, {"source": SYNTH_SOURCE, "max_tokens": 64})
     args = ["fit", "--config", str(config), "--trainer.logger", "false"]
     cli = SeqPackCLI(args=[*args, "--trainer.default_root_dir", "${oc.env:LIT_SEQPACK_TEST_ROOT}"])
     assert cli.trainer.default_root_dir == str(tmp_path / "runs")
@@ -54,7 +55,7 @@ def test_interpolation_on_the_command_line_of_a_subcommand_is_resolved(
 
 def test_a_misspelt_key_behind_an_interpolation_names_the_typo(tmp_path: Path) -> None:
     """Regression: `max_token:` reported `Interpolation key 'data.max_tokens' not found`."""
-    config = _config(tmp_path, {"synthetic": SYNTH, "max_token": 64})
+    config = _config(tmp_path, {"source": SYNTH_SOURCE, "max_token": 64})
     with pytest.raises(ValueError, match=r"refers to \$\{data.max_tokens\}, but the file sets data.max_token, not"):
         SeqPackCLI(args=["fit", "--config", str(config)])
     shipped = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
@@ -69,11 +70,11 @@ def test_padded_mode_has_no_token_cap_unless_one_is_given() -> None:
     from lit_seqpack import SeqPackDataModule
 
     records = [{"input_ids": list(range(1, 3001))}, {"input_ids": [1, 2]}]
-    dm = SeqPackDataModule(dataset=records, mode="padded", batch_size=2)
+    dm = SeqPackDataModule(source=records, mode="padded", batch_size=2)
     assert dm.hparams.max_tokens is None and [b["input_ids"].shape[1] for b in dm.train_dataloader()] == [3000]
     assert SeqPackDataModule().hparams.max_tokens == SeqPackDataModule(mode="dynamic").hparams.max_tokens == 2048
     with pytest.raises(ValueError, match=r"1 of 2 samples are longer than max_tokens=2048"):
-        SeqPackDataModule(dataset=records, mode="padded", batch_size=2, max_tokens=2048).setup("fit")
+        SeqPackDataModule(source=records, mode="padded", batch_size=2, max_tokens=2048).setup("fit")
 
 
 def test_a_validation_split_without_loss_tokens_is_skipped_with_a_warning(tmp_path: Path) -> None:
@@ -81,12 +82,12 @@ def test_a_validation_split_without_loss_tokens_is_skipped_with_a_warning(tmp_pa
     import lightning as L
 
     from lit_seqpack import ReferenceLM, SeqPackDataModule
-    from lit_seqpack.data.splits import split_indices
+    from lit_seqpack.data.indexed.splits import split_indices
 
     records = [{"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4]} for _ in range(10)]
     (held_out,) = split_indices(10, 0.1, seed=0)[1].tolist()
     records[held_out] = {"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}
-    dm = SeqPackDataModule(dataset=records, max_tokens=16, val_fraction=0.1, seed=0)
+    dm = SeqPackDataModule(source=records, max_tokens=16, val_fraction=0.1, seed=0)
     dm.setup("fit")
     assert int(dm.splits["val"].loss_tokens.sum()) == 0  # the held-out sample is the masked one
     model = ReferenceLM(vocab_size=8, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, intermediate_size=32)
@@ -100,7 +101,7 @@ def test_a_validation_split_without_loss_tokens_is_skipped_with_a_warning(tmp_pa
 
 
 def test_an_interpolation_of_a_key_that_no_file_sets_says_which(tmp_path: Path) -> None:
-    config = _config(tmp_path, {"synthetic": SYNTH, "max_tokens": 64})
+    config = _config(tmp_path, {"source": SYNTH_SOURCE, "max_tokens": 64})
     text = config.read_text().replace("${data.max_tokens}", "${data.budget}")
     config.write_text(text)
     with pytest.raises(ValueError, match=r"interpolation in model.init_args.max_seq_len failed: .*set data.budget"):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lit_seqpack import SeqPackDataModule, TokenizedDataset
+from lit_seqpack.data.sources import TextSource, TokenizedSource
 from lit_seqpack.data.sources.text import TextDataset
 
 GOOD = '{"input_ids": [1, 2, 3]}\n'
@@ -29,7 +30,7 @@ def test_jsonl_that_is_not_utf8_json_names_the_file_and_line(tmp_path: Path, con
     path = tmp_path / "d.jsonl"
     path.write_bytes(content)
     with pytest.raises(ValueError, match=message):
-        SeqPackDataModule(source="jsonl", path=str(path), max_tokens=16).setup("fit")
+        SeqPackDataModule(source=TokenizedSource(str(path), format="jsonl"), max_tokens=16).setup("fit")
 
 
 def test_a_utf8_bom_is_accepted(tmp_path: Path) -> None:
@@ -51,7 +52,7 @@ def test_a_bad_parquet_file_names_its_path(tmp_path: Path) -> None:
     path = tmp_path / "broken.parquet"
     path.write_bytes(b"this is not parquet")
     with pytest.raises(ValueError, match=r"broken\.parquet: not a readable Parquet file \(ArrowInvalid: .*magic"):
-        SeqPackDataModule(source="parquet", path=str(path), max_tokens=16).setup("fit")
+        SeqPackDataModule(source=TokenizedSource(str(path), format="parquet"), max_tokens=16).setup("fit")
 
 
 @pytest.mark.parametrize("relative", [False, True])
@@ -62,10 +63,10 @@ def test_a_missing_tokenizer_path_fails_at_once_naming_it(tmp_path: Path, relati
     monkeypatch.chdir(tmp_path)
     missing = "./no_such_tokenizer" if relative else str(tmp_path / "no_such_tokenizer")
     start = time.perf_counter()
-    with pytest.raises(ValueError, match=rf"tokenizer='{missing}' is not a local folder"):
-        SeqPackDataModule(source="text", path=str(docs), tokenizer=missing, max_tokens=16).setup("fit")
+    with pytest.raises(ValueError, match=rf"TextSource\(tokenizer='{missing}'\) is not a local folder"):
+        SeqPackDataModule(source=TextSource(str(docs), missing), max_tokens=16).setup("fit")
     with pytest.raises(ValueError, match=rf"tokenizer='{missing}' does not exist"):
         TextDataset(docs, tokenizer=missing)
-    with pytest.raises(ValueError, match=r"tokenizer='no_such_tokenizer' is not a local folder"):
-        SeqPackDataModule(source="text", path=str(docs), tokenizer="no_such_tokenizer", max_tokens=16).setup("fit")
+    with pytest.raises(ValueError, match=r"TextSource\(tokenizer='no_such_tokenizer'\) is not a local folder"):
+        SeqPackDataModule(source=TextSource(str(docs), "no_such_tokenizer"), max_tokens=16).setup("fit")
     assert time.perf_counter() - start < 5.0  # no network attempt

@@ -29,12 +29,14 @@ from lit_seqpack import (
     TokenizedDataset,
     varlen_attention,
 )
-from lit_seqpack.batch import PlannedDataset
 from lit_seqpack.cli import SeqPackCLI
+from lit_seqpack.data import PlannedDataset
+from lit_seqpack.data.sources import SyntheticInstructionDataset, TokenizedSource
 from lit_seqpack.model.attention import BackendUnavailableError
 from lit_seqpack.model.hf import PackingLeakError
 
 SYNTH = {"num_samples": 40, "median_length": 12, "max_length": 40, "vocab_size": 64, "seed": 3}
+SYNTH_SOURCE = {"class_path": "lit_seqpack.data.sources.SyntheticInstructionDataset", "init_args": SYNTH}
 
 
 def _records(*lengths: int) -> list[dict[str, list[int]]]:
@@ -59,7 +61,7 @@ def _trainer(root: Path, **kwargs: Any) -> L.Trainer:
 # ----------------------------------------------------------------------------------------------------- empty
 def test_empty_dataset_fails_at_setup() -> None:
     with pytest.raises(ValueError, match="the dataset is empty"):
-        SeqPackDataModule(dataset=[]).setup("fit")
+        SeqPackDataModule(source=[]).setup("fit")
 
 
 def test_empty_lengths_plan_an_empty_epoch_at_the_sampler_layer() -> None:
@@ -81,9 +83,9 @@ class _WithLengths(list):
 def test_a_zero_length_sample_fails_at_setup_naming_its_dataset_index() -> None:
     records = [*_records(3, 5), {"input_ids": []}, *_records(4)]
     with pytest.raises(ValueError, match=r"dataset\[2\]: 'input_ids' is empty"):  # read once for the lengths
-        SeqPackDataModule(dataset=records, max_tokens=16).setup("fit")
+        SeqPackDataModule(source=records, max_tokens=16).setup("fit")
     with pytest.raises(ValueError, match=r"dataset\[2\]: 'input_ids' is empty"):  # read too: it is validated
-        SeqPackDataModule(dataset=_WithLengths(records), max_tokens=16).setup("fit")
+        SeqPackDataModule(source=_WithLengths(records), max_tokens=16).setup("fit")
     with pytest.raises(ValueError, match="input_ids is empty"):
         PackedCollator()([{"input_ids": []}])
 
@@ -91,7 +93,7 @@ def test_a_zero_length_sample_fails_at_setup_naming_its_dataset_index() -> None:
 # -------------------------------------------------------------------------------------------------- over-long
 @pytest.mark.parametrize("mode", ["packing", "dynamic"])
 def test_overlong_error_names_the_sample_the_budget_and_the_policy(mode: str) -> None:
-    dm = SeqPackDataModule(dataset=_records(5, 30, 7), mode=mode, max_tokens=16)
+    dm = SeqPackDataModule(source=_records(5, 30, 7), mode=mode, max_tokens=16)
     with pytest.raises(ValueError, match=r"1 of 3 samples are longer than max_tokens=16 \(first: #1: 30\).*overlong="):
         dm.setup("fit")
     with pytest.raises(ValueError, match=r"sample 1 has length 30 > max_tokens=16"):
@@ -100,7 +102,7 @@ def test_overlong_error_names_the_sample_the_budget_and_the_policy(mode: str) ->
 
 @pytest.mark.parametrize("mode", ["packing", "dynamic"])
 def test_overlong_truncate_is_counted_and_trains_the_first_max_tokens(mode: str) -> None:
-    dm = SeqPackDataModule(dataset=_records(5, 30, 7), mode=mode, max_tokens=16, overlong="truncate")
+    dm = SeqPackDataModule(source=_records(5, 30, 7), mode=mode, max_tokens=16, overlong="truncate")
     batches = _batches(dm)
     report = dm.overlong_report
     assert (report.num_overlong, report.num_truncated, report.tokens_truncated) == (1, 1, 14)
@@ -111,14 +113,14 @@ def test_overlong_truncate_is_counted_and_trains_the_first_max_tokens(mode: str)
 
 @pytest.mark.parametrize("mode", ["packing", "dynamic"])
 def test_overlong_drop_is_counted_and_only_the_dropped_sample_is_missing(mode: str) -> None:
-    dm = SeqPackDataModule(dataset=_records(5, 30, 7, 40), mode=mode, max_tokens=16, overlong="drop")
+    dm = SeqPackDataModule(source=_records(5, 30, 7, 40), mode=mode, max_tokens=16, overlong="drop")
     batches = _batches(dm)
     report = dm.overlong_report
     assert (report.num_dropped, report.tokens_dropped, report.indices) == (2, 70, (1, 3))
     assert sorted(i for mb in dm.train_dataloader().batch_sampler for i in mb) == [0, 1]  # the 2 kept samples
     assert sum(b["num_real_tokens"] for b in batches) == 12
     with pytest.raises(ValueError, match=r"overlong='drop' would drop all 2 samples; raise max_tokens=4"):
-        SeqPackDataModule(dataset=_records(30, 40), mode=mode, max_tokens=4, overlong="drop").setup("fit")
+        SeqPackDataModule(source=_records(30, 40), mode=mode, max_tokens=4, overlong="drop").setup("fit")
 
 
 # ------------------------------------------------------------------------------------------ token values
@@ -139,7 +141,7 @@ def test_overlong_drop_is_counted_and_only_the_dropped_sample_is_missing(mode: s
 )
 def test_tokens_that_are_not_non_negative_integers_fail_at_setup(records: list[dict], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SeqPackDataModule(dataset=records, max_tokens=16).setup("fit")
+        SeqPackDataModule(source=records, max_tokens=16).setup("fit")
 
 
 @pytest.mark.parametrize("collator", [PackedCollator(), PaddedCollator()])
@@ -160,14 +162,14 @@ def test_a_jsonl_file_with_a_negative_id_fails_naming_the_file_and_line(tmp_path
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + json.dumps({"input_ids": [3, -9]}) + "\n")
     with pytest.raises(ValueError, match=r"data\.jsonl, line 2: 'input_ids' has negative id -9"):
-        SeqPackDataModule(source="jsonl", path=str(path), max_tokens=16).setup("fit")
+        SeqPackDataModule(source=TokenizedSource(str(path), format="jsonl"), max_tokens=16).setup("fit")
 
 
 # ---------------------------------------------------------------------------------- labels and loss masks
 def test_labels_of_the_wrong_length_fail_naming_both_lengths() -> None:
     records = [*_records(4), {"input_ids": [1, 2, 3], "labels": [1, 2]}]
     with pytest.raises(ValueError, match=r"dataset\[1\]: 'labels' has 2 entries but 'input_ids' has 3"):
-        SeqPackDataModule(dataset=records, max_tokens=16).setup("fit")
+        SeqPackDataModule(source=records, max_tokens=16).setup("fit")
     for collator in (PackedCollator(), PaddedCollator()):
         with pytest.raises(ValueError, match="sample 0: labels has 2 entries but input_ids has 3"):
             collator([records[1]])
@@ -184,15 +186,15 @@ def test_a_loss_mask_counts_in_the_plan_and_in_a_jsonl_file(tmp_path: Path) -> N
     path = tmp_path / "masked.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records))
     for dm in (
-        SeqPackDataModule(dataset=records, max_tokens=16),
-        SeqPackDataModule(source="jsonl", path=str(path), max_tokens=16),
+        SeqPackDataModule(source=records, max_tokens=16),
+        SeqPackDataModule(source=TokenizedSource(str(path), format="jsonl"), max_tokens=16),
     ):
         (batch,) = _batches(dm)
         assert batch["labels"].tolist() == [[-100, -100, -100, 8, 9, -100, 6, 7]]
         assert batch["num_loss_tokens"] == batch["step_loss_tokens"] == 4
     path.write_text(json.dumps({"input_ids": [5, 6], "loss_mask": [1, 2]}))
     with pytest.raises(ValueError, match=r"line 1: 'loss_mask' must hold only 0 and 1, got \[1, 2\]"):
-        SeqPackDataModule(source="jsonl", path=str(path), max_tokens=16).setup("fit")
+        SeqPackDataModule(source=TokenizedSource(str(path), format="jsonl"), max_tokens=16).setup("fit")
 
 
 # ------------------------------------------------------------------------------------------- budget knobs
@@ -222,7 +224,7 @@ def test_a_row_multiple_that_does_not_divide_the_budget_fails_at_construction() 
 def test_a_document_pad_multiple_larger_than_the_budget_fails_at_construction() -> None:
     """Regression: it failed at setup with "sample 0 has length 128 > max_tokens=64" for a 10-token sample."""
     with pytest.raises(ValueError, match=r"max_tokens=64 cannot hold a single document: pad_to_multiple_of=128"):
-        SeqPackDataModule(synthetic=SYNTH, max_tokens=64, pad_to_multiple_of=128)
+        SeqPackDataModule(source=SyntheticInstructionDataset(**SYNTH), max_tokens=64, pad_to_multiple_of=128)
 
 
 def test_a_document_pad_multiple_outside_packing_is_refused_not_ignored() -> None:
@@ -233,7 +235,7 @@ def test_a_document_pad_multiple_outside_packing_is_refused_not_ignored() -> Non
 @pytest.mark.parametrize("overlong", ["error", "truncate", "drop"])
 def test_a_document_pad_multiple_applies_the_overlong_policy_to_padded_lengths(overlong: str) -> None:
     """60 tokens fit max_tokens=64 but pad to 96 with pad_to_multiple_of=48: the budget holds 48 per document."""
-    dm = SeqPackDataModule(dataset=_records(60, 3), max_tokens=64, pad_to_multiple_of=48, overlong=overlong)
+    dm = SeqPackDataModule(source=_records(60, 3), max_tokens=64, pad_to_multiple_of=48, overlong=overlong)
     if overlong == "error":
         with pytest.raises(ValueError, match=r"max_tokens=64 holds documents of at most 48 tokens because pad_to_m"):
             dm.setup("fit")
@@ -279,16 +281,16 @@ def test_an_unknown_mode_or_policy_in_yaml_is_refused_by_the_cli_parser(
     tmp_path: Path, capsys: pytest.CaptureFixture, knob: str, value: str, choices: str
 ) -> None:
     with pytest.raises(SystemExit):
-        _cli(tmp_path, {knob: value, "synthetic": SYNTH})
+        _cli(tmp_path, {knob: value, "source": SYNTH_SOURCE})
     err = capsys.readouterr().err
     assert f'Parser key "data.{knob}"' in err and f"Literal[{choices}]. Got value: {value}" in err
     with pytest.raises(ValueError, match=rf"{knob}='{value}' must be one of \({choices}\)"):
-        SeqPackDataModule(dataset=_records(5), **{knob: value}).setup("fit")
+        SeqPackDataModule(source=_records(5), **{knob: value}).setup("fit")
 
 
 def test_an_unknown_algorithm_in_yaml_fails_naming_it(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"algorithm must be one of \('concatenative'.*\), got 'tetris'"):
-        _cli(tmp_path, {"algorithm": "tetris", "synthetic": SYNTH})
+        _cli(tmp_path, {"algorithm": "tetris", "source": SYNTH_SOURCE})
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -302,7 +304,7 @@ def test_an_explicit_backend_that_is_not_installed_fails_with_the_fix() -> None:
 
 
 def test_a_model_asking_for_flash_attn_on_cpu_fails_at_its_first_step(tmp_path: Path) -> None:
-    dm = SeqPackDataModule(synthetic=SYNTH, max_tokens=64)
+    dm = SeqPackDataModule(source=SyntheticInstructionDataset(**SYNTH), max_tokens=64)
     with pytest.raises(BackendUnavailableError, match="attention backend 'flash_attn' is unavailable"):
         _trainer(tmp_path, max_steps=1).fit(_tiny_lm(attn_backend="flash_attn"), datamodule=dm)
 
@@ -333,13 +335,15 @@ def test_an_hf_model_whose_attention_ignores_packed_boundaries_is_refused_in_the
     module = StockHFModule()
     before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(PackingLeakError, match="StockHFModule does not keep the documents of a packed row apart"):
-        _trainer(tmp_path, max_steps=2).fit(module, datamodule=SeqPackDataModule(synthetic=SYNTH, max_tokens=64))
+        _trainer(tmp_path, max_steps=2).fit(
+            module, datamodule=SeqPackDataModule(source=SyntheticInstructionDataset(**SYNTH), max_tokens=64)
+        )
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())  # not one step was trained
 
 
 # ------------------------------------------------------------------------------------------------ resume
 def _checkpoint_mid_epoch(tmp_path: Path) -> Path:
-    dm = SeqPackDataModule(synthetic=SYNTH, max_tokens=64, num_workers=0)
+    dm = SeqPackDataModule(source=SyntheticInstructionDataset(**SYNTH), max_tokens=64, num_workers=0)
     trainer = _trainer(tmp_path, max_steps=2, enable_checkpointing=False)
     trainer.fit(_tiny_lm(), datamodule=dm)
     assert trainer.global_step < len(dm.train_dataloader())  # mid-epoch
@@ -349,14 +353,16 @@ def _checkpoint_mid_epoch(tmp_path: Path) -> Path:
 
 def test_resuming_on_other_data_or_another_layout_fails_naming_what_changed(tmp_path: Path) -> None:
     ckpt = _checkpoint_mid_epoch(tmp_path)
-    other_count = SeqPackDataModule(synthetic=SYNTH | {"num_samples": 30}, max_tokens=64)
+    other_count = SeqPackDataModule(source=SyntheticInstructionDataset(**SYNTH | {"num_samples": 30}), max_tokens=64)
     with pytest.raises(ValueError, match=r"cannot resume: .*num_samples: checkpoint 40 vs now 30"):
         _trainer(tmp_path, max_steps=4).fit(_tiny_lm(), datamodule=other_count, ckpt_path=ckpt)
-    other_lengths = SeqPackDataModule(synthetic=SYNTH | {"seed": 4}, max_tokens=64)  # 40 samples, other lengths
+    other_lengths = SeqPackDataModule(
+        source=SyntheticInstructionDataset(**SYNTH | {"seed": 4}), max_tokens=64
+    )  # 40 samples, other lengths
     with pytest.raises(
         ValueError, match=r"cannot resume: .*train_lengths: checkpoint '[0-9a-f]{16}' vs now '[0-9a-f]{16}'"
     ):
         _trainer(tmp_path, max_steps=4).fit(_tiny_lm(), datamodule=other_lengths, ckpt_path=ckpt)
-    same_data = SeqPackDataModule(synthetic=SYNTH, max_tokens=64)
+    same_data = SeqPackDataModule(source=SyntheticInstructionDataset(**SYNTH), max_tokens=64)
     with pytest.raises(ValueError, match=r"accumulate_grad_batches: checkpoint 1 vs now 2"):
         _trainer(tmp_path, max_steps=4, accumulate_grad_batches=2).fit(_tiny_lm(), datamodule=same_data, ckpt_path=ckpt)

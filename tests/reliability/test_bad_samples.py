@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from lit_seqpack import PackedCollator, PaddedCollator, ReferenceLM, SeqPackDataModule, TokenizedDataset
-from lit_seqpack.data.validation import DataScan, check_vocab_range, scan_dataset
+from lit_seqpack.data.indexed.validation import DataScan, check_vocab_range, scan_dataset
+from lit_seqpack.data.sources import SyntheticInstructionDataset, TokenizedSource
 
 MASKED = [
     {"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 0, 1, 1]},
@@ -47,7 +48,9 @@ def test_a_loss_mask_is_honoured_by_the_parquet_reader(tmp_path: Path) -> None:
     bools = pa.array([[bool(v) for v in m] for m in masks], type=pa.list_(pa.bool_()))
     pq.write_table(pa.table({"input_ids": ids, "loss_mask": bools}), tmp_path / "b.parquet")
     for name in ("m.parquet", "b.parquet"):
-        dm = SeqPackDataModule(source="parquet", path=str(tmp_path / name), max_tokens=16, shuffle=False)
+        dm = SeqPackDataModule(
+            source=TokenizedSource(str(tmp_path / name), format="parquet"), max_tokens=16, shuffle=False
+        )
         assert _loss_tokens_of(dm) == MASKED_LABELS and dm.dataset.loss_tokens.tolist() == [2, 2]
     bad = {
         "both.parquet": ({"input_ids": [[1, 2]], "labels": [[1, 2]], "loss_mask": [[0, 1]]}, "row 0: give either"),
@@ -65,7 +68,9 @@ def test_a_loss_mask_is_honoured_by_the_save_to_disk_reader(tmp_path: Path) -> N
     rows = {k: [r[k] for r in MASKED] for k in ("input_ids", "loss_mask")}
     rows["loss_mask"] = [[int(v) for v in mask] for mask in rows["loss_mask"]]
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "disk"))
-    dm = SeqPackDataModule(source="hf_disk", path=str(tmp_path / "disk"), max_tokens=16, shuffle=False)
+    dm = SeqPackDataModule(
+        source=TokenizedSource(str(tmp_path / "disk"), format="hf_disk"), max_tokens=16, shuffle=False
+    )
     assert _loss_tokens_of(dm) == MASKED_LABELS
 
 
@@ -73,8 +78,8 @@ def test_a_loss_mask_is_honoured_in_memory_and_in_jsonl(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in MASKED))
     for dm in (
-        SeqPackDataModule(dataset=MASKED, max_tokens=16, shuffle=False),
-        SeqPackDataModule(source="jsonl", path=str(path), max_tokens=16, shuffle=False),
+        SeqPackDataModule(source=MASKED, max_tokens=16, shuffle=False),
+        SeqPackDataModule(source=TokenizedSource(str(path), format="jsonl"), max_tokens=16, shuffle=False),
     ):
         assert _loss_tokens_of(dm) == MASKED_LABELS
 
@@ -85,11 +90,11 @@ def test_labels_none_fails_at_setup_naming_the_dataset_index(wrap: type) -> None
     records = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]} for _ in range(200)]
     records[150] = {"input_ids": [1, 2, 3], "labels": None}
     with pytest.raises(ValueError, match=r"dataset\[150\]: 'labels' is None; omit the key"):
-        SeqPackDataModule(dataset=wrap(records), max_tokens=16).setup("fit")
+        SeqPackDataModule(source=wrap(records), max_tokens=16).setup("fit")
 
 
 def test_a_collator_error_names_the_dataset_index_not_only_the_position() -> None:
-    dm = SeqPackDataModule(dataset=[{"input_ids": [1, 2, 3]} for _ in range(40)], max_tokens=16, val_fraction=0.25)
+    dm = SeqPackDataModule(source=[{"input_ids": [1, 2, 3]} for _ in range(40)], max_tokens=16, val_fraction=0.25)
     dm.setup("fit")
     data = dm.splits["train"].dataset
     index = int(data.indices[7])
@@ -109,7 +114,7 @@ def test_a_collator_error_names_the_dataset_index_not_only_the_position() -> Non
 def test_booleans_are_not_tokens(record: dict[str, Any], message: str) -> None:
     """Regression: [5, True, 7] trained as [5, 1, 7]."""
     with pytest.raises(ValueError, match=message):
-        SeqPackDataModule(dataset=[{"input_ids": [1, 2]}, record], max_tokens=16).setup("fit")
+        SeqPackDataModule(source=[{"input_ids": [1, 2]}, record], max_tokens=16).setup("fit")
     for collator in (PackedCollator(), PaddedCollator()):
         with pytest.raises(ValueError, match="must hold integers"):
             collator([record])
@@ -119,7 +124,7 @@ def test_booleans_in_a_jsonl_file_fail_naming_the_line(tmp_path: Path) -> None:
     path = tmp_path / "b.jsonl"
     path.write_text('{"input_ids": [1, 2]}\n{"input_ids": [1, true]}\n')
     with pytest.raises(ValueError, match=r"b\.jsonl, line 2: 'input_ids' must be a flat list of ints, found bool"):
-        SeqPackDataModule(source="jsonl", path=str(path), max_tokens=16).setup("fit")
+        SeqPackDataModule(source=TokenizedSource(str(path), format="jsonl"), max_tokens=16).setup("fit")
     path.write_text('{"input_ids": [1, 2], "loss_mask": [false, true]}\n')  # a loss mask may be boolean
     assert TokenizedDataset.from_jsonl(path).loss_tokens.tolist() == [1]
 
@@ -127,7 +132,7 @@ def test_booleans_in_a_jsonl_file_fail_naming_the_line(tmp_path: Path) -> None:
 def test_lengths_a_dataset_offers_must_agree_with_its_samples() -> None:
     records = [{"input_ids": [1, 2, 3]}, {"input_ids": [1, 2]}]
     with pytest.raises(ValueError, match=r"dataset.lengths\[1\] = 9 but dataset\[1\] has 2 \(1 samples disagree\)"):
-        SeqPackDataModule(dataset=_WithLengths(records, [3, 9]), max_tokens=16).setup("fit")
+        SeqPackDataModule(source=_WithLengths(records, [3, 9]), max_tokens=16).setup("fit")
 
 
 def _tiny_lm(vocab_size: int) -> ReferenceLM:
@@ -147,17 +152,20 @@ def test_ids_outside_the_models_vocabulary_fail_at_setup(records: list[dict], pa
     import lightning as L
 
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, max_steps=1)
-    dm = SeqPackDataModule(dataset=records, max_tokens=16, pad_token_id=pad)
+    dm = SeqPackDataModule(source=records, max_tokens=16, pad_token_id=pad)
     with pytest.raises(ValueError, match=message):
         trainer.fit(_tiny_lm(64), datamodule=dm)
 
 
 def test_the_datas_vocabulary_counts_labels_and_the_pad_id(tmp_path: Path) -> None:
     records = [{"input_ids": [1, 2], "labels": [-100, 40]}]
-    assert SeqPackDataModule(dataset=records, max_tokens=16).vocab_size == 41
-    assert SeqPackDataModule(dataset=records, max_tokens=16, pad_token_id=90).vocab_size == 91
+    assert SeqPackDataModule(source=records, max_tokens=16).vocab_size == 41
+    assert SeqPackDataModule(source=records, max_tokens=16, pad_token_id=90).vocab_size == 91
     synthetic = {"num_samples": 10, "vocab_size": 32, "median_length": 10, "max_length": 20}
-    assert SeqPackDataModule(synthetic=synthetic, max_tokens=32, pad_token_id=50).vocab_size == 51
+    assert (
+        SeqPackDataModule(source=SyntheticInstructionDataset(**synthetic), max_tokens=32, pad_token_id=50).vocab_size
+        == 51
+    )
 
 
 def test_the_cli_links_a_vocabulary_that_counts_the_pad_id(tmp_path: Path) -> None:
@@ -167,7 +175,11 @@ def test_the_cli_links_a_vocabulary_that_counts_the_pad_id(tmp_path: Path) -> No
     path.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5]}\n')
     config = {
         "model": {"class_path": "lit_seqpack.ReferenceLM", "init_args": {"n_layer": 1, "n_embd": 16, "n_head": 2}},
-        "data": {"source": "jsonl", "path": str(path), "max_tokens": 16, "pad_token_id": 9},
+        "data": {
+            "source": {"class_path": "lit_seqpack.data.sources.TokenizedSource", "init_args": {"path": str(path)}},
+            "max_tokens": 16,
+            "pad_token_id": 9,
+        },
     }
     (tmp_path / "c.yaml").write_text(json.dumps(config))
     cli = SeqPackCLI(args=["--config", str(tmp_path / "c.yaml"), "--trainer.logger", "false"], run=False)
@@ -213,12 +225,11 @@ def test_the_mixin_checks_the_vocabulary_at_the_model_boundary(key: str) -> None
         ({"shuffle": "false"}, TypeError, "shuffle='false' must be a bool"),
         ({"shuffle": "no"}, TypeError, "shuffle='no' must be a bool"),
         ({"shuffle": 1}, TypeError, "shuffle=1 must be a bool"),
-        ({"source": "csv"}, ValueError, "source='csv' must be one of"),
+        ({"source": "csv"}, ValueError, "source='csv' is not a built-in source name"),
         ({"overlong": "skip"}, ValueError, "overlong='skip' must be one of"),
         ({"pad_token_id": -1}, ValueError, "pad_token_id must be an int >= 0, got -1"),
         ({"pad_token_id": True}, ValueError, "pad_token_id must be an int >= 0, got True"),
         ({"val_fraction": "0.1"}, TypeError, "val_fraction='0.1' must be a number"),
-        ({"text_field": 1}, TypeError, "text_field=1 must be a str"),
         ({"cache_dir": 3}, TypeError, "cache_dir=3 must be a str or None"),
     ],
 )
@@ -280,13 +291,13 @@ def test_text_dataset_flags_must_be_bools(knob: str) -> None:
 
 def test_collator_errors_map_positions_through_drop_and_split_views() -> None:
     records = [{"input_ids": [1] * n} for n in (3, 30, 4, 5, 40, 6)]
-    dm = SeqPackDataModule(dataset=records, max_tokens=16, overlong="drop", shuffle=False)
+    dm = SeqPackDataModule(source=records, max_tokens=16, overlong="drop", shuffle=False)
     dm.setup("fit")
     for sample in records:
         sample["labels"] = None  # corrupted after setup
     with pytest.raises(ValueError, match=r"sample 0 of the microbatch \(dataset index (0|2|3|5)\)"):
         list(dm.train_dataloader())
-    from lit_seqpack.data.splits import source_index
+    from lit_seqpack.data.indexed.splits import source_index
 
     view = dm.splits["train"].dataset
     assert [source_index(view, i) for i in range(len(view))] == [0, 2, 3, 5]  # 30 and 40 were dropped

@@ -22,8 +22,8 @@ from lit_seqpack import (
     PaddedBatchSampler,
     SeqPackDataModule,
 )
-from lit_seqpack.batch import PlannedDataset
-from lit_seqpack.data.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data import PlannedDataset
+from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.model.attention import varlen_attention
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
 from tests.reliability.conftest import FUZZ_SETTINGS
@@ -336,13 +336,23 @@ def test_the_datamodule_trains_every_kept_sample_once_within_budget_and_counts_t
     kept = set(range(len(lengths))) - (set(over) if overlong == "drop" else set())
     if not kept or (val_fraction and len(kept) == 1):  # nothing left to train on: refused, naming the knob
         with pytest.raises(ValueError, match="overlong='drop' would drop all" if not kept else "val_fraction=0.2"):
-            SeqPackDataModule(dataset=records, mode=mode, max_tokens=max_tokens, overlong=overlong,
-                              val_fraction=val_fraction, pad_to_multiple_of=pad).setup("fit")  # fmt: skip
+            SeqPackDataModule(
+                source=records,
+                mode=mode,
+                max_tokens=max_tokens,
+                overlong=overlong,
+                val_fraction=val_fraction,
+                pad_to_multiple_of=pad,
+            ).setup("fit")  # fmt: skip
         return
     trained: list[int] = []
     for rank in range(world):
         dm = SeqPackDataModule(
-            dataset=records, mode=mode, max_tokens=max_tokens, overlong=overlong, val_fraction=val_fraction,
+            source=records,
+            mode=mode,
+            max_tokens=max_tokens,
+            overlong=overlong,
+            val_fraction=val_fraction,
             pad_to_multiple_of=pad,
         )  # fmt: skip
         dm.trainer = _Layout(world, rank, accumulate)

@@ -102,7 +102,7 @@ def test_normalisations_weigh_documents_as_documented() -> None:
 
 
 def test_loss_helpers_name_what_is_missing() -> None:
-    from lit_seqpack.data.collate import PackedCollator
+    from lit_seqpack.data.batching.collate import PackedCollator
 
     batch = PackedCollator()([{"input_ids": [1, 2, 3]}])
     with pytest.raises(ValueError, match="RolloutPlanner.train_microbatches"):

@@ -1,59 +1,91 @@
-"""Data sources: every dataset the DataModule can read, one :func:`build_dataset` entry point, and their protocol.
+"""Data sources: objects that own their settings and say where samples come from.
 
 =====================================  ==========================================================
 name                                   what
 =====================================  ==========================================================
-:class:`TokenDataset`                  the protocol every dataset here implements: ``len``,
-                                       ``[i]``, ``lengths``, ``loss_tokens``, ``fingerprint``
+:class:`IndexedSource`                 a map-style source: ``load(split)`` -> the dataset of
+                                       ``"train"`` / ``"val"`` / ``"test"`` (``base.py``)
+any map-style dataset                  its own training split (:class:`DatasetSource`); a
+                                       ``torch.utils.data.Dataset`` subclass is chosen in YAML
+                                       by ``class_path``
+:class:`SyntheticInstructionDataset`   embedded default (``source="synthetic"``): a generated,
+                                       learnable instruction task with heavy-tailed lengths
+:class:`TokenizedSource`               pre-tokenised JSONL / Parquet / ``save_to_disk`` files,
+                                       with their validation and test files (``files.py``)
+:class:`TextSource`                    raw text + a local Hugging Face tokenizer (``text.py``)
+:class:`ChatSource`                    conversations + the tokenizer's chat template (``chat.py``)
+:class:`StreamSource`                  read in order, never indexed: :class:`JsonlStream`,
+                                       :class:`ParquetStream`, :class:`HFIterableStream`,
+                                       :class:`GeneratorStream`, :class:`SyntheticStream`,
+                                       :class:`MixtureStream` (``streams.py``)
+:class:`TokenDataset`                  what a dataset may declare so it is never scanned:
+                                       ``lengths``, ``loss_tokens``, ``fingerprint``
                                        (``protocol.py``)
-:func:`build_dataset`                  the dataset a ``source`` name of the DataModule means
-                                       (``factory.py``)
-:class:`SyntheticInstructionDataset`   embedded default: a generated, learnable instruction task
-                                       with heavy-tailed lengths (``synthetic.py``)
-:class:`TokenizedDataset`              pre-tokenised JSONL / Parquet / ``save_to_disk`` data;
-:func:`load_tokenized`                 ``load_tokenized(path)`` picks the reader (``tokenized.py``)
-:class:`TextDataset`                   raw text with a local Hugging Face tokenizer (``text.py``)
 =====================================  ==========================================================
 
 Every dataset here is map-style, picklable (DataLoader workers) and returns samples
-``{"input_ids": LongTensor[L], "labels": LongTensor[L]}`` (``labels`` omitted when every token is
-trained on). Lengths, their cache and the over-long policy live beside this package
-(:mod:`lit_seqpack.data.lengths`, :mod:`lit_seqpack.data.overlong`).
+``{"input_ids": LongTensor[L], "labels": LongTensor[L]}`` (``labels`` omitted when every token is trained on).
 
 Example:
-    >>> dataset = build_dataset("synthetic", synthetic={"num_samples": 4, "seed": 1})
-    >>> isinstance(dataset, TokenDataset), len(dataset)
-    (True, 4)
+    >>> source = resolve_source("synthetic")
+    >>> dataset = source.load("train")
+    >>> isinstance(dataset, TokenDataset), len(dataset) > 0
+    (True, True)
 """
 
 from __future__ import annotations
 
-from lit_seqpack.data.sources.chat import ChatDataset
-from lit_seqpack.data.sources.factory import SOURCES, build_dataset
+from lit_seqpack.data.sources.base import SHORTCUTS, DatasetSource, IndexedSource, resolve_source
+from lit_seqpack.data.sources.chat import ChatDataset, ChatSource
+from lit_seqpack.data.sources.files import FileSource, TokenizedSource
 from lit_seqpack.data.sources.protocol import TokenDataset, declared_counts, declared_fingerprint
+from lit_seqpack.data.sources.streams import (
+    GeneratorStream,
+    HFIterableStream,
+    JsonlStream,
+    MixtureStream,
+    ParquetStream,
+    StreamReader,
+    StreamSource,
+    SyntheticStream,
+)
 from lit_seqpack.data.sources.synthetic import (
     LENGTH_DISTRIBUTIONS,
     SYNTHETIC_TASKS,
     SyntheticInstructionDataset,
     SyntheticTaskConfig,
 )
-from lit_seqpack.data.sources.text import TextDataset
+from lit_seqpack.data.sources.text import TextDataset, TextSource
 from lit_seqpack.data.sources.tokenized import TOKENIZED_FORMATS, TokenizedDataset, load_tokenized, validate_record
 
 __all__ = [
     "LENGTH_DISTRIBUTIONS",
-    "SOURCES",
+    "SHORTCUTS",
     "SYNTHETIC_TASKS",
     "TOKENIZED_FORMATS",
     "ChatDataset",
+    "ChatSource",
+    "DatasetSource",
+    "FileSource",
+    "GeneratorStream",
+    "HFIterableStream",
+    "IndexedSource",
+    "JsonlStream",
+    "MixtureStream",
+    "ParquetStream",
+    "StreamReader",
+    "StreamSource",
     "SyntheticInstructionDataset",
+    "SyntheticStream",
     "SyntheticTaskConfig",
     "TextDataset",
+    "TextSource",
     "TokenDataset",
     "TokenizedDataset",
-    "build_dataset",
+    "TokenizedSource",
     "declared_counts",
     "declared_fingerprint",
     "load_tokenized",
+    "resolve_source",
     "validate_record",
 ]

@@ -40,7 +40,7 @@ def load_disk_split(path: Path, split: str | None) -> Any:
         if split not in loaded:
             raise ValueError(
                 f"{path} holds a DatasetDict with splits {sorted(loaded)}; split={split!r} is not one: choose one "
-                "with data.split (data.val_split / data.test_split for val_path / test_path)"
+                "with the source's split (val_split / test_split for val_path / test_path)"
             )
         return loaded[split]
     if split is not None:

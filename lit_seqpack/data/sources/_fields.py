@@ -1,7 +1,7 @@
 """The declared token and sample fields of pre-tokenised files, read into flat columns at load time.
 
 A file may carry more than ``input_ids`` / ``labels`` / ``loss_mask``. The fields the user declared
-(``token_fields`` / ``sample_fields`` of the DataModule, see :mod:`lit_seqpack.data.fields`) are kept:
+(``token_fields`` / ``sample_fields`` of the DataModule, see :mod:`lit_seqpack.data.batching.fields`) are kept:
 
 - a token field as one flat buffer concatenated like the tokens (``float32`` when any value of the file is a
   float, ``int64`` otherwise), each record's values as long as its ``input_ids``;

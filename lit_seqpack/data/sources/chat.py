@@ -33,12 +33,13 @@ from typing import Any, Literal
 import numpy as np
 
 from lit_seqpack.batch import IGNORE_INDEX
-from lit_seqpack.data._vocab import tokenizer_vocab_size
 from lit_seqpack.data.sources._conversations import check_messages, read_conversations
+from lit_seqpack.data.sources._vocab import tokenizer_vocab_size
+from lit_seqpack.data.sources.files import FileSource, check_tokenizer_folder
 from lit_seqpack.data.sources.text import load_tokenizer
 from lit_seqpack.data.sources.tokenized import TokenizedDataset
 
-__all__ = ["MASK_METHODS", "TRAIN_ON", "ChatDataset", "has_generation_tags"]
+__all__ = ["MASK_METHODS", "TRAIN_ON", "ChatDataset", "ChatSource", "has_generation_tags"]
 
 log = logging.getLogger(__name__)
 
@@ -244,3 +245,51 @@ def _records(
     return "<memory>", (
         (f"conversation {i}", check_messages(c, f"conversation {i}")) for i, c in enumerate(conversations)
     )
+
+
+class ChatSource(FileSource):
+    """Conversations (JSONL / Parquet / ``save_to_disk``, a ``messages`` list each) rendered with a local tokenizer's
+    chat template and trained on the assistant turns (:class:`ChatDataset`).
+
+    Args:
+        path: the training file or folder.
+        tokenizer: the folder of a local Hugging Face tokenizer (``save_pretrained``; nothing is downloaded).
+        chat_template: a Jinja template (text or a file) instead of the tokenizer's own.
+        train_on: ``"assistant"``, ``"last_assistant"`` or ``"all"``.
+        mask_method: ``"auto"``, ``"generation"`` (the template's ``{% generation %}`` tags) or ``"prefix"``.
+        messages_field: the column holding each conversation's messages.
+        **files: ``split``, ``val_path``, ``test_path``, ``val_split``, ``test_split`` (see
+            :class:`~lit_seqpack.data.sources.files.FileSource`).
+    """
+
+    reads_splits = True
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str,
+        *,
+        chat_template: str | None = None,
+        train_on: Literal["assistant", "last_assistant", "all"] = "assistant",
+        mask_method: Literal["auto", "generation", "prefix"] = "auto",
+        messages_field: str = "messages",
+        **files: Any,
+    ) -> None:
+        self.tokenizer = check_tokenizer_folder(type(self).__name__, tokenizer)
+        if train_on not in TRAIN_ON:
+            raise ValueError(f"ChatSource(train_on={train_on!r}) must be one of {TRAIN_ON}")
+        if mask_method not in MASK_METHODS:
+            raise ValueError(f"ChatSource(mask_method={mask_method!r}) must be one of {MASK_METHODS}")
+        self.options = {
+            "chat_template": chat_template,
+            "train_on": train_on,
+            "mask_method": mask_method,
+            "messages_field": messages_field,
+        }
+        super().__init__(path, **files)
+
+    def read(
+        self, path: str, split: str | None, *, token_fields: tuple[str, ...], sample_fields: tuple[str, ...]
+    ) -> ChatDataset:
+        """Render and mask one file or folder of conversations."""
+        return ChatDataset(path, self.tokenizer, split=split, **self.options)

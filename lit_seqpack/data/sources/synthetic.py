@@ -40,8 +40,8 @@ from dataclasses import astuple, dataclass
 import numpy as np
 import torch
 
+from lit_seqpack._hashing import hashed_uniform
 from lit_seqpack.batch import IGNORE_INDEX, INPUT_IDS, LABELS
-from lit_seqpack.data._hashing import hashed_uniform
 
 __all__ = [
     "BOS_ID",
@@ -150,7 +150,7 @@ def _max_payload(max_length: int) -> int:
     return (max_length - _OVERHEAD) // 2
 
 
-class SyntheticInstructionDataset:
+class SyntheticInstructionDataset(torch.utils.data.Dataset):
     """Map-style synthetic instruction-tuning data with heavy-tailed lengths, generated lazily per index.
 
     The arguments are the fields of :class:`SyntheticTaskConfig` (validated there; kept as ``config``).

@@ -18,11 +18,12 @@ import numpy as np
 
 from lit_seqpack._checks import check_flag, check_int
 from lit_seqpack._imports import require
-from lit_seqpack.data._vocab import tokenizer_vocab_size
 from lit_seqpack.data.sources._files import text_lines
+from lit_seqpack.data.sources._vocab import tokenizer_vocab_size
+from lit_seqpack.data.sources.files import FileSource, check_tokenizer_folder
 from lit_seqpack.data.sources.tokenized import TokenizedDataset
 
-__all__ = ["TextDataset"]
+__all__ = ["TextDataset", "TextSource"]
 
 log = logging.getLogger(__name__)
 
@@ -152,3 +153,39 @@ def _lines(path: Path) -> Iterator[str]:
             blank += 1
     if blank:
         log.info("%s: skipped %d blank lines (one document per non-blank line)", path, blank)
+
+
+class TextSource(FileSource):
+    """Raw text (a ``.jsonl`` file's ``text_field``, or a text file of one document a line) tokenised with a local
+    Hugging Face tokenizer (:class:`TextDataset`); the model's vocabulary is the tokenizer's.
+
+    Args:
+        path: the training file.
+        tokenizer: the folder of a local Hugging Face tokenizer (``save_pretrained``; nothing is downloaded).
+        text_field: the JSONL field holding the text.
+        add_eos: append the tokenizer's ``eos_token_id`` to every document that does not end with it.
+        val_path: a file of validation texts.
+        test_path: a file of test texts.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str,
+        *,
+        text_field: str = "text",
+        add_eos: bool = True,
+        val_path: str | None = None,
+        test_path: str | None = None,
+    ) -> None:
+        self.tokenizer = check_tokenizer_folder(type(self).__name__, tokenizer)
+        if not isinstance(text_field, str):
+            raise TypeError(f"TextSource(text_field={text_field!r}) must be a str")
+        self.text_field, self.add_eos = text_field, check_flag("add_eos", add_eos)
+        super().__init__(path, val_path=val_path, test_path=test_path)
+
+    def read(
+        self, path: str, split: str | None, *, token_fields: tuple[str, ...], sample_fields: tuple[str, ...]
+    ) -> TextDataset:
+        """Tokenise one text file."""
+        return TextDataset(path, self.tokenizer, text_field=self.text_field, add_eos=self.add_eos)

@@ -38,7 +38,7 @@ TOKENIZED_FORMATS: tuple[str, ...] = ("auto", "jsonl", "parquet", "hf_disk")
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-class TokenizedDataset:
+class TokenizedDataset(torch.utils.data.Dataset):
     """Map-style pre-tokenised samples: ``dataset[i] -> {"input_ids": LongTensor[L], "labels"?: LongTensor[L], ...}``.
 
     Build it with :meth:`from_records`, :meth:`from_jsonl`, :meth:`from_parquet`, :meth:`from_hf_disk`

@@ -1,4 +1,4 @@
-"""The bounded look-ahead buffer: a stream cut into windows of ``buffer_size`` samples, each planned on its own.
+"""The bounded look-ahead buffer: a stream cut into windows of ``window_size`` samples, each planned on its own.
 
 Every window is planned by the offline planner (:func:`~lit_seqpack.planning.plan.build_plan`, best fit decreasing
 by default) for all ranks and the accumulation at once, so:
@@ -11,7 +11,7 @@ by default) for all ranks and the accumulation at once, so:
 - every sample of the window is in exactly one microbatch of one rank.
 
 The over-long policy is applied sample by sample as the stream is read and counted in a
-:class:`OverlongCounter` (the same :class:`~lit_seqpack.data.overlong.OverlongReport` as the map-style path).
+:class:`OverlongCounter` (the same :class:`~lit_seqpack.data.batching.overlong.OverlongReport` as the map-style path).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from lit_seqpack.data.lengths import sample_loss_tokens
-from lit_seqpack.data.overlong import OverlongReport
+from lit_seqpack.data.batching._samples import sample_loss_tokens
+from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.planning.algorithms import get_packer
 from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan
 
@@ -42,7 +42,7 @@ class OverlongCounter:
     Args:
         policy: ``"error"``, ``"truncate"`` or ``"drop"``.
         max_tokens: the longest document allowed.
-        token_fields: the declared per-token fields (:mod:`lit_seqpack.data.fields`), cut with the tokens under
+        token_fields: the declared per-token fields (:mod:`lit_seqpack.data.batching.fields`), cut with the tokens under
             ``"truncate"``; each must be as long as ``input_ids`` before the cut (a longer one would otherwise be
             cut to the same length and misalign silently).
     """
@@ -100,7 +100,7 @@ class OverlongCounter:
         self.shown = [(int(i), int(n)) for i, n in state["shown"]]
 
     def report(self) -> OverlongReport:
-        """The counts so far as an :class:`~lit_seqpack.data.overlong.OverlongReport`."""
+        """The counts so far as an :class:`~lit_seqpack.data.batching.overlong.OverlongReport`."""
         dropped = self.policy == "drop"
         return OverlongReport(
             policy=self.policy,
@@ -201,23 +201,23 @@ def stream_windows(
     reader: Iterator[Mapping[str, Any]],
     *,
     config: PlanConfig,
-    buffer_size: int,
+    window_size: int,
     epoch: int,
     counter: OverlongCounter | None = None,
     document_multiple: int = 1,
     start: tuple[int, int, int, int] = (0, 0, 0, 0),
     carried: list[Mapping[str, Any]] | None = None,
 ) -> Iterator[StreamWindow]:
-    """Read ``reader`` into windows of ``buffer_size`` samples and plan each one.
+    """Read ``reader`` into windows of ``window_size`` samples and plan each one.
 
     In packing mode the samples of a window's least-full bins (at most a fifth of the buffer) are carried into the
     next window instead of being trained in half-empty rows (:func:`carried_over`); the last window carries nothing.
 
     Args:
-        reader: a :class:`~lit_seqpack.data.streaming.sources.StreamReader` (its ``position`` is read at each
+        reader: a :class:`~lit_seqpack.data.sources.streams.StreamReader` (its ``position`` is read at each
             window start).
         config: the plan of a window (``window`` and ``shuffle`` as given: shuffling reorders inside the window).
-        buffer_size: samples held and planned together (>= 1), carried ones included.
+        window_size: samples held and planned together (>= 1), carried ones included.
         epoch: seeds the window plans.
         counter: applies and counts the over-long policy (``None``: samples must fit ``config.max_tokens``).
         document_multiple: packed documents are padded to a multiple of this (planned on the padded lengths).
@@ -225,22 +225,22 @@ def stream_windows(
         carried: samples carried into the first window (a resume: the window record's ``carried``).
 
     Example:
-        >>> from lit_seqpack.data.streaming.sources import GeneratorStream
+        >>> from lit_seqpack.data.sources.streams import GeneratorStream
         >>> stream = GeneratorStream(lambda: ({"input_ids": [1] * n} for n in (5, 3, 4, 4, 2)))
         >>> config = PlanConfig(mode="packing", max_tokens=8, shuffle=False)
-        >>> [w.plan.rank_microbatches(0) for w in stream_windows(stream.open(), config=config, buffer_size=3, epoch=0)]
+        >>> [w.plan.rank_microbatches(0) for w in stream_windows(stream.open(), config=config, window_size=3, epoch=0)]
         [[[0, 1], [2]], [[0, 1]]]
     """
     window, number, microbatch, step = start
     carried = list(carried or [])
-    limit = buffer_size // 5 if config.mode == "packing" else 0
+    limit = window_size // 5 if config.mode == "packing" else 0
     while True:
         position = getattr(reader, "position", None)
         before = None if counter is None else counter.state()
         first, carried_in = number, carried
         samples: list[Mapping[str, Any]] = list(carried_in)
         ended = True
-        while len(samples) < buffer_size:
+        while len(samples) < window_size:
             sample = next(reader, None)
             if sample is None:
                 break

@@ -21,9 +21,9 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
+from lit_seqpack.data.sources.streams import StreamSource
 from lit_seqpack.data.streaming.buffer import OverlongCounter, StreamWindow, stream_windows
 from lit_seqpack.data.streaming.rank_check import WindowDigest, window_digest
-from lit_seqpack.data.streaming.sources import StreamSource
 from lit_seqpack.planning.plan import PlanConfig
 
 __all__ = ["STREAM_KEY", "StreamStart", "StreamingDataset"]
@@ -65,10 +65,10 @@ class StreamingDataset(IterableDataset):
     """One rank's collated microbatches of a stream, planned one look-ahead window at a time.
 
     Args:
-        source: the stream (:class:`~lit_seqpack.data.streaming.sources.StreamSource`).
+        source: the stream (:class:`~lit_seqpack.data.sources.streams.StreamSource`).
         config: the plan of each window (world size, accumulation, budget, algorithm, ...).
         rank: this data-parallel rank.
-        buffer_size: samples per window.
+        window_size: samples per window.
         collator: turns a :class:`~lit_seqpack.batch.Microbatch` of samples into a batch dict.
         overlong: the over-long policy (``"error"``, ``"truncate"``, ``"drop"``).
         document_budget: the longest document allowed (``max_tokens`` less per-document padding).
@@ -87,7 +87,7 @@ class StreamingDataset(IterableDataset):
         *,
         config: PlanConfig,
         rank: int,
-        buffer_size: int,
+        window_size: int,
         collator: Callable[[Microbatch], dict[str, Any]],
         overlong: str = "error",
         document_budget: int | None = None,
@@ -100,7 +100,7 @@ class StreamingDataset(IterableDataset):
         super().__init__()
         if not 0 <= rank < config.world_size:
             raise ValueError(f"rank must be in [0, {config.world_size}), got {rank}")
-        self.source, self.config, self.rank, self.buffer_size = source, config, rank, buffer_size
+        self.source, self.config, self.rank, self.window_size = source, config, rank, window_size
         self.collator, self.overlong, self.document_multiple = collator, overlong, document_multiple
         self.document_budget = document_budget if document_budget is not None else config.max_tokens
         self.vocab_size, self.check_samples, self.seed = vocab_size, check_samples, seed
@@ -123,7 +123,7 @@ class StreamingDataset(IterableDataset):
         return stream_windows(
             self.source.open(None if record is None else record["start"]),
             config=self.config,
-            buffer_size=self.buffer_size,
+            window_size=self.window_size,
             epoch=self.start.epoch,
             counter=counter,
             document_multiple=self.document_multiple,

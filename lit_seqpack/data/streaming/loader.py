@@ -22,7 +22,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from lit_seqpack.data.overlong import OverlongReport
+from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.streaming.buffer import OverlongCounter
 from lit_seqpack.data.streaming.dataset import STREAM_KEY, StreamingDataset, StreamStart
 from lit_seqpack.data.streaming.rank_check import CHECK_EVERY, check_ranks_agree

@@ -17,8 +17,7 @@ import hashlib
 import numpy as np
 import torch.distributed as dist
 
-from lit_seqpack.data._hashing import content_digest
-from lit_seqpack.data.planned_sampler import distributed
+from lit_seqpack._hashing import content_digest
 from lit_seqpack.data.streaming.buffer import StreamWindow
 
 __all__ = ["CHECK_EVERY", "WindowDigest", "check_ranks_agree", "window_digest"]
@@ -46,13 +45,18 @@ class WindowDigest:
     tokens: str
 
 
+def distributed() -> bool:
+    """Whether ``torch.distributed`` is available and initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def window_digest(window: StreamWindow, *, epoch: int, samples: int, seed: int = 0) -> WindowDigest:
     """The digest of ``window``: all its lengths and loss tokens, and the tokens of ``samples`` of its samples.
 
     Args:
         window: a planned window.
         epoch: its epoch.
-        samples: samples whose tokens are hashed (:func:`~lit_seqpack.data._hashing.sampled_indices`).
+        samples: samples whose tokens are hashed (:func:`~lit_seqpack._hashing.sampled_indices`).
         seed: picks those samples.
     """
     lengths = np.fromiter((len(s["input_ids"]) for s in window.samples), dtype=np.int64, count=len(window.samples))

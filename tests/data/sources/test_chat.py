@@ -11,7 +11,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
 from lit_seqpack.batch import IGNORE_INDEX  # noqa: E402
-from lit_seqpack.data.sources.chat import ChatDataset, has_generation_tags  # noqa: E402
+from lit_seqpack.data.sources.chat import ChatDataset, ChatSource, has_generation_tags  # noqa: E402
 from tests.data._chat_tiny import PLAIN, TAGGED, build_tokenizer, conversation  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "answer with a number"}
@@ -156,7 +156,7 @@ def test_parquet_and_save_to_disk_folders_with_a_split(tmp_path, tok):
     assert len(ChatDataset(str(folder), tok, split="train")) == 2
     assert len(ChatDataset(str(folder), tok, split="test")) == 1
     with pytest.raises(
-        ValueError, match=r"splits \['test', 'train'\]; split=None is not one: choose one with data.split"
+        ValueError, match=r"splits \['test', 'train'\]; split=None is not one: choose one with the source's split"
     ):
         ChatDataset(str(folder), tok)
 
@@ -223,7 +223,7 @@ def test_long_conversations_go_through_the_overlong_policy_never_cut_silently(tm
     from tests.data._chat_tiny import write_demo
 
     folder = write_demo(tmp_path, num_conversations=60)
-    settings = {"source": "chat", "path": str(folder / "chat.jsonl"), "tokenizer": str(folder / "tokenizer")}
+    settings = {"source": ChatSource(str(folder / "chat.jsonl"), str(folder / "tokenizer"))}
     longest = int(ChatDataset(str(folder / "chat.jsonl"), tok).lengths.max())
     with pytest.raises(ValueError, match=r"samples are longer than max_tokens=24"):
         SeqPackDataModule(**settings, max_tokens=24).setup("fit")

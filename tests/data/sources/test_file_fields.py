@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 import yaml
 
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.data.sources import build_dataset, load_tokenized
+from lit_seqpack.data.sources import ChatSource, TokenizedSource, load_tokenized
 from lit_seqpack.data.sources._fields import FieldColumns
 from tests.data.test_datamodule_fields import FIELDS, PAD, _check_batch, _records
 
@@ -47,7 +48,9 @@ def test_file_fields_arrive_aligned_with_the_tokens_and_documents(tmp_path, fmt,
     records = _records()
     path = _write(records, tmp_path, fmt)
     max_tokens = None if mode == "padded" else 64
-    dm = SeqPackDataModule(source=fmt, path=path, mode=mode, max_tokens=max_tokens, val_fraction=0.1, **FIELDS, **extra)
+    dm = SeqPackDataModule(
+        source=TokenizedSource(path, format=fmt), **FIELDS, **extra, mode=mode, max_tokens=max_tokens, val_fraction=0.1
+    )
     dm.setup("fit")
     seen = []
     for batch in [*dm.train_dataloader(), *dm.val_dataloader()]:
@@ -79,7 +82,10 @@ def test_a_sample_reads_back_its_exact_values_and_column_dtypes(tmp_path, fmt):
 def test_truncate_cuts_the_file_fields_with_the_sample(tmp_path, fmt):
     records = _records(longest=70)
     dm = SeqPackDataModule(
-        source=fmt, path=_write(records, tmp_path, fmt), max_tokens=32, overlong="truncate", **FIELDS
+        source=TokenizedSource(_write(records, tmp_path, fmt), format=fmt),
+        **FIELDS,
+        max_tokens=32,
+        overlong="truncate",
     )
     dm.setup("fit")
     assert dm.overlong_report.num_truncated > 0
@@ -91,7 +97,7 @@ def test_truncate_cuts_the_file_fields_with_the_sample(tmp_path, fmt):
 def test_a_token_field_of_the_wrong_length_fails_naming_the_line_and_field(tmp_path, fmt):
     records = _records(n=8)
     records[5]["score"] = records[5]["score"][:-1]
-    dm = SeqPackDataModule(source=fmt, path=_write(records, tmp_path, fmt), max_tokens=64, **FIELDS)
+    dm = SeqPackDataModule(source=TokenizedSource(_write(records, tmp_path, fmt), format=fmt), **FIELDS, max_tokens=64)
     n = len(records[5]["input_ids"])
     expected = f"{_where(fmt, 5)}: token field 'score' has {n - 1} values but 'input_ids' has {n} tokens"
     with pytest.raises(ValueError, match=expected):
@@ -126,7 +132,9 @@ def test_jsonl_null_and_non_numeric_values_are_refused_naming_the_line(tmp_path)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_undeclared_keys_are_reported_once_naming_them(tmp_path, fmt, caplog):
     records = [r | {"note": f"sample {i}"} for i, r in enumerate(_records(n=12))]
-    dm = SeqPackDataModule(source=fmt, path=_write(records, tmp_path, fmt), max_tokens=64, token_fields={"score": PAD})
+    dm = SeqPackDataModule(
+        source=TokenizedSource(_write(records, tmp_path, fmt), format=fmt), max_tokens=64, token_fields={"score": PAD}
+    )
     with caplog.at_level(logging.WARNING):
         dm.setup("fit")
         for _ in dm.train_dataloader():
@@ -138,8 +146,10 @@ def test_undeclared_keys_are_reported_once_naming_them(tmp_path, fmt, caplog):
 
 
 def test_declared_fields_are_refused_for_a_source_that_cannot_carry_them():
-    with pytest.raises(ValueError, match="source='synthetic' builds samples without them"):
-        build_dataset("synthetic", synthetic={"num_samples": 4}, token_fields=["score"])
+    assets = Path(__file__).parents[3] / "lit_seqpack" / "data" / "assets" / "chat_demo"
+    source = ChatSource(str(assets / "chat.jsonl"), str(assets / "tokenizer"))
+    with pytest.raises(ValueError, match="ChatSource builds samples without them"):
+        source.load("train", token_fields=["score"])
 
 
 def test_field_columns_take_the_float_dtype_of_the_whole_column():
@@ -159,8 +169,10 @@ def test_file_fields_from_a_yaml_config_reach_the_batches(tmp_path, fmt):
     records = _records(n=24)
     config = {
         "data": {
-            "source": fmt,
-            "path": _write(records, tmp_path, fmt),
+            "source": {
+                "class_path": "lit_seqpack.data.sources.TokenizedSource",
+                "init_args": {"path": _write(records, tmp_path, fmt), "format": fmt},
+            },
             "max_tokens": 64,
             "token_fields": {"score": PAD},
             "sample_fields": ["reward"],
@@ -183,12 +195,12 @@ def test_a_val_path_file_keeps_its_fields_and_is_truncated_with_them(tmp_path, f
     train, val = _records(n=20, seed=1), _records(n=16, seed=2, longest=70)
     (tmp_path / "train").mkdir(), (tmp_path / "val").mkdir()
     dm = SeqPackDataModule(
-        source=fmt,
-        path=_write(train, tmp_path / "train", fmt),
-        val_path=_write(val, tmp_path / "val", fmt),
+        source=TokenizedSource(
+            _write(train, tmp_path / "train", fmt), format=fmt, val_path=_write(val, tmp_path / "val", fmt)
+        ),
+        **FIELDS,
         max_tokens=32,
         overlong="truncate",
-        **FIELDS,
     )
     dm.setup("fit")
     assert dm.eval_overlong_reports["val"].num_truncated > 0

@@ -3,15 +3,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lit_seqpack.data.lengths import compute_lengths, dataset_fingerprint
-from lit_seqpack.data.overlong import apply_overlong_policy
+from lit_seqpack.data.batching.overlong import apply_overlong_policy
+from lit_seqpack.data.indexed.lengths import compute_lengths, dataset_fingerprint
 from lit_seqpack.data.sources import (
     SyntheticInstructionDataset,
     TextDataset,
     TokenDataset,
     TokenizedDataset,
-    build_dataset,
     declared_counts,
+    resolve_source,
 )
 
 RECORDS = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9]}]
@@ -41,9 +41,9 @@ def _tokenizer(texts, **_):
         SyntheticInstructionDataset(num_samples=5, seed=1),
         TokenizedDataset.from_records(RECORDS),
         TextDataset(["a bb", "ccc"], tokenizer=_tokenizer, add_eos=False),
-        build_dataset("synthetic", synthetic={"num_samples": 3}),
+        resolve_source("synthetic").load("train"),
     ],
-    ids=["synthetic", "tokenized", "text", "factory"],
+    ids=["synthetic", "tokenized", "text", "shortcut"],
 )
 def test_every_built_in_dataset_declares_the_whole_protocol(dataset):
     assert isinstance(dataset, TokenDataset)

@@ -8,8 +8,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from lit_seqpack.data.overlong import apply_overlong_policy
-from lit_seqpack.data.streaming import GeneratorStream, OverlongCounter, stream_windows
+from lit_seqpack.data.batching.overlong import apply_overlong_policy
+from lit_seqpack.data.sources import GeneratorStream
+from lit_seqpack.data.streaming import OverlongCounter, stream_windows
 from lit_seqpack.planning.plan import PlanConfig, build_plan
 
 CONFIG = PlanConfig(
@@ -27,7 +28,7 @@ def _stream(lengths: np.ndarray) -> GeneratorStream:
 
 def test_every_sample_once_in_lock_step_and_each_step_knows_its_loss_tokens() -> None:
     lengths = _lognormal(1003)
-    windows = list(stream_windows(_stream(lengths).open(), config=CONFIG, buffer_size=100, epoch=0))
+    windows = list(stream_windows(_stream(lengths).open(), config=CONFIG, window_size=100, epoch=0))
     held = [len(w.samples) + len(after.carried_in) for w, after in zip(windows, windows[1:], strict=False)]
     assert max(held) == 100  # planned + carried on: never more than the buffer
     assert sum(len(w.carried_in) for w in windows) > 0  # the least-full bins wait for the next window
@@ -49,7 +50,7 @@ def test_every_sample_once_in_lock_step_and_each_step_knows_its_loss_tokens() ->
 
 
 def test_a_stream_shorter_than_a_step_ends_with_lock_step_fillers() -> None:
-    (window,) = stream_windows(_stream(np.array([5, 9, 30])).open(), config=CONFIG, buffer_size=100, epoch=0)
+    (window,) = stream_windows(_stream(np.array([5, 9, 30])).open(), config=CONFIG, window_size=100, epoch=0)
     assert window.plan.microbatches_per_rank == CONFIG.accumulate_grad_batches  # one step of 3 microbatches a rank
     assert window.plan.stats.num_empty_microbatches == 3  # 3 samples for 6 slots: no rank waits for another
 
@@ -66,7 +67,7 @@ def test_memory_is_bounded_by_the_buffer_on_a_stream_far_larger_than_it() -> Non
     tracemalloc.start()
     try:
         held, total = 0, 0
-        for window in stream_windows(GeneratorStream(samples).open(), config=CONFIG, buffer_size=buffer, epoch=0):
+        for window in stream_windows(GeneratorStream(samples).open(), config=CONFIG, window_size=buffer, epoch=0):
             held = max(held, len(window.samples))
             total += len(window.samples)
             del window
@@ -80,7 +81,7 @@ def test_memory_is_bounded_by_the_buffer_on_a_stream_far_larger_than_it() -> Non
 def test_packing_efficiency_with_1000_samples_of_lookahead_is_within_2_percent_of_the_offline_plan() -> None:
     lengths = _lognormal(20_000, seed=3, cap=2048)
     config = PlanConfig(mode="packing", max_tokens=2048, algorithm="best_fit_decreasing", world_size=2)
-    windows = stream_windows(_stream(lengths).open(), config=config, buffer_size=1000, epoch=0)
+    windows = stream_windows(_stream(lengths).open(), config=config, window_size=1000, epoch=0)
     streamed = sum(w.plan.stats.num_microbatches for w in windows)
     offline = build_plan(lengths, config, epoch=0).stats.num_microbatches
     assert offline / streamed >= 0.98, (offline, streamed)
@@ -91,7 +92,7 @@ def test_the_overlong_policy_counts_as_the_map_style_path(policy: str) -> None:
     lengths = _lognormal(300, seed=4, cap=400)
     data = [{"input_ids": [1] * int(n)} for n in lengths]
     counter = OverlongCounter(policy=policy, max_tokens=200)
-    windows = list(stream_windows(iter(data), config=CONFIG, buffer_size=64, epoch=0, counter=counter))
+    windows = list(stream_windows(iter(data), config=CONFIG, window_size=64, epoch=0, counter=counter))
     _, kept_lengths, expected = apply_overlong_policy(data, lengths, 200, policy)
     got = counter.report()
     assert got.num_overlong == expected.num_overlong > 0
@@ -105,7 +106,7 @@ def test_an_overlong_sample_under_error_names_its_stream_number() -> None:
     data = [{"input_ids": [1] * n} for n in (5, 9, 300)]
     counter = OverlongCounter(policy="error", max_tokens=256)
     with pytest.raises(ValueError, match=r"sample 2 of the stream has 300 tokens, more than max_tokens=256"):
-        list(stream_windows(iter(data), config=CONFIG, buffer_size=2, epoch=0, counter=counter))
+        list(stream_windows(iter(data), config=CONFIG, window_size=2, epoch=0, counter=counter))
 
 
 def test_an_empty_sample_is_refused() -> None:
@@ -113,7 +114,7 @@ def test_an_empty_sample_is_refused() -> None:
     with pytest.raises(ValueError, match="sample 1 of the stream has no token"):
         list(
             stream_windows(
-                iter([{"input_ids": [1]}, {"input_ids": []}]), config=CONFIG, buffer_size=4, epoch=0, counter=counter
+                iter([{"input_ids": [1]}, {"input_ids": []}]), config=CONFIG, window_size=4, epoch=0, counter=counter
             )
         )
 

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from lit_seqpack.data.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.streaming import GeneratorStream, StreamingDataLoader, StreamingDataset
+from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.sources import GeneratorStream
+from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
 from lit_seqpack.planning.plan import PlanConfig
 from tests.model.test_exact_loss import assert_gradients_match, make_module, make_samples, reference_gradients
 
@@ -36,7 +37,7 @@ def _dataset(mode: str, rank: int = 0, world: int = 1, buffer: int = 25) -> Stre
     budget = {"max_tokens": 48} if mode != "padded" else {"batch_size": 3}
     config = PlanConfig(mode=mode, world_size=world, accumulate_grad_batches=2, seed=1, **budget)
     collate = PackedCollator() if mode == "packing" else PaddedCollator()
-    return StreamingDataset(_source(), config=config, rank=rank, buffer_size=buffer, collator=WithIndices(collate))
+    return StreamingDataset(_source(), config=config, rank=rank, window_size=buffer, collator=WithIndices(collate))
 
 
 @pytest.mark.parametrize("mode", ["packing", "dynamic", "padded"])
@@ -80,7 +81,7 @@ def test_a_rank_outside_the_plan_is_refused() -> None:
 def test_an_id_outside_the_model_vocabulary_is_refused_naming_the_window() -> None:
     config = PlanConfig(mode="packing", max_tokens=48)
     dataset = StreamingDataset(
-        _source(), config=config, rank=0, buffer_size=25, collator=PackedCollator(), vocab_size=8
+        _source(), config=config, rank=0, window_size=25, collator=PackedCollator(), vocab_size=8
     )
     with pytest.raises(ValueError, match=r"outside the model's vocab_size=8"):
         next(iter(StreamingDataLoader(dataset)))

@@ -1,4 +1,4 @@
-"""``SeqPackDataModule(stream=...)``: settings, resume state, a single-process Trainer resume and the metrics."""
+"""``SeqPackDataModule(source=...)``: settings, resume state, a single-process Trainer resume and the metrics."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_seqpack import PackingMonitor, ReferenceLM, SeqPackDataModule
-from lit_seqpack.data.streaming import GeneratorStream
+from lit_seqpack.data.sources import GeneratorStream
 from tests.reliability import _stream_train_script as script
 
 
@@ -22,7 +22,7 @@ def _stream() -> GeneratorStream:
 
 
 def _module(**kwargs) -> SeqPackDataModule:
-    settings = {"stream": _stream(), "stream_buffer": 40, "max_tokens": 128, "num_workers": 0} | kwargs
+    settings = {"source": _stream(), "window": 40, "max_tokens": 128, "num_workers": 0} | kwargs
     return SeqPackDataModule(**settings)
 
 
@@ -30,10 +30,14 @@ def _module(**kwargs) -> SeqPackDataModule:
     ("kwargs", "message"),
     [
         ({"val_fraction": 0.1}, "val_fraction=0.1 cannot hold samples out of a stream"),
-        ({"stream_buffer": 0}, "stream_buffer must be an int >= 1"),
-        ({"source": "jsonl"}, "stream replaces source and dataset"),
-        ({"stream": [1, 2]}, "stream must have an open"),
-        ({"token_fields": {"w": 0.0}, "loss_weight_field": "w"}, "loss_weight_field='w' is not supported with stream"),
+        ({"window": 0}, "window must be an int >= 1"),
+        ({"source": "jsonl"}, "source='jsonl' is not a built-in source name"),
+        ({"source": 5}, "source must be a map-style dataset .* or 'synthetic', got int"),
+        ({"val_source": [{"input_ids": [1, 2]}]}, "val_source / test_source are not supported with a stream source"),
+        (
+            {"token_fields": {"w": 0.0}, "loss_weight_field": "w"},
+            "loss_weight_field='w' is not supported with a stream",
+        ),
     ],
 )
 def test_settings_a_stream_cannot_honour_are_refused(kwargs: dict, message: str) -> None:
@@ -44,7 +48,7 @@ def test_settings_a_stream_cannot_honour_are_refused(kwargs: dict, message: str)
 def test_the_vocabulary_comes_from_the_stream_or_the_error_says_where_to_set_it() -> None:
     assert _module().vocab_size == script.VOCAB
     with pytest.raises(ValueError, match="pass vocab_size= to the stream source"):
-        _ = _module(stream=GeneratorStream(script.samples)).vocab_size
+        _ = _module(source=GeneratorStream(script.samples)).vocab_size
 
 
 def test_the_state_resumes_mid_stream_and_refuses_other_window_settings() -> None:
@@ -57,9 +61,26 @@ def test_the_state_resumes_mid_stream_and_refuses_other_window_settings() -> Non
     resumed = _module(num_workers=2)  # the worker count may change
     resumed.load_state_dict(state)
     assert head + [b["input_ids"].tolist() for b in resumed.train_dataloader()] == reference
-    other = _module(stream_buffer=41)
-    with pytest.raises(ValueError, match=r"stream_buffer: 40 -> 41"):
+    other = _module(window=41)
+    with pytest.raises(ValueError, match=r"window: 40 -> 41"):
         other.load_state_dict(state)
+
+
+def test_a_checkpoint_of_the_stream_buffer_era_resumes_with_the_same_window() -> None:
+    """Checkpoints written before ``window`` and ``stream_buffer`` were one setting name the buffer ``stream_buffer``
+    (and the planner's own ``window``, None); they resume with ``window`` equal to their buffer, refuse another."""
+    reference = [b["input_ids"].tolist() for b in _module().train_dataloader()]
+    first = _module()
+    batches = iter(first.train_dataloader())
+    head = [next(batches)["input_ids"].tolist() for _ in range(5)]
+    state = first.state_dict()
+    facts = state["stream_loader"]["facts"]
+    facts["stream_buffer"], facts["window"] = facts.pop("window"), None  # the old layout of the facts
+    resumed = _module()
+    resumed.load_state_dict(state)
+    assert head + [b["input_ids"].tolist() for b in resumed.train_dataloader()] == reference
+    with pytest.raises(ValueError, match=r"window: 40 -> 41"):
+        _module(window=41).load_state_dict(state)
 
 
 def _fit(out: Path, ckpt: Path | None = None) -> L.Trainer:
@@ -160,7 +181,7 @@ def test_declared_fields_travel_aligned_through_streamed_batches_also_truncated(
     samples = list(_fielded_samples())
     assert max(len(s["input_ids"]) for s in samples) > 128  # some samples are cut
     module = _module(
-        stream=GeneratorStream(_fielded_samples, vocab_size=script.VOCAB),
+        source=GeneratorStream(_fielded_samples, vocab_size=script.VOCAB),
         mode=mode,
         overlong="truncate",
         token_fields={"score": 0.0},
@@ -189,7 +210,7 @@ def test_a_token_field_of_another_length_than_the_tokens_is_refused_before_the_c
     def samples() -> Any:
         yield {"input_ids": [1] * 200, "score": [0.0] * 300}
 
-    module = _module(stream=GeneratorStream(samples, vocab_size=script.VOCAB), overlong="truncate",
+    module = _module(source=GeneratorStream(samples, vocab_size=script.VOCAB), overlong="truncate",
                      token_fields={"score": 0.0})  # fmt: skip
     with pytest.raises(ValueError, match="sample 0 of the stream: score has 300 entries but input_ids has 200"):
         next(iter(module.train_dataloader()))

@@ -18,7 +18,8 @@ import torch
 import torch.multiprocessing as mp
 
 from lit_seqpack import ReferenceLM, SeqPackDataModule
-from lit_seqpack.data.streaming import GeneratorStream, StreamingDataLoader, StreamingDataset, rank_check
+from lit_seqpack.data.sources import GeneratorStream
+from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset, rank_check
 from lit_seqpack.data.streaming import loader as loader_module
 from lit_seqpack.data.streaming.buffer import stream_windows
 from lit_seqpack.data.streaming.rank_check import CHECK_EVERY, window_digest
@@ -43,7 +44,7 @@ def _stream(changed_from: int | None = None, longer: bool = False) -> GeneratorS
 
 def _windows(stream: GeneratorStream) -> list[Any]:
     config = PlanConfig(max_tokens=MAX_TOKENS, world_size=WORLD)
-    return list(stream_windows(stream.open(), config=config, buffer_size=BUFFER, epoch=0))
+    return list(stream_windows(stream.open(), config=config, window_size=BUFFER, epoch=0))
 
 
 def _stand_in_collate(microbatch: Any) -> dict[str, torch.Tensor]:
@@ -56,7 +57,7 @@ def _dataset(stream: GeneratorStream, *, world: int = 1, rank: int = 0, check_sa
         stream,
         config=PlanConfig(max_tokens=MAX_TOKENS, world_size=world),
         rank=rank,
-        buffer_size=BUFFER,
+        window_size=BUFFER,
         collator=_stand_in_collate,
         check_samples=check_samples,
     )
@@ -99,7 +100,7 @@ def _fit(stream: GeneratorStream, **settings: Any) -> str:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    data = SeqPackDataModule(stream=stream, stream_buffer=BUFFER, max_tokens=MAX_TOKENS, num_workers=1, **settings)
+    data = SeqPackDataModule(source=stream, **settings, max_tokens=MAX_TOKENS, num_workers=1, window=BUFFER)
     try:
         trainer.fit(model, datamodule=data)
     except RuntimeError as err:

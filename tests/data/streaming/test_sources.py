@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_seqpack.data.streaming import (
+from lit_seqpack.data.sources import (
     GeneratorStream,
     HFIterableStream,
     JsonlStream,

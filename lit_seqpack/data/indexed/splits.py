@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from lit_seqpack.data.overlong import DroppedDataset, TruncatedDataset
+from lit_seqpack.data.batching.overlong import DroppedDataset, TruncatedDataset
 
 __all__ = ["IndexView", "Split", "source_index", "split_indices"]
 

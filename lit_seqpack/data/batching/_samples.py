@@ -10,7 +10,7 @@ import torch
 
 from lit_seqpack.batch import IGNORE_INDEX
 
-__all__ = ["read_samples", "sample_name"]
+__all__ = ["read_samples", "sample_loss_tokens", "sample_name"]
 
 
 def _int_vector(value: Any, name: str, key: str, *, allow_bool: bool = False) -> torch.Tensor:
@@ -54,7 +54,7 @@ def read_samples(
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Validate the samples; return each document's ids and the concatenated ids and labels (no shift).
 
-    With ``weighted_mask`` a ``loss_mask`` may hold weights (checked by :mod:`~lit_seqpack.data.loss_weights`);
+    With ``weighted_mask`` a ``loss_mask`` may hold weights (checked by :mod:`~lit_seqpack.data.batching.loss_weights`);
     its zeros mask the labels.
     """
     ids, labels = [], []
@@ -96,3 +96,23 @@ def read_samples(
         index, problem = min(problems)
         raise ValueError(f"{sample_name(samples, index)}: {problem}")
     return ids, all_ids, all_labels
+
+
+def sample_loss_tokens(sample: Mapping[str, Any]) -> int:
+    """Loss tokens of one sample: ``labels[1:] != -100`` (or ``loss_mask[1:] == 1``) counted, else ``length - 1``.
+
+    Example:
+        >>> sample_loss_tokens({"input_ids": [5, 6, 7, 8], "labels": [5, -100, 7, 8]})
+        2
+        >>> sample_loss_tokens({"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]})
+        2
+        >>> sample_loss_tokens({"input_ids": [5, 6]})
+        1
+    """
+    labels = sample.get("labels")
+    if labels is not None:
+        return int((np.asarray(labels)[1:] != IGNORE_INDEX).sum())
+    mask = sample.get("loss_mask")  # the collators' alternative to labels: 1 = train on the token
+    if mask is not None:
+        return int((np.asarray(mask)[1:] != 0).sum())
+    return max(len(sample["input_ids"]) - 1, 0)

@@ -1,150 +1,92 @@
-"""What a DataModule checkpoint records, and the checks that a resume trains exactly the remaining batches.
+"""What the data pipelines read from the Trainer: the layout they plan for and where training resumes.
 
-A checkpoint holds the facts the plan depends on (the data, the distributed layout, the mode and budget), the
-plan settings (seed, shuffle, algorithm, window, ...) and the training loader's state. Resuming with a fact
-changed would replay a different plan from the middle, so it is refused at restore time with a message naming
-every difference; changed plan settings are refused mid-epoch only (a new epoch is planned afresh anyway).
+The distributed layout a DataModule plans for: world size, rank and accumulation, split into parallel groups.
 
-:func:`check_start` is the second line: when the training loop starts drawing batches, the sampler's start must
-be the Trainer's own batch counter (which decides when the optimizer steps) and an optimizer-step boundary.
+The layout is read from the ``Trainer`` (or a Fabric object) when there is one (refusing
+``use_distributed_sampler=True``, which would wrap the planned batch sampler), otherwise from an initialised
+``torch.distributed`` process group, otherwise a single process.
+
+**The strategy's device mesh is the source of truth.** Under ``ModelParallelStrategy`` (FSDP2 + TP), or any
+strategy with a ``device_mesh``, the data-parallel size and rank are read from the mesh
+(:func:`lit_seqpack.parallel.mesh_layout`, which also names the dimensions it recognises) and checked against the
+DataModule's ``tensor_parallel_size`` / ``context_parallel_size`` (:func:`lit_seqpack.parallel.check_mesh`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from lit_seqpack.parallel import DataParallelLayout, ParallelLayout, check_mesh, mesh_layout, strategy_mesh
 
-from lit_seqpack.data._loader import sampler_state_of
-from lit_seqpack.data.splits import Split
-from lit_seqpack.planning.plan import PlanConfig
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
 
 __all__ = [
-    "LOADER_STATE",
-    "PLAN_SETTINGS",
-    "check_resume",
     "check_start",
-    "digest",
-    "layout_state",
-    "plan_settings",
+    "read_layout",
+    "read_world",
     "rewind_fit_loop",
+    "training_start",
 ]
 
 log = logging.getLogger(__name__)
 
-LOADER_STATE = "train_loader"
-PLAN_STATE = "plan_settings"
-PLAN_SETTINGS = (
-    "seed",
-    "shuffle",
-    "algorithm",
-    "window",
-    "batch_size",
-    "sequence_length_round",
-    "microbatch_order",
-    "cost_linear",
-    "cost_quadratic",
-)
-"""The plan settings a mid-epoch resume must keep (besides the layout facts of :func:`layout_state`)."""
 
-
-def plan_settings(config: PlanConfig) -> dict[str, Any]:
-    """The :data:`PLAN_SETTINGS` of a training plan configuration."""
-    return {name: getattr(config, name) for name in PLAN_SETTINGS}
-
-
-def digest(lengths: np.ndarray, loss_tokens: np.ndarray) -> str:
-    """A short digest of the training lengths and loss tokens: same digest, same plans."""
-    return hashlib.sha256(np.concatenate([lengths, loss_tokens]).astype(np.int64).tobytes()).hexdigest()[:16]
-
-
-def layout_state(
-    *,
-    num_samples: int,
-    train: Split | None,
-    world_size: int,
-    context_parallel_size: int,
-    tensor_parallel_size: int,
-    accumulate_grad_batches: int,
-    mode: str,
-    max_tokens: int | None,
-) -> dict[str, Any]:
-    """The facts a resumed run must agree with (everything but the loader state of a checkpoint).
+def read_world(trainer: Trainer | None) -> DataParallelLayout:
+    """Global world size, global rank and gradient accumulation of this process (before the model-parallel split).
 
     Args:
-        num_samples: samples of the whole dataset.
-        train: the training split, or ``None`` before ``setup``.
-        world_size: data-parallel ranks.
-        context_parallel_size: ranks that split every sequence.
-        tensor_parallel_size: tensor-parallel ranks.
-        accumulate_grad_batches: microbatches per rank per optimizer step.
-        mode: the batching mode.
-        max_tokens: token budget of a microbatch.
-    """
-    return {
-        "num_samples": num_samples,
-        "num_train_samples": 0 if train is None else len(train[0]),
-        "train_lengths": None if train is None else digest(train[1], train[2]),
-        "world_size": world_size,
-        "context_parallel_size": context_parallel_size,
-        "tensor_parallel_size": tensor_parallel_size,
-        "accumulate_grad_batches": accumulate_grad_batches,
-        "mode": mode,
-        "max_tokens": max_tokens,
-    }
-
-
-def _differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str:
-    changed = {k: (v, current.get(k)) for k, v in saved.items() if current.get(k) != v}
-    return ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changed.items())
-
-
-def check_resume(
-    state_dict: Mapping[str, Any], current: Mapping[str, Any], settings: Mapping[str, Any] | None = None
-) -> tuple[dict[str, Any] | None, tuple[int, int] | None]:
-    """Refuse a checkpoint planned for other data, layout or (mid-epoch) settings; return its loader state.
-
-    Args:
-        state_dict: the checkpoint's DataModule state (layout facts and, optionally, the plan settings and the
-            loader state).
-        current: :func:`layout_state` of the DataModule now.
-        settings: :func:`plan_settings` of the DataModule now (``None``: not checked).
-
-    Returns:
-        The training loader's state and the ``(epoch, microbatch)`` it resumes at (``None`` without one).
+        trainer: the DataModule's Trainer, or ``None`` outside one (then ``torch.distributed`` is asked).
 
     Raises:
-        ValueError: a fact of the checkpoint differs from now, or a plan setting differs and the checkpoint is
-            mid-epoch; every difference is named with both values.
+        ValueError: a multi-rank Trainer runs with ``use_distributed_sampler=True``.
     """
-    saved = dict(state_dict)
-    loader_state = saved.pop(LOADER_STATE, None)
-    saved_settings = saved.pop(PLAN_STATE, None)
-    if detail := _differences(saved, current):
+    if trainer is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return DataParallelLayout(dist.get_world_size(), dist.get_rank(), 1)
+        return DataParallelLayout()
+    if trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler:
         raise ValueError(
-            f"cannot resume: the checkpoint was planned for other data or another layout ({detail}); "
-            "resume with the same dataset, world size, accumulate_grad_batches, mode and max_tokens"
+            "SeqPackDataModule plans every rank's batches itself: create the Trainer with "
+            "use_distributed_sampler=False (Lightning would otherwise wrap the batch sampler in a "
+            "DistributedSampler and ranks would get different batch counts and hang)"
         )
-    point = None
-    if loader_state:
-        sampler = sampler_state_of(loader_state)
-        point = int(sampler["epoch"]), int(sampler["position"])
-    mid_epoch = point is not None and point[1] > 0
-    if (
-        mid_epoch
-        and saved_settings is not None
-        and settings is not None
-        and (detail := _differences(saved_settings, settings))
-    ):
-        raise ValueError(
-            f"cannot resume mid-epoch (epoch {point[0]}, microbatch {point[1]}) with other plan settings "
-            f"({detail}): the rest of the epoch would follow another plan, training some samples twice and "
-            "others never. Resume with the checkpoint's settings, or from an end-of-epoch checkpoint"
-        )
-    return loader_state, point
+    return DataParallelLayout(trainer.world_size, trainer.global_rank, trainer.accumulate_grad_batches)
+
+
+def read_layout(
+    trainer: Any, parallel: ParallelLayout, *, fabric: Any = None, accumulate_grad_batches: int = 1
+) -> tuple[DataParallelLayout, int]:
+    """The data-parallel layout this process plans for, and its context-parallel rank.
+
+    Args:
+        trainer: the DataModule's Trainer, or ``None``.
+        parallel: the context and tensor parallel sizes.
+        fabric: a Lightning ``Fabric`` to read the world size, rank and mesh from when there is no Trainer.
+        accumulate_grad_batches: the accumulation of a Fabric loop (the Trainer's own value is read otherwise).
+
+    Returns:
+        ``(data-parallel layout, context-parallel rank)``.
+
+    Raises:
+        ValueError: the strategy's device mesh contradicts ``parallel`` (see :func:`check_mesh`).
+    """
+    if trainer is None and fabric is not None:
+        world, rank, accumulate, owner = fabric.world_size, fabric.global_rank, accumulate_grad_batches, fabric
+    else:
+        (world, rank, accumulate), owner = read_world(trainer), trainer
+    mesh = strategy_mesh(getattr(owner, "strategy", None))
+    if mesh is not None:
+        layout = mesh_layout(mesh)
+        check_mesh(layout, parallel, world, rank)
+        data = DataParallelLayout(layout.data_parallel_size, layout.data_parallel_rank, accumulate)
+        return data, layout.context_parallel_rank
+    dp_rank, cp_rank, _ = parallel.coordinates(rank)
+    return DataParallelLayout(parallel.data_parallel_size(world), dp_rank, accumulate), cp_rank
 
 
 def check_start(
@@ -252,3 +194,31 @@ def rewind_fit_loop(fit_loop: Any, microbatches: int) -> bool:
             setattr(tracker, name, getattr(tracker, name) - microbatches)
     fetcher.fetched -= microbatches
     return True
+
+
+def training_start(
+    trainer: Any, epoch: int, start: int, saved: tuple[int, int] | None, accumulate: int
+) -> tuple[int, int]:
+    """Where an iteration of a training loader starts: the Trainer's epoch and batch counter during ``fit``.
+
+    Outside ``fit`` (or with a stand-in trainer) the loader's own ``(epoch, start)`` stands; during ``fit`` the
+    Trainer's counters are checked against ``saved``, the checkpoint's loader position (:func:`check_start`), and a
+    resume inside a gradient-accumulation window goes back to the step's start (:func:`rewind_fit_loop`).
+
+    Args:
+        trainer: the DataModule's Trainer, or ``None``.
+        epoch: the loader's own epoch.
+        start: the loader's own position in it (microbatches).
+        saved: the checkpoint's ``(epoch, microbatch)`` on the first iteration after a restore, else ``None``.
+        accumulate: microbatches per rank per optimizer step.
+    """
+    if not getattr(trainer, "training", False):
+        return epoch, start
+    loop = trainer.fit_loop
+    return check_start(
+        trainer_epoch=loop.epoch_progress.current.processed,
+        trainer_position=loop.epoch_loop.batch_progress.current.ready,
+        saved=saved,
+        accumulate=accumulate,
+        rewind=lambda microbatches: rewind_fit_loop(loop, microbatches),
+    )

@@ -1,4 +1,4 @@
-"""The planned batch sampler: one rank's view of an epoch's plan (:mod:`lit_seqpack.data.samplers` has the
+"""The planned batch sampler: one rank's view of an epoch's plan (:mod:`lit_seqpack.data.indexed.samplers` has the
 three mode conveniences and the contract every planned sampler keeps).
 
 A sampler holds the lengths (in their smallest dtype) and a :class:`~lit_seqpack.planning.PlanConfig`,
@@ -73,8 +73,8 @@ class RankSampler(Sampler[int]):
 class PlannedBatchSampler(Sampler[Microbatch]):
     """One rank's planned microbatches of a :class:`~lit_seqpack.planning.PlanConfig`, in any mode.
 
-    The batch sampler behind :class:`~lit_seqpack.data.samplers.PackedBatchSampler`,
-    :class:`~lit_seqpack.data.samplers.DynamicBatchSampler` and :class:`~lit_seqpack.data.samplers.PaddedBatchSampler`
+    The batch sampler behind :class:`~lit_seqpack.data.indexed.samplers.PackedBatchSampler`,
+    :class:`~lit_seqpack.data.DynamicBatchSampler` and :class:`~lit_seqpack.data.PaddedBatchSampler`
     (conveniences that build the config from keywords); build it directly when the config is at hand.
 
     Args:
@@ -83,7 +83,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         rank: this process's data-parallel rank (default: ``torch.distributed`` rank, or 0).
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``).
         verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
-        content_digest: a digest of the data's content (e.g. :func:`~lit_seqpack.data._hashing.content_digest`
+        content_digest: a digest of the data's content (e.g. :func:`~lit_seqpack._hashing.content_digest`
             of a few samples' tokens), or a function computing it, compared with the plan: ranks that read
             different data with the same lengths then fail too. ``None``: lengths only.
 

@@ -14,31 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from lit_seqpack._checks import check_int
-from lit_seqpack.data.collate import PackedCollator
-from lit_seqpack.parallel import (
-    ParallelLayout,
-    context_parallel_index,
-    gather_packed_batches,
-    shard_packed_batch,
-    shard_tokens,
-    unshard_tokens,
-)
+from lit_seqpack.data.batching.collate import PackedCollator
+from lit_seqpack.parallel import shard_packed_batch
 
-__all__ = [
-    "ContextParallelCollator",
-    "ParallelLayout",
-    "TensorParallelCollator",
-    "context_parallel_index",
-    "gather_packed_batches",
-    "shard_packed_batch",
-    "shard_tokens",
-    "unshard_tokens",
-]
+__all__ = ["ContextParallelCollator", "TensorParallelCollator"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ContextParallelCollator:
-    """A :class:`~lit_seqpack.data.collate.PackedCollator` whose output is this rank's context-parallel shard.
+    """A :class:`~lit_seqpack.data.batching.collate.PackedCollator` whose output is this rank's context-parallel shard.
 
     Args:
         collator: collates the whole microbatch; its ``pad_document_to_multiple_of`` (and ``pad_to_multiple_of``

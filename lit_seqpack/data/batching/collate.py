@@ -3,12 +3,12 @@
 A sample is a mapping with ``input_ids`` (a list or 1-D tensor of non-negative ints) and optionally either
 ``labels`` (same length, ``-100`` masks a position, e.g. prompt tokens) or ``loss_mask`` (same length, 1 = train on
 the token, 0 = do not); extra per-token and per-sample fields travel when declared (``token_fields``,
-``sample_fields``, see :mod:`lit_seqpack.data.fields`), and any other key is reported once. Labels are not
+``sample_fields``, see :mod:`lit_seqpack.data.batching.fields`), and any other key is reported once. Labels are not
 shifted: models shift them by one (Hugging Face convention), so the collators put ``-100`` on the first token of
 every document, which has no previous token to be predicted from, and on every padding position. The counts the
 loss and the metrics need travel as Python scalars (never tensors, so reading them costs no device sync); the
 plan's facts come from the :class:`~lit_seqpack.batch.MicrobatchMeta` that
-:class:`~lit_seqpack.batch.PlannedDataset` attaches to the list of samples.
+:class:`~lit_seqpack.data.PlannedDataset` attaches to the list of samples.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ import torch
 
 from lit_seqpack._checks import check_int, check_optional_int, round_up
 from lit_seqpack.batch import IGNORE_INDEX, MicrobatchMeta
-from lit_seqpack.data._collate_fields import (
+from lit_seqpack.data.batching._collate_fields import (
     declare_fields,
     empty_collator_fields,
     read_collator_fields,
     token_pads,
     weight_scalars,
 )
-from lit_seqpack.data._samples import read_samples
-from lit_seqpack.data.fields import FieldValues, pad_token_field, scatter_tokens
-from lit_seqpack.data.loss_weights import LOSS_MASK
+from lit_seqpack.data.batching._samples import read_samples
+from lit_seqpack.data.batching.fields import FieldValues, pad_token_field, scatter_tokens
+from lit_seqpack.data.batching.loss_weights import LOSS_MASK
 
 __all__ = ["IGNORE_INDEX", "PackedCollator", "PaddedCollator"]
 
@@ -45,7 +45,7 @@ def _scalars(
         raise ValueError(
             f"the plan counted {meta.loss_tokens} loss tokens for this microbatch but its labels hold {loss}: the "
             "step_loss_tokens normaliser would be wrong. Give the batch sampler the samples' real loss tokens "
-            "(loss_tokens=lit_seqpack.data.lengths.compute_loss_tokens(dataset)); the default assumes every token "
+            "(loss_tokens=lit_seqpack.data.compute_loss_tokens(dataset)); the default assumes every token "
             "but the first of each sample is trained on"
         )
     if meta is not None and not is_empty and meta.step_loss_tokens < loss:
@@ -115,11 +115,11 @@ class PackedCollator:
         pad_to_multiple_of: round the row length ``T`` up to a multiple of this (e.g. 8 or 64 for kernels).
         pad_document_to_multiple_of: round every document's length up to a multiple of this.
         token_fields: extra per-token fields to carry, each name mapped to its pad value; each arrives as a
-            ``[1, T]`` tensor aligned with ``input_ids`` (see :mod:`lit_seqpack.data.fields`).
+            ``[1, T]`` tensor aligned with ``input_ids`` (see :mod:`lit_seqpack.data.batching.fields`).
         sample_fields: extra per-sample fields to carry; each arrives as a ``[num_documents]`` tensor.
         loss_weight_field: ``"loss_mask"`` (its values are weights in ``[0, 1]``) or a declared token field that
             scales each token's loss; the batch then holds ``loss_weights``, ``num_loss_weight`` and
-            ``step_loss_weight`` (see :mod:`lit_seqpack.data.loss_weights`).
+            ``step_loss_weight`` (see :mod:`lit_seqpack.data.batching.loss_weights`).
 
     Example:
         >>> batch = PackedCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
@@ -214,7 +214,7 @@ class PaddedCollator:
         pad_token_id: token id written on padding positions.
         pad_to_multiple_of: round ``L`` up to a multiple of this (the plan's ``sequence_length_round``).
         token_fields: extra per-token fields to carry, each name mapped to its pad value; each arrives as a
-            ``[B, L]`` tensor aligned with ``input_ids`` (see :mod:`lit_seqpack.data.fields`).
+            ``[B, L]`` tensor aligned with ``input_ids`` (see :mod:`lit_seqpack.data.batching.fields`).
         sample_fields: extra per-sample fields to carry; each arrives as a ``[B]`` tensor (one value a row).
         loss_weight_field: ``"loss_mask"`` or a declared token field holding per-token loss weights (as for
             :class:`PackedCollator`).

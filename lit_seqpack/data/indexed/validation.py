@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from lit_seqpack._lazy import deprecated_exports
 from lit_seqpack.batch import IGNORE_INDEX
 from lit_seqpack.data.sources.protocol import declared_counts
 
@@ -270,4 +269,3 @@ def check_vocab_range(scan: DataScan, *, vocab_size: int | None, pad_token_id: i
 
 
 # model_vocab_size is the model's side of the vocabulary check: it lives in lit_seqpack.model.vocab now
-__getattr__, _ = deprecated_exports(__name__, {"model_vocab_size": "lit_seqpack.model.vocab"}, globals())

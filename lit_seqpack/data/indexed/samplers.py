@@ -34,7 +34,7 @@ from typing import Literal
 
 import numpy as np
 
-from lit_seqpack.data.planned_sampler import PlannedBatchSampler, distributed, resolve_replicas
+from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler, distributed, resolve_replicas
 from lit_seqpack.planning.config import PlanConfig
 
 __all__ = ["DynamicBatchSampler", "PackedBatchSampler", "PaddedBatchSampler", "PlannedBatchSampler"]

@@ -1,8 +1,8 @@
 """What the collators do with declared fields and loss weights (shared by the packed and padded collator).
 
 The collators are frozen dataclasses with ``token_fields``, ``sample_fields``, ``loss_weight_field`` and a private
-``_reported`` set; these helpers read those settings (see :mod:`lit_seqpack.data.fields` and
-:mod:`lit_seqpack.data.loss_weights`).
+``_reported`` set; these helpers read those settings (see :mod:`lit_seqpack.data.batching.fields` and
+:mod:`lit_seqpack.data.batching.loss_weights`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,14 @@ from typing import Any
 
 import torch
 
-from lit_seqpack.data._samples import sample_name
-from lit_seqpack.data.fields import FieldValues, check_fields, empty_fields, read_fields
-from lit_seqpack.data.loss_weights import LOSS_WEIGHTS, check_loss_weight_field, loss_weight_scalars, read_loss_weights
+from lit_seqpack.data.batching._samples import sample_name
+from lit_seqpack.data.batching.fields import FieldValues, check_fields, empty_fields, read_fields
+from lit_seqpack.data.batching.loss_weights import (
+    LOSS_WEIGHTS,
+    check_loss_weight_field,
+    loss_weight_scalars,
+    read_loss_weights,
+)
 
 __all__ = ["declare_fields", "empty_collator_fields", "read_collator_fields", "token_pads", "weight_scalars"]
 

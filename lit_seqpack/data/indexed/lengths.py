@@ -3,7 +3,7 @@
 The planner needs, for every sample, its token count and its number of loss tokens (positions after
 the first whose label is not -100; ``length - 1`` without labels). A dataset may offer both as
 ``lengths`` / ``loss_tokens`` array attributes (every dataset of this package does); otherwise the
-dataset is read once, and validated on the way (:func:`~lit_seqpack.data.validation.scan_dataset`).
+dataset is read once, and validated on the way (:func:`~lit_seqpack.data.scan_dataset`).
 
 :func:`cached_lengths` stores the arrays of a dataset without both attributes in ``cache_dir`` under a digest
 of its ``fingerprint`` (or an explicit ``key``) and the number of samples. A cache can never override arrays a
@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from lit_seqpack.batch import IGNORE_INDEX
+from lit_seqpack.data.batching._samples import sample_loss_tokens
+from lit_seqpack.data.indexed.validation import DataScan, scan_dataset
 from lit_seqpack.data.sources.protocol import declared_counts, declared_fingerprint
-from lit_seqpack.data.validation import DataScan, scan_dataset
 
 __all__ = [
     "cache_path",
@@ -48,26 +48,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _CACHE_VERSION = 2
-
-
-def sample_loss_tokens(sample: Mapping[str, Any]) -> int:
-    """Loss tokens of one sample: ``labels[1:] != -100`` (or ``loss_mask[1:] == 1``) counted, else ``length - 1``.
-
-    Example:
-        >>> sample_loss_tokens({"input_ids": [5, 6, 7, 8], "labels": [5, -100, 7, 8]})
-        2
-        >>> sample_loss_tokens({"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]})
-        2
-        >>> sample_loss_tokens({"input_ids": [5, 6]})
-        1
-    """
-    labels = sample.get("labels")
-    if labels is not None:
-        return int((np.asarray(labels)[1:] != IGNORE_INDEX).sum())
-    mask = sample.get("loss_mask")  # the collators' alternative to labels: 1 = train on the token
-    if mask is not None:
-        return int((np.asarray(mask)[1:] != 0).sum())
-    return max(len(sample["input_ids"]) - 1, 0)
 
 
 def compute_lengths(dataset: Sequence[Mapping[str, Any]]) -> np.ndarray:
@@ -149,14 +129,14 @@ def cached_scan(
     *,
     weighted_mask: bool = False,
 ) -> DataScan:
-    """The validation scan of ``dataset`` (:func:`~lit_seqpack.data.validation.scan_dataset`), cached.
+    """The validation scan of ``dataset`` (:func:`~lit_seqpack.data.scan_dataset`), cached.
 
     Args:
         dataset: a map-style dataset.
         cache_dir: the cache folder (created when missing).
         key: the identity of the dataset's content; defaults to ``dataset.fingerprint``.
         weighted_mask: ``loss_mask`` holds weights in ``[0, 1]`` (see
-            :func:`~lit_seqpack.data.validation.scan_dataset`); a scan that accepted weights is cached under another
+            :func:`~lit_seqpack.data.scan_dataset`); a scan that accepted weights is cached under another
             key than one that refused them.
     """
     identity = _identity(dataset, key) + ("|loss_mask:weights" if weighted_mask else "")

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_seqpack.data.lengths import sample_loss_tokens
-from lit_seqpack.data.overlong import DroppedDataset, OverlongReport, TruncatedDataset, apply_overlong_policy
+from lit_seqpack.data.batching._samples import sample_loss_tokens
+from lit_seqpack.data.batching.overlong import DroppedDataset, OverlongReport, TruncatedDataset, apply_overlong_policy
 from lit_seqpack.data.sources.protocol import declared_counts
 
 __all__ = ["apply_document_budget", "budget_note", "document_budget", "planned_lengths", "view_loss_tokens"]
@@ -114,7 +114,7 @@ def view_loss_tokens(view: Any, full_lengths: np.ndarray, full_loss_tokens: np.n
     """Loss tokens of the samples of an over-long policy's view (dropped samples gone, cut ones recounted).
 
     Args:
-        view: what :func:`~lit_seqpack.data.overlong.apply_overlong_policy` returned for the data.
+        view: what :func:`~lit_seqpack.data.batching.overlong.apply_overlong_policy` returned for the data.
         full_lengths: token count of every sample of the whole dataset.
         full_loss_tokens: loss-token count of every sample of the whole dataset.
     """

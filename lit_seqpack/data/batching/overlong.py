@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from lit_seqpack._checks import check_int
-from lit_seqpack.data.lengths import sample_loss_tokens
+from lit_seqpack.data.batching._samples import sample_loss_tokens
 
 __all__ = ["OVERLONG_POLICIES", "DroppedDataset", "OverlongReport", "TruncatedDataset", "apply_overlong_policy"]
 
@@ -90,7 +90,7 @@ def apply_overlong_policy(
         lengths: the token count of every sample (e.g. from ``compute_lengths``).
         max_tokens: the longest sample allowed.
         policy: ``"error"`` raises, ``"truncate"`` cuts, ``"drop"`` removes (see ``OVERLONG_POLICIES``).
-        token_fields: the declared per-token fields (see :mod:`lit_seqpack.data.fields`), cut with the tokens
+        token_fields: the declared per-token fields (see :mod:`lit_seqpack.data.batching.fields`), cut with the tokens
             under ``"truncate"``; per-sample fields are kept as they are.
 
     Returns:

@@ -1,0 +1,334 @@
+"""``IndexedPipeline``: a map-style source under the batching settings, scanned, split, planned and resumable.
+
+The DataModule builds it for an :class:`~lit_seqpack.data.sources.base.IndexedSource` (or any map-style dataset)
+and delegates every hook to it:
+
+1. ``prepare``: every sample validated once, lengths and loss tokens computed (cached with ``cache_dir``);
+2. ``setup``: the layout read from the Trainer, the over-long policy applied, the held-out splits made;
+3. ``train_loader`` / ``eval_loader``: a rank's planned batch sampler in a resumable ``StatefulDataLoader``;
+4. ``state_dict`` / ``load_state_dict``: the facts a resume must agree with and the loader's position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lit_seqpack._hashing import content_digest
+from lit_seqpack.data._trainer import read_layout, training_start
+from lit_seqpack.data.batching._budget import apply_document_budget, planned_lengths
+from lit_seqpack.data.batching.loss_weights import LOSS_MASK, with_step_loss_weights
+from lit_seqpack.data.batching.overlong import OverlongReport
+from lit_seqpack.data.indexed._eval_data import eval_sources, eval_split
+from lit_seqpack.data.indexed._loader import ResumableDataLoader
+from lit_seqpack.data.indexed.planned_dataset import PlannedDataset
+from lit_seqpack.data.indexed._resume import LOADER_STATE, PLAN_STATE, check_resume, layout_state, plan_settings
+from lit_seqpack.data.indexed.lengths import cached_scan
+from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler
+from lit_seqpack.data.indexed.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
+from lit_seqpack.data.indexed.splits import IndexView, Split, split_indices
+from lit_seqpack.data.indexed.validation import DataScan, check_vocab_range, scan_dataset
+from lit_seqpack.data.settings import BatchingSettings
+from lit_seqpack.data.sources.base import IndexedSource
+from lit_seqpack.data.sources.files import FileSource
+from lit_seqpack.data.sources.protocol import declared_counts
+from lit_seqpack.parallel import DataParallelLayout
+
+__all__ = ["IndexedPipeline"]
+
+Dataset = Sequence[Mapping[str, Any]]
+_SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
+
+
+def _int32(counts: np.ndarray) -> np.ndarray:
+    """Token counts in 4 bytes a sample when they fit (they always do below 2^31 tokens a sample)."""
+    fits = counts.size == 0 or int(counts.max()) < 1 << 31
+    return counts.astype(np.int32, copy=False) if fits else counts
+
+
+class IndexedPipeline:
+    """Map-style data planned for every rank: the training split and the validation and test splits.
+
+    Args:
+        settings: the batching settings.
+        source: the training source (its ``"val"`` / ``"test"`` splits too, when it holds them).
+        val_source: a source whose samples validate (instead of ``val_fraction`` or the source's own val split).
+        test_source: a source whose samples test.
+
+    Raises:
+        ValueError: two settings choose the same evaluation split, or ``loss_weight_field="loss_mask"`` with a file
+            source (its reader turns ``loss_mask`` into labels).
+    """
+
+    def __init__(
+        self,
+        settings: BatchingSettings,
+        source: IndexedSource,
+        *,
+        val_source: IndexedSource | None = None,
+        test_source: IndexedSource | None = None,
+    ) -> None:
+        if settings.loss_weight_field == LOSS_MASK and isinstance(source, FileSource):
+            raise ValueError(
+                f"loss_weight_field='loss_mask' is not supported with {type(source).__name__}: the file reader turns "
+                "loss_mask into labels when it loads the data, so its weights would be lost. Store the weights in a "
+                "field of their own and declare it (token_fields={'weights': 0.0}, loss_weight_field='weights')"
+            )
+        fractions = {"val": settings.val_fraction, "test": settings.test_fraction}
+        self.eval_sources = eval_sources(source, {"val": val_source, "test": test_source}, fractions)
+        self.settings, self.source = settings, source
+        self.layout, self.context_parallel_rank = DataParallelLayout(), 0
+        self.trainer: Any = None
+        self.is_set_up = False
+        self.overlong_report: OverlongReport | None = None
+        self.eval_overlong_reports: dict[str, OverlongReport | None] = {}
+        self.splits: dict[str, Split] = {}
+        self._dataset: Dataset | None = None
+        self._scan: DataScan | None = None
+        self._eval_data: dict[str, tuple[Dataset, DataScan]] = {}
+        self.train_sampler: PlannedBatchSampler | None = None
+        self._train_loader: ResumableDataLoader | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._resume_point: tuple[int, int] | None = None  # (epoch, microbatch) of the restored loader state
+
+    # ------------------------------------------------------------------ data
+    def _load(self, source: IndexedSource, split: str) -> Dataset:
+        fields = {"token_fields": tuple(self.settings.token_fields), "sample_fields": self.settings.sample_fields}
+        data = source.load(split, **fields)
+        if data is None:
+            raise ValueError(f"{type(source).__name__} holds no {split!r} split")
+        return data
+
+    @property
+    def dataset(self) -> Dataset:
+        """The whole training dataset (before the over-long policy and the held-out split)."""
+        if self._dataset is None:
+            self._dataset = self._load(self.source, "train")
+        return self._dataset
+
+    def scan(self) -> DataScan:
+        """Every training sample validated once (:mod:`~lit_seqpack.data.indexed.validation`), with its counts."""
+        if self._scan is None:
+            scan = self._scan_data(self.dataset)
+            # kept for the pipeline's lifetime: 4 bytes a sample for each array, not 8
+            self._scan = dataclasses.replace(scan, lengths=_int32(scan.lengths), loss_tokens=_int32(scan.loss_tokens))
+        return self._scan
+
+    def _scan_data(self, data: Dataset) -> DataScan:
+        cache_dir, weighted = self.settings.cache_dir, {"weighted_mask": self.settings.loss_weight_field == LOSS_MASK}
+        exact = declared_counts(data, "lengths") is not None and declared_counts(data, "loss_tokens") is not None
+        direct = cache_dir is None or exact  # declared counts are free: never cached
+        return scan_dataset(data, **weighted) if direct else cached_scan(data, cache_dir, **weighted)
+
+    def eval_data(self, name: str) -> tuple[Dataset, DataScan]:
+        """The dataset of evaluation split ``name`` read from its own source, and its validation pass (once)."""
+        if name not in self._eval_data:
+            source, split = self.eval_sources[name]
+            data = self._load(source, split)
+            self._eval_data[name] = (data, self._scan_data(data))
+        return self._eval_data[name]
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size the data needs, ``pad_token_id`` included: declared by the dataset, else scanned."""
+        pad = self.settings.pad_token_id
+        data = self.dataset
+        for owner in (data, getattr(data, "config", None)):
+            value = getattr(owner, "vocab_size", None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return max(value, pad + 1)
+        top = max([self.scan().max_id] + [self.eval_data(name)[1].max_id for name in self.eval_sources])
+        return max(top, pad) + 1
+
+    def prepare(self) -> None:
+        """Validate the samples and compute (and cache, with ``cache_dir``) the lengths once per process."""
+        self.scan()
+        for name in self.eval_sources:
+            self.eval_data(name)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: Any, *, fabric: Any = None, accumulate_grad_batches: int = 1) -> None:
+        """Read the layout from the Trainer (or Fabric); apply the over-long policy; make the splits (once)."""
+        self.trainer = trainer
+        self.layout, self.context_parallel_rank = read_layout(
+            trainer, self.settings.parallel, fabric=fabric, accumulate_grad_batches=accumulate_grad_batches
+        )
+        if not self.splits:
+            self._make_splits()
+        self.is_set_up = True
+
+    def _make_splits(self) -> None:
+        """Validate the training data, apply the over-long policy and hold out the evaluation splits."""
+        settings = self.settings
+        if len(self.dataset) == 0:
+            raise ValueError("the dataset is empty: there is nothing to train on")
+        scan = self.scan()
+        check_vocab_range(scan, vocab_size=self._model_vocab(), pad_token_id=settings.pad_token_id)
+        lengths, loss_tokens = scan.lengths, scan.loss_tokens
+        empty = np.flatnonzero(lengths == 0)
+        if empty.size:
+            raise ValueError(
+                f"sample {int(empty[0])} of the dataset has no token ({empty.size} such samples): input_ids must "
+                "hold at least one token; remove empty samples from the dataset"
+            )
+        data = self.dataset
+        if settings.max_tokens is not None:
+            data, lengths, loss_tokens, self.overlong_report = apply_document_budget(
+                data, lengths, loss_tokens, **self._budget()
+            )
+        lengths, loss_tokens = _int32(lengths), _int32(loss_tokens)
+        self._setup_eval_data()
+        if settings.val_fraction == 0 and settings.test_fraction == 0:  # everything trains: no index view
+            self.splits["train"] = Split(data, lengths, loss_tokens)
+            return
+        parts = split_indices(
+            len(data), settings.val_fraction, seed=settings.seed, test_fraction=settings.test_fraction
+        )
+        for name, idx in zip(("train", "val", "test"), parts, strict=True):
+            if name == "train" or len(idx):
+                self.splits[name] = Split(IndexView(data, idx), lengths[idx], loss_tokens[idx])
+
+    def _budget(self) -> dict[str, Any]:
+        """The settings of the over-long policy at the document budget."""
+        settings = self.settings
+        return {
+            "max_tokens": settings.max_tokens,
+            "mode": settings.mode,
+            "overlong": settings.overlong,
+            "pad_to_multiple_of": settings.pad_to_multiple_of,
+            "document_multiple": settings.document_multiple,
+            "token_fields": tuple(settings.token_fields),
+        }
+
+    def _setup_eval_data(self) -> None:
+        """The splits read from their own sources, validated and under the training document budget."""
+        for name in self.eval_sources:
+            data, scan = self.eval_data(name)
+            budget = self._budget() if self.settings.max_tokens is not None else {"max_tokens": None}
+            split, report = eval_split(
+                data,
+                scan,
+                name=name,
+                model_vocab=self._model_vocab(),
+                pad_token_id=self.settings.pad_token_id,
+                **budget,
+            )
+            self.splits[name] = Split(split.dataset, _int32(split.lengths), _int32(split.loss_tokens))
+            self.eval_overlong_reports[name] = report
+
+    def _model_vocab(self) -> int | None:
+        from lit_seqpack.model.vocab import model_vocab_size  # the model's side of the check, read at setup only
+
+        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        return None if model is None else model_vocab_size(model)
+
+    # ------------------------------------------------------------------ loaders
+    def train_loader(self) -> ResumableDataLoader:
+        """The training loader: a stateful DataLoader over this rank's planned microbatches."""
+        return self._loader("train")
+
+    def eval_loader(self, split: str) -> ResumableDataLoader | list:
+        """The validation or test loader (no shuffle, no accumulation, ``eval_max_tokens``).
+
+        Without validation data there is no validation loader (``[]``); a validation split without a single loss
+        token (``val/loss`` would be NaN) is skipped with a warning.
+        """
+        if split == "val":
+            if "val" not in self.splits:
+                return []
+            val = self.splits["val"]
+            if int(val.loss_tokens.sum()) == 0:
+                rank_zero_warn(
+                    f"lit_seqpack: the validation split ({len(val.lengths)} samples) has no loss token (every label "
+                    "is -100 after the first token of each sample), so val/loss would be NaN; validation is skipped. "
+                    "Raise val_fraction (or check the val_source data) or check the labels / loss_mask of the data"
+                )
+                return []
+        return self._loader(split)
+
+    def _loader(self, split: str) -> ResumableDataLoader:
+        if split not in self.splits:
+            raise ValueError(
+                f"no {split!r} data: set {split}_fraction > 0 to hold out {split} samples, or {split}_source to read "
+                "them"
+            )
+        settings, (data, lengths, loss_tokens) = self.settings, self.splits[split]
+        train = split == "train"
+        config = settings.plan_config(self.layout, train=train)
+        planned = planned_lengths(lengths, settings.document_multiple) if settings.mode == "packing" else lengths
+        count = settings.content_check_samples
+        content = functools.partial(content_digest, data, count, settings.seed) if count else None
+        sampler = _SAMPLERS[settings.mode].from_config(
+            planned, config, rank=self.layout.rank, loss_tokens=loss_tokens, content_digest=content
+        )
+        if train:
+            self.train_sampler = sampler
+            if self.trainer is not None:
+                # Lightning builds the iterator (and workers start fetching) before it calls set_epoch, and
+                # skips the loader state when resuming from an end-of-epoch checkpoint (Lightning #21938):
+                # set the epoch here so the first epoch after a resume is planned for the right epoch.
+                sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
+            sampler.set_start_source(self._training_start)
+        loader = ResumableDataLoader(
+            PlannedDataset(data),
+            batch_sampler=with_step_loss_weights(sampler, data, settings.loss_weight_field),
+            collate_fn=settings.collator(self.context_parallel_rank),
+            num_workers=settings.num_workers,
+        )
+        if train:
+            self._train_loader = loader
+            if self._pending_state is not None:  # see load_state_dict
+                loader.load_state_dict(self._pending_state)
+                self._pending_state = None
+        return loader
+
+    def _training_start(self, epoch: int, start: int) -> tuple[int, int]:
+        """Where an iteration of the training sampler starts: the Trainer's epoch and batch counter (fit only)."""
+        saved, self._resume_point = self._resume_point, None
+        return training_start(self.trainer, epoch, start, saved, self.layout.accumulate_grad_batches)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume must agree with (the data and the distributed layout), and the training loader's state."""
+        state = self._layout_state()
+        state[PLAN_STATE] = self._plan_settings()
+        if self._train_loader is not None:
+            state[LOADER_STATE] = self._train_loader.state_dict()
+        return state
+
+    def _layout_state(self) -> dict[str, Any]:
+        settings = self.settings
+        return layout_state(
+            num_samples=len(self.dataset),
+            train=self.splits.get("train"),
+            world_size=self.layout.world_size,
+            context_parallel_size=settings.context_parallel_size,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            accumulate_grad_batches=self.layout.accumulate_grad_batches,
+            mode=settings.mode,
+            max_tokens=settings.max_tokens,
+        )
+
+    def _plan_settings(self) -> dict[str, Any]:
+        settings = plan_settings(self.settings.plan_config(self.layout))
+        return settings | {"pad_to_multiple_of": self.settings.pad_to_multiple_of}  # the lengths the planner sees
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refuse to resume on other data, another layout or (mid-epoch) other plan settings; restore the loader.
+
+        The training loader's state is applied whenever it arrives. DDP restores the DataModule before the loader
+        is built, FSDP, ModelParallel and DeepSpeed after it. A state that arrives first is applied to the next
+        training loader built; one that arrives late is loaded into the live loader, whose iterator only starts at
+        its first batch. Either way the first training batch starts where the Trainer's loop counter stands,
+        checked against the checkpoint's loader position (:func:`~lit_seqpack.data._trainer.check_start`).
+        """
+        loader_state, self._resume_point = check_resume(state_dict, self._layout_state(), self._plan_settings())
+        if loader_state is not None and self._train_loader is not None:
+            self._train_loader.load_state_dict(loader_state)  # restored after the loader was built
+        else:
+            self._pending_state = loader_state

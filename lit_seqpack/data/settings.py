@@ -1,0 +1,288 @@
+"""``BatchingSettings``: how samples become microbatches, for every source and both pipelines, checked once.
+
+Every setting of :class:`~lit_seqpack.data.datamodule.SeqPackDataModule` that is not a source lives here, with its
+documentation written once (the DataModule's docstring points here). The object is frozen and validated in
+``__post_init__``: a bad value or a bad combination raises a ``ValueError`` (or ``TypeError``) naming the setting as
+the user spelled it, before any data is read. What follows from the settings (the pad multiples, the planner's
+configuration for a layout, the collator, the longest document) is derived here too, so the indexed and the
+streaming pipeline cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lit_seqpack._checks import check_choice, check_flag, check_int
+from lit_seqpack.data.batching._budget import document_budget
+from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
+from lit_seqpack.data.batching.context_parallel import ContextParallelCollator, TensorParallelCollator
+from lit_seqpack.data.batching.fields import check_fields
+from lit_seqpack.data.batching.loss_weights import check_loss_weight_field
+from lit_seqpack.data.batching.overlong import OVERLONG_POLICIES
+from lit_seqpack.parallel import DataParallelLayout, ParallelLayout
+from lit_seqpack.planning.config import PlanConfig
+
+__all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_STREAM_WINDOW", "MODES", "BatchingSettings", "Collator", "Mode"]
+
+Mode = Literal["packing", "dynamic", "padded"]
+MODES: tuple[str, ...] = ("packing", "dynamic", "padded")
+DEFAULT_MAX_TOKENS = 2048
+"""``max_tokens="auto"`` in packing and dynamic mode (``None`` in padded mode)."""
+DEFAULT_STREAM_WINDOW = 1000
+"""``window=None`` for a stream: it cannot be planned whole, so this many samples are planned together."""
+
+Collator = PackedCollator | PaddedCollator | ContextParallelCollator | TensorParallelCollator
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchingSettings:
+    """How samples become microbatches: the mode, the budgets, the plan, the layout, the fields and the loader.
+
+    Example:
+        >>> settings = BatchingSettings(mode="packing", max_tokens=1024, sequence_length_round=8)
+        >>> settings.plan_config(DataParallelLayout(world_size=2, rank=0, accumulate_grad_batches=4)).world_size
+        2
+        >>> BatchingSettings(mode="padded", batch_size=8).max_tokens is None
+        True
+    """
+
+    mode: Mode = "packing"
+    """``"packing"``, ``"dynamic"`` or ``"padded"`` (the baseline); one field, so packing and dynamic batching can
+    never both be on."""
+    max_tokens: int | Literal["auto"] | None = "auto"
+    """Token budget of a microbatch (packing and dynamic). ``"auto"`` is 2048 in packing and dynamic mode and ``None``
+    in padded mode (no cap, as a plain DataLoader); an int in padded mode caps every sample at it (``overlong``)."""
+    eval_max_tokens: int | None = None
+    """Token budget of validation and test microbatches (packing and dynamic; ``None``: ``max_tokens``). Without
+    gradients 2-4x more tokens fit; documents keep the training budget."""
+    algorithm: str = "first_fit_decreasing"
+    """Packing algorithm (``lit_seqpack.PACKING_ALGORITHMS``; packing only)."""
+    window: int | None = None
+    """Consecutive samples planned together: of the shuffled epoch for indexed data (``None``: the whole epoch, the
+    fullest rows), of the look-ahead buffer for a stream (``None``: 1000; memory holds one window per loader
+    process, larger packs fuller rows)."""
+    sequence_length_round: int = 1
+    """Rows are padded to a multiple of this (the packed row, or the longest row of a dynamic/padded block);
+    ``max_tokens`` must be a multiple of it."""
+    pad_to_multiple_of: int = 1
+    """Every document is padded to a multiple of this inside a packed row (context/tensor parallel kernels need it);
+    the planner plans on the padded lengths."""
+    microbatch_order: Literal["largest_first", "packer"] = "largest_first"
+    """``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`)."""
+    cost_quadratic: float | Literal["auto"] = "auto"
+    """``b`` of the per-document cost ``L + b*L^2`` that ranks are balanced on; ``"auto"``: ``1 / max_tokens``."""
+    overlong: Literal["error", "truncate", "drop"] = "error"
+    """What happens to samples longer than ``max_tokens``: ``"error"``, ``"truncate"`` or ``"drop"``; counted, logged
+    and kept in ``overlong_report``."""
+    batch_size: int | None = None
+    """Samples per microbatch (padded mode only, where it is required)."""
+    val_fraction: float = 0.0
+    """Share of the training source's samples held out for validation (0: none; indexed sources only)."""
+    test_fraction: float = 0.0
+    """Share of the training source's samples held out for testing (0: none; indexed sources only)."""
+    num_workers: int = 0
+    """DataLoader worker processes (may differ between a checkpoint and its resume)."""
+    pad_token_id: int = 0
+    """The id written on padding positions."""
+    seed: int = 0
+    """Seed of the shuffles and of the held-out split (the same on every rank)."""
+    shuffle: bool = True
+    """Reshuffle the training samples every epoch."""
+    cache_dir: str | None = None
+    """Folder where the lengths of data without declared lengths are cached (``None``: no cache)."""
+    context_parallel_size: int = 1
+    """Ranks that split every sequence (context parallelism, packing only). Every document is then padded to
+    ``lcm(pad_to_multiple_of, 2 x cp x tp)`` and each rank receives its shard."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel ranks with sequence parallelism: rows are padded to a multiple of it. Under a strategy with a
+    device mesh the data-parallel size and rank are the mesh's, and its tp/cp sizes must equal these two settings;
+    without a mesh, global ranks are laid out tensor-parallel innermost, then context-parallel, then
+    data-parallel."""
+    content_check_samples: int = 8
+    """Under ``torch.distributed``, the tokens of this many samples (the same on every rank) are hashed and compared
+    across ranks with the plan (indexed) or with each checked window (stream), so ranks that read different data
+    fail loudly on every rank; 0 compares the lengths only (indexed) or turns the stream check off."""
+    token_fields: dict[str, int | float] | None = None
+    """Extra per-token fields carried in every batch, each mapped to its pad value (e.g. ``{"advantages": 0.0}``):
+    concatenated or padded like ``input_ids``, truncated with the sample, sharded under context parallelism."""
+    sample_fields: list[str] | tuple[str, ...] | None = None
+    """Extra per-sample fields carried in every batch (e.g. ``["reward"]``), one value a document."""
+    loss_weight_field: str | None = None
+    """A declared token field of per-token loss weights (finite, ``>= 0``), or ``"loss_mask"`` (the samples'
+    ``loss_mask`` holds weights in ``[0, 1]``): the loss becomes ``sum(w * ce)`` over the step's planned weight
+    sum."""
+    parallel: ParallelLayout = field(init=False, repr=False, compare=False)
+    """The context- and tensor-parallel sizes, and the pad multiples that follow from them (derived)."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        check_choice("mode", self.mode, MODES)
+        if isinstance(self.max_tokens, str):
+            if self.max_tokens != "auto":
+                raise ValueError(f"max_tokens={self.max_tokens!r} must be an int, 'auto' or null")
+            set_(self, "max_tokens", None if self.mode == "padded" else DEFAULT_MAX_TOKENS)
+        check_choice("overlong", self.overlong, OVERLONG_POLICIES)
+        check_flag("shuffle", self.shuffle)
+        check_int("pad_token_id", self.pad_token_id, minimum=0)
+        check_int("num_workers", self.num_workers, minimum=0)
+        check_int("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
+        check_int("content_check_samples", self.content_check_samples, minimum=0)
+        if self.cache_dir is not None and not isinstance(self.cache_dir, str):
+            raise TypeError(f"cache_dir={self.cache_dir!r} must be a str or None")
+        for name in ("val_fraction", "test_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name}={value!r} must be a number")
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name}={value!r} must be in [0, 1)")
+        tokens, samples = check_fields(self.token_fields, self.sample_fields)
+        set_(self, "token_fields", tokens)
+        set_(self, "sample_fields", samples)
+        check_loss_weight_field(self.loss_weight_field, tokens)
+        set_(
+            self,
+            "parallel",
+            ParallelLayout(
+                context_parallel_size=self.context_parallel_size, tensor_parallel_size=self.tensor_parallel_size
+            ),
+        )
+        self._check_combinations()
+        set_(self, "eval_max_tokens", self._eval_budget())
+        self.plan_config(DataParallelLayout())  # the planner's own checks of the plan settings
+        if self.max_tokens is not None:
+            self.document_budget  # noqa: B018 - raises when no document fits a microbatch
+
+    def _check_combinations(self) -> None:
+        """Settings that only make sense together, each refused naming both."""
+        if self.pad_to_multiple_of > 1 and self.mode != "packing":
+            raise ValueError(
+                f"pad_to_multiple_of={self.pad_to_multiple_of} pads the documents of a packed row and needs "
+                f"mode='packing', got mode={self.mode!r} (sequence_length_round pads the rows of dynamic and padded "
+                "batches)"
+            )
+        if self.mode == "padded" and self.batch_size is None:
+            raise ValueError(
+                "mode='padded' needs batch_size (data.batch_size: the samples of every microbatch), got None; or "
+                "batch by a token budget with mode='dynamic' or 'packing' and max_tokens"
+            )
+        if self.parallel.model_parallel_size == 1:
+            return
+        if self.mode != "packing" and self.context_parallel_size > 1:
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size} needs mode='packing', got mode={self.mode!r} "
+                f"(tensor_parallel_size={self.tensor_parallel_size} alone works in every mode)"
+            )
+        if isinstance(self.max_tokens, int) and self.max_tokens % self.row_multiple:
+            raise ValueError(
+                f"max_tokens={self.max_tokens} must be a multiple of {self.row_multiple}, the row multiple that "
+                "sequence_length_round, pad_to_multiple_of, context_parallel_size and tensor_parallel_size give"
+            )
+
+    def _eval_budget(self) -> int | None:
+        """``eval_max_tokens`` checked, or ``max_tokens`` when it is ``None``."""
+        value = self.eval_max_tokens
+        if value is None:
+            return self.max_tokens
+        if self.mode == "padded":
+            raise ValueError(
+                f"eval_max_tokens={value!r} is a token budget, but mode='padded' batches batch_size samples "
+                "(validation and test too): remove eval_max_tokens or use mode='packing' or 'dynamic'"
+            )
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"eval_max_tokens={value!r} must be an int (or null: max_tokens)")
+        assert isinstance(self.max_tokens, int)  # packing and dynamic always have a budget
+        if value < self.max_tokens:
+            raise ValueError(
+                f"eval_max_tokens={value} is below max_tokens={self.max_tokens}: a document of the training budget "
+                "would not fit an evaluation microbatch; set eval_max_tokens >= max_tokens (evaluation fits more)"
+            )
+        if value % self.row_multiple:
+            raise ValueError(f"eval_max_tokens={value} must be a multiple of {self.row_multiple}, as max_tokens is")
+        return value
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def document_multiple(self) -> int:
+        """Every document of a packed row is padded to a multiple of this (planner and collator alike)."""
+        return self.parallel.document_multiple(self.pad_to_multiple_of)
+
+    @property
+    def row_multiple(self) -> int:
+        """Rows are padded to a multiple of this (``sequence_length_round`` unless cp or tp > 1)."""
+        return self.parallel.row_multiple(self.sequence_length_round, self.pad_to_multiple_of)
+
+    @property
+    def planned_document_multiple(self) -> int:
+        """The multiple the planner pads documents to: :attr:`document_multiple` in packing mode, else 1."""
+        return self.document_multiple if self.mode == "packing" else 1
+
+    @property
+    def document_budget(self) -> int | None:
+        """The longest document a microbatch holds (``None`` without a budget): the over-long policy's limit."""
+        if self.max_tokens is None:
+            return None
+        return document_budget(
+            self.max_tokens,
+            mode=self.mode,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            document_multiple=self.document_multiple,
+        )
+
+    @property
+    def stream_window(self) -> int:
+        """Samples of a stream planned together: :attr:`window`, or :data:`DEFAULT_STREAM_WINDOW`."""
+        return DEFAULT_STREAM_WINDOW if self.window is None else self.window
+
+    def plan_config(self, layout: DataParallelLayout, *, train: bool = True) -> PlanConfig:
+        """The planner's configuration for ``layout`` (``train=False``: an evaluation split, unshuffled).
+
+        Args:
+            layout: the data-parallel world size and accumulation to plan for (the rank is not planned on).
+            train: plan the training split (shuffled when :attr:`shuffle`, budget ``max_tokens``) rather than an
+                evaluation split (budget :attr:`eval_max_tokens`, no accumulation).
+        """
+        budget = self.max_tokens if train else self.eval_max_tokens
+        return PlanConfig(
+            mode=self.mode,
+            max_tokens=budget if self.mode != "padded" else None,
+            algorithm=self.algorithm if self.mode == "packing" else None,
+            window=self.window,
+            sequence_length_round=self.row_multiple,
+            batch_size=self.batch_size,
+            world_size=layout.world_size,
+            accumulate_grad_batches=layout.accumulate_grad_batches if train else 1,
+            seed=self.seed,
+            shuffle=self.shuffle and train,
+            microbatch_order=self.microbatch_order,
+            cost_quadratic=self.cost_quadratic,
+        )
+
+    def collator(self, context_parallel_rank: int = 0) -> Collator:
+        """The collator of this mode and layout (``context_parallel_rank``: the shard this process keeps)."""
+        tp = self.tensor_parallel_size
+        fields: dict[str, Any] = {
+            "token_fields": self.token_fields,
+            "sample_fields": self.sample_fields,
+            "loss_weight_field": self.loss_weight_field,
+        }
+        if self.mode != "packing":
+            padded = PaddedCollator(pad_token_id=self.pad_token_id, pad_to_multiple_of=self.row_multiple, **fields)
+            return padded if tp == 1 else TensorParallelCollator(collator=padded, tensor_parallel_size=tp)
+        multiple = self.document_multiple
+        collator = PackedCollator(
+            pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=self.row_multiple,
+            pad_document_to_multiple_of=multiple if multiple > 1 else None,
+            **fields,
+        )
+        if self.parallel.model_parallel_size == 1:
+            return collator
+        if self.context_parallel_size == 1:  # sequence parallelism splits the row, not each document
+            return TensorParallelCollator(collator=collator, tensor_parallel_size=tp)
+        return ContextParallelCollator(
+            collator=collator,
+            context_parallel_size=self.context_parallel_size,
+            context_parallel_rank=context_parallel_rank,
+            tensor_parallel_size=tp,
+        )

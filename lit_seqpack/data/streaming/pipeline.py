@@ -1,0 +1,256 @@
+"""``StreamPipeline``: a stream source under the batching settings, as a loader, a checkpoint state and a prefix.
+
+The DataModule builds it for a :class:`~lit_seqpack.data.sources.streams.StreamSource` and delegates every hook to
+it. A resume must keep every fact the window plans depend on (:meth:`StreamPipeline.facts`); a different one is
+refused with a message naming it, since re-planned windows would train other microbatches than the checkpointed
+run.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from lit_seqpack.data._trainer import read_layout, training_start
+from lit_seqpack.data.batching._samples import sample_loss_tokens
+from lit_seqpack.data.batching.overlong import OverlongReport
+from lit_seqpack.data.indexed._resume import plan_settings
+from lit_seqpack.data.settings import BatchingSettings
+from lit_seqpack.data.sources.streams import StreamSource
+from lit_seqpack.data.streaming.buffer import OverlongCounter, stream_windows
+from lit_seqpack.data.streaming.dataset import StreamingDataset
+from lit_seqpack.data.streaming.loader import StreamingDataLoader
+from lit_seqpack.parallel import DataParallelLayout
+
+__all__ = ["STREAM_STATE", "StreamPipeline"]
+
+STREAM_STATE = "stream_loader"
+_LEGACY_WINDOW = "stream_buffer"  # the window's name in checkpoints written before it was one setting
+
+
+class StreamPipeline:
+    """A stream read in windows of ``settings.window`` samples, planned for every rank, resumable mid-stream.
+
+    Args:
+        settings: the batching settings.
+        source: the stream.
+
+    Raises:
+        ValueError: a setting the streaming path cannot honour (held-out fractions, ``loss_weight_field``),
+            naming it.
+    """
+
+    def __init__(self, settings: BatchingSettings, source: StreamSource) -> None:
+        for name in ("val_fraction", "test_fraction"):
+            if getattr(settings, name):
+                raise ValueError(
+                    f"{name}={getattr(settings, name)} cannot hold samples out of a stream (it has no index); set "
+                    f"{name}=0 with a stream source, or pass val_source=... (an indexed source)"
+                )
+        if settings.loss_weight_field is not None:
+            raise ValueError(
+                f"loss_weight_field={settings.loss_weight_field!r} is not supported with a stream source yet "
+                "(streamed batches would silently ignore it): set loss_weight_field=None, or use an indexed source"
+            )
+        self.settings, self.source = settings, source
+        self.layout, self.context_parallel_rank = DataParallelLayout(), 0
+        self.trainer: Any = None
+        self.is_set_up = False
+        self.overlong_report: OverlongReport | None = None
+        self.eval_overlong_reports: dict[str, OverlongReport | None] = {}
+        self._loader: StreamingDataLoader | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ data
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary the stream declares (a stream is never scanned), at least ``pad_token_id + 1``."""
+        value = getattr(self.source, "vocab_size", None)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(
+                f"the stream {type(self.source).__name__} has no vocab_size (a stream is never scanned): pass "
+                "vocab_size= to the stream source, or set the model's vocab_size yourself"
+            )
+        return max(value, self.settings.pad_token_id + 1)
+
+    def prepare(self) -> None:
+        """Nothing to prepare: a stream is validated window by window as it is read."""
+
+    def setup(self, trainer: Any, *, fabric: Any = None, accumulate_grad_batches: int = 1) -> None:
+        """Read the layout from the Trainer (or Fabric)."""
+        self.trainer = trainer
+        self.layout, self.context_parallel_rank = read_layout(
+            trainer, self.settings.parallel, fabric=fabric, accumulate_grad_batches=accumulate_grad_batches
+        )
+        self.is_set_up = True
+
+    def facts(self) -> dict[str, Any]:
+        """The facts every window plan depends on: a resume must keep all of them."""
+        settings = self.settings
+        config = settings.plan_config(self.layout)
+        return {
+            "world_size": self.layout.world_size,
+            "accumulate_grad_batches": self.layout.accumulate_grad_batches,
+            "mode": settings.mode,
+            "max_tokens": settings.max_tokens,
+            "overlong": settings.overlong,
+            **plan_settings(config),
+            "window": settings.stream_window,  # the stream's window, not the planner's (None: one buffer)
+            "pad_to_multiple_of": settings.pad_to_multiple_of,
+        }
+
+    def _counter(self) -> OverlongCounter | None:
+        budget = self.settings.document_budget
+        if budget is None:
+            return None
+        return OverlongCounter(
+            policy=self.settings.overlong, max_tokens=budget, token_fields=tuple(self.settings.token_fields)
+        )
+
+    # ------------------------------------------------------------------ loaders
+    def train_loader(self) -> StreamingDataLoader:
+        """The training loader of the stream for this layout, with a pending resume state applied."""
+        settings, counter = self.settings, self._counter()
+        dataset = StreamingDataset(
+            self.source,
+            config=settings.plan_config(self.layout),
+            rank=self.layout.rank,
+            window_size=settings.stream_window,
+            collator=settings.collator(self.context_parallel_rank),
+            overlong=settings.overlong,
+            document_budget=None if counter is None else counter.max_tokens,
+            document_multiple=settings.planned_document_multiple,
+            vocab_size=self._model_vocab(),
+            check_samples=settings.content_check_samples,
+            seed=settings.seed,
+            token_fields=tuple(settings.token_fields),
+        )
+        loader = StreamingDataLoader(
+            dataset,
+            num_workers=settings.num_workers,
+            start_source=self._training_start,
+            report_to=lambda report: setattr(self, "overlong_report", report),
+        )
+        if self._pending_state is not None:
+            loader.load_state_dict(self._pending_state)
+            self._pending_state = None
+        self._loader = loader
+        return loader
+
+    def eval_loader(self, split: str) -> list:
+        """A stream has no held-out split: no validation loader; a test loader is refused."""
+        if split == "test":
+            raise ValueError(
+                "a stream has no test split (it is never indexed): test on an indexed source with a second "
+                "SeqPackDataModule passed to "
+                "trainer.test"
+            )
+        return []
+
+    def _training_start(self, epoch: int, start: int, saved: dict[str, Any] | None) -> tuple[int, int]:
+        """Where the loader starts: the Trainer's epoch and batch counter during fit, else the loader's own position.
+
+        Lightning fetches the first batch of a loader without a length as soon as it builds it, which a schedule
+        reading ``trainer.estimated_stepping_batches`` does before the loop counters are restored from the
+        checkpoint. The checkpoint's own record of the Trainer's counters (``resume_at``, written by
+        :meth:`state_dict`) is then the truth; once the counters are restored they are checked against the loader's
+        position as in the indexed pipeline.
+        """
+        trainer, accumulate = self.trainer, self.layout.accumulate_grad_batches
+        training = getattr(trainer, "training", False)
+        if training and saved is not None and not trainer.fit_loop.restarting and saved.get("resume_at") is not None:
+            epoch, position = saved["resume_at"]
+            if position % accumulate:
+                raise RuntimeError(
+                    f"cannot resume the stream exactly: the checkpoint was written inside a gradient-accumulation "
+                    f"window (epoch {epoch}, microbatch {position}, accumulate_grad_batches={accumulate}); resume "
+                    "from a checkpoint written at an optimizer-step boundary (ModelCheckpoint(every_n_train_steps=...))"
+                )
+            return int(epoch), int(position)
+        point = None if saved is None else (saved["epoch"], saved["yielded"])
+        return training_start(trainer, epoch, start, point, accumulate)
+
+    def _model_vocab(self) -> int | None:
+        """The vocabulary of the Trainer's model (``None`` without one), after checking that it embeds the pad id."""
+        from lit_seqpack.model.vocab import model_vocab_size  # the model's side of the check, read at setup only
+
+        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        vocab = None if model is None else model_vocab_size(model)
+        if vocab is not None and self.settings.pad_token_id >= vocab:
+            raise ValueError(f"pad_token_id={self.settings.pad_token_id} is outside the model's vocab_size={vocab}")
+        return vocab
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The plan facts and the loader's position (no sample)."""
+        state: dict[str, Any] = {"facts": self.facts()}
+        if self._loader is not None:
+            loader = state["loader"] = self._loader.state_dict()
+            trainer = self.trainer
+            if getattr(trainer, "training", False):  # where the Trainer's counters will resume (_training_start)
+                epoch = trainer.fit_loop.epoch_progress.current.processed
+                position = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+                loader["resume_at"] = [loader["epoch"], 0] if loader["epoch"] > epoch else [epoch, position]
+        return {STREAM_STATE: state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check the facts of a checkpoint's stream state and restore (or queue) its loader position.
+
+        Raises:
+            ValueError: the checkpoint holds no stream state, or one planned with other facts.
+        """
+        state = state_dict.get(STREAM_STATE)
+        if not isinstance(state, dict) or "facts" not in state:
+            raise ValueError("the checkpoint holds no stream state: it was not written by a run with a stream source")
+        saved, current = dict(state["facts"]), self.facts()
+        if _LEGACY_WINDOW in saved:
+            saved["window"] = saved.pop(_LEGACY_WINDOW)
+        changed = [f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in current if saved.get(k) != current[k]]
+        if changed:
+            raise ValueError(
+                "cannot resume the stream exactly: the checkpoint's windows were planned with other settings "
+                f"({'; '.join(changed)}); resume with the checkpoint's settings"
+            )
+        loader_state = state.get("loader")
+        if loader_state and self._loader is not None:
+            self._loader.load_state_dict(loader_state)
+        else:
+            self._pending_state = loader_state
+
+    # ------------------------------------------------------------------ inspection
+    def prefix(self, max_samples: int) -> tuple[np.ndarray, np.ndarray]:
+        """Lengths and loss tokens of the stream's first ``max_samples`` samples under the over-long policy.
+
+        ``lit-seqpack inspect`` plans this prefix offline; :attr:`overlong_report` counts the policy over it.
+
+        Raises:
+            ValueError: ``max_samples`` is not an int >= 1, or the prefix holds no sample.
+        """
+        if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
+            raise ValueError(f"max_samples must be an int >= 1 (the stream prefix to inspect), got {max_samples!r}")
+        counter = self._counter()
+        lengths, loss = [], []
+        for number, sample in enumerate(itertools.islice(self.source.open(), max_samples)):
+            kept = sample if counter is None else counter.admit(number, sample)
+            if kept is not None:
+                lengths.append(len(kept["input_ids"]))
+                loss.append(sample_loss_tokens(kept))
+        if not lengths:
+            raise ValueError(f"the stream's first {max_samples} samples hold no sample to plan")
+        if counter is not None:
+            self.overlong_report = counter.report()
+        return np.array(lengths, dtype=np.int64), np.array(loss, dtype=np.int64)
+
+    def prefix_microbatches(self, max_samples: int, layout: DataParallelLayout) -> int:
+        """Microbatches per rank that the streaming loader trains the prefix in (windows of ``window`` samples)."""
+        windows = stream_windows(
+            itertools.islice(self.source.open(), max_samples),
+            config=self.settings.plan_config(layout),
+            window_size=self.settings.stream_window,
+            epoch=0,
+            counter=self._counter(),
+            document_multiple=self.settings.planned_document_multiple,
+        )
+        return sum(window.plan.microbatches_per_rank for window in windows)
