@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "PackingLeakError": "lit_seqpack.model.isolation",
     "PackingReport": "lit_seqpack.model.isolation",
     "check_packing_equivalence": "lit_seqpack.model.isolation",
+    "documents_batch": "lit_seqpack.model.isolation",
     "probe_packing_isolation": "lit_seqpack.model.isolation",
     "HFCausalLM": "lit_seqpack.model.lm",
     "ReferenceLM": "lit_seqpack.model.lm",
@@ -58,6 +59,7 @@ __all__ = [
     "available_backends",
     "check_packing_equivalence",
     "context_parallel_scope",
+    "documents_batch",
     "exact_loss",
     "export_hf_model",
     "hf_model_inputs",
@@ -93,6 +95,7 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
         PackingLeakError,
         PackingReport,
         check_packing_equivalence,
+        documents_batch,
         probe_packing_isolation,
     )
     from lit_seqpack.model.lm import HFCausalLM, ReferenceLM

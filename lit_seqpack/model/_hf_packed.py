@@ -1,9 +1,16 @@
-"""What a transformers attention call may carry on a packed row, and how it maps onto ``varlen_attention``.
+"""The packed-row contract between lit_seqpack and a transformers model: names, inputs, and what a call may carry.
 
-:func:`attention_extras` turns transformers' ``sliding_window`` / ``softcap`` / ``s_aux`` keywords into
-:func:`~lit_seqpack.model.attention.varlen_attention`'s ``window`` / ``softcap`` / ``sinks``;
-:func:`reject_unsupported` raises, naming the setting, for everything a packed row cannot honour (attention dropout,
-a mask or bias the model built itself, keywords without a varlen mapping, non-causal layers).
+Both sides read this module (the glue in :mod:`lit_seqpack.model.hf` and :mod:`lit_seqpack.model._hf_dispatch`, and
+the isolation probe in :mod:`lit_seqpack.model.isolation`), so it imports neither of them:
+
+- :data:`ATTENTION_NAME`, :data:`BACKEND_KWARG`, :data:`RIGHT_PADDED_KWARG`: the names lit_seqpack registers with
+  transformers and the keywords it passes through the model to its attention function and mask function;
+- :func:`hf_model_inputs`: the batch contract mapped to a prepared model's keywords (re-exported by
+  :mod:`lit_seqpack.model.hf`, its public home);
+- :func:`attention_extras` turns transformers' ``sliding_window`` / ``softcap`` / ``s_aux`` keywords into
+  :func:`~lit_seqpack.model.attention.varlen_attention`'s ``window`` / ``softcap`` / ``sinks``;
+  :func:`reject_unsupported` raises, naming the setting, for everything a packed row cannot honour (attention
+  dropout, a mask or bias the model built itself, keywords without a varlen mapping, non-causal layers).
 """
 
 from __future__ import annotations
@@ -18,8 +25,47 @@ from lit_seqpack._checks import check_int
 ATTENTION_NAME = "lit_seqpack_varlen"
 """The name of lit_seqpack's attention function in transformers' ``AttentionInterface``."""
 
+BACKEND_KWARG = "lit_seqpack_backend"
+"""The keyword that carries the :func:`~lit_seqpack.model.attention.varlen_attention` backend to the attention."""
+
+RIGHT_PADDED_KWARG = "lit_seqpack_right_padded"
+"""The keyword :func:`hf_model_inputs` sets on a batch whose padding is only on the right."""
+
 _REFUSED_KWARGS = ("position_bias", "sinks", "indices", "block_indices")
 """Attention-function keywords of some transformers models that change the result and have no varlen mapping."""
+
+
+def hf_model_inputs(batch: Mapping[str, Any], *, backend: str = "auto") -> dict[str, Any]:
+    """Keyword arguments for a model prepared by :func:`~lit_seqpack.model.hf.prepare_hf_model`, from a contract batch.
+
+    A padded batch passes the standard ``attention_mask`` (models that read it for more than attention get it);
+    when every row's padding is on the right it also passes ``lit_seqpack_right_padded=True``, so the mask is built
+    without the padding (plain causal SDPA, exact for every real token; see :mod:`lit_seqpack.model._hf_dispatch`).
+
+    Args:
+        batch: a packed row (with ``cu_seqlens``) or a padded ``[B, L]`` batch (with ``attention_mask``).
+        backend: the :func:`~lit_seqpack.model.attention.varlen_attention` backend for packed rows.
+    """
+    inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False, BACKEND_KWARG: backend}
+    if batch.get("position_ids") is not None:
+        inputs["position_ids"] = batch["position_ids"]
+    if batch.get("cu_seqlens") is not None:
+        cu_seqlens, max_seqlen = batch["cu_seqlens"], int(batch["max_seqlen"])
+        inputs.update(
+            cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen
+        )
+    elif batch.get("attention_mask") is not None:
+        mask = batch["attention_mask"]
+        inputs["attention_mask"] = mask
+        if mask.ndim == 2 and _is_right_padded(mask):
+            inputs[RIGHT_PADDED_KWARG] = True
+    return inputs
+
+
+def _is_right_padded(mask: torch.Tensor) -> bool:
+    """Whether every row of a 2-D ``[B, L]`` padding mask is ones then zeros (one host sync)."""
+    keep = mask.bool()
+    return bool((keep[:, 1:] <= keep[:, :-1]).all()) if keep.shape[1] > 1 else True
 
 
 def attention_extras(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lit_seqpack._imports import require
+from lit_seqpack.model._hf_packed import ATTENTION_NAME
 
 __all__ = ["Trace", "cross_document_entries", "first_leaking_module", "tracing"]
 
@@ -85,8 +86,6 @@ def tracing(model: torch.nn.Module, row_shape: tuple[int, ...]) -> Iterator[Trac
 @contextlib.contextmanager
 def _recording_attention(model: torch.nn.Module, trace: Trace) -> Iterator[None]:
     """Wrap lit_seqpack's registered transformers attention function to record whether calls got ``cu_seq_lens``."""
-    from lit_seqpack.model.hf import ATTENTION_NAME
-
     configs = [getattr(m, "config", None) for m in model.modules()]
     if not any(getattr(c, "_attn_implementation", None) == ATTENTION_NAME for c in configs):
         yield

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from lit_seqpack.batch import IGNORE_INDEX
+from lit_seqpack.model._hf_packed import hf_model_inputs
 from lit_seqpack.model._isolation_trace import cross_document_entries, first_leaking_module, tracing
-from lit_seqpack.model._leak_message import leak_message, probe_lengths
+from lit_seqpack.model._leak_message import PackingLeakError, leak_message, probe_lengths
 
 __all__ = [
     "IsolationReport",
@@ -36,10 +37,6 @@ __all__ = [
     "documents_batch",
     "probe_packing_isolation",
 ]
-
-
-class PackingLeakError(RuntimeError):
-    """A model's outputs on a packed row depend on other documents of the row."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -278,8 +275,6 @@ def _unwrap(model: Any) -> Any:
 def _forward_fn(model: Any) -> Callable[[Mapping[str, Any]], torch.Tensor]:
     if hasattr(model, "seqpack_forward"):
         return model.seqpack_forward
-    from lit_seqpack.model.hf import hf_model_inputs
-
     return lambda batch: model(**hf_model_inputs(batch)).logits
 
 

@@ -48,7 +48,8 @@ def test_compiled_hf_model_on_packed_rows(fresh_dynamo: Any, model_type: str) ->
     pytest.importorskip("transformers")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lit_seqpack.model.hf import documents_batch, hf_model_inputs, prepare_hf_model
+    from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model
+    from lit_seqpack.model.isolation import documents_batch
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64,

@@ -32,7 +32,7 @@ from lit_seqpack import (
 from lit_seqpack.batch import PlannedDataset
 from lit_seqpack.cli import SeqPackCLI
 from lit_seqpack.model.attention import BackendUnavailableError
-from lit_seqpack.model.hf import PackingLeakError
+from lit_seqpack.model.isolation import PackingLeakError
 
 SYNTH = {"num_samples": 40, "median_length": 12, "max_length": 40, "vocab_size": 64, "seed": 3}
 
