@@ -113,6 +113,12 @@ def _cause(model: torch.nn.Module, trace: Trace, culprit: tuple[str, torch.nn.Mo
             f"the config selects the attention function {ATTENTION_NAME!r} but no layer called it: the model does "
             "not dispatch attention through transformers' AttentionInterface."
         )
+    if culprit is None and trace.reentrant:
+        return (
+            "no layer can be named under reentrant activation checkpointing (use_reentrant=True runs the "
+            "checkpointed layers without an autograd graph, so their outputs cannot be searched); probe once with "
+            "use_reentrant=False or without checkpointing to have the first mixing layer named."
+        )
     if culprit is None:
         return "no single module could be named (the mixing happens outside the modules the probe can see)."
     name, module, input_leaks = culprit
