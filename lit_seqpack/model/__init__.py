@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "varlen_attention": "lit_seqpack.model.attention",
     "context_parallel_scope": "lit_seqpack.model.cp_attention",
     "FabricAccumulation": "lit_seqpack.model.fabric",
+    "UnsupportedAttentionError": "lit_seqpack.model.hf",
     "hf_model_inputs": "lit_seqpack.model.hf",
     "prepare_hf_model": "lit_seqpack.model.hf",
     "restore_hf_attention": "lit_seqpack.model.hf",
@@ -56,6 +57,7 @@ __all__ = [
     "ReferenceConfig",
     "ReferenceDecoder",
     "ReferenceLM",
+    "UnsupportedAttentionError",
     "available_backends",
     "check_packing_equivalence",
     "context_parallel_scope",
@@ -88,7 +90,7 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
     )
     from lit_seqpack.model.cp_attention import context_parallel_scope
     from lit_seqpack.model.fabric import FabricAccumulation
-    from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model, restore_hf_attention
+    from lit_seqpack.model.hf import UnsupportedAttentionError, hf_model_inputs, prepare_hf_model, restore_hf_attention
     from lit_seqpack.model.hf_load import export_hf_model, load_hf_model
     from lit_seqpack.model.isolation import (
         IsolationReport,

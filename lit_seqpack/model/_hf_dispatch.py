@@ -100,6 +100,11 @@ def record(model: Any) -> AttentionRecord:
     return new
 
 
+def is_prepared(model: Any) -> bool:
+    """Whether ``model`` was switched to lit_seqpack's attention (and not restored since)."""
+    return getattr(model, RECORD_ATTR, None) is not None
+
+
 def original_implementation(config: Any) -> str | None:
     """The implementation ``config`` had before lit_seqpack switched it.
 

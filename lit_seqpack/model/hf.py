@@ -47,12 +47,22 @@ from lit_seqpack.model.attention import varlen_attention
 
 __all__ = [
     "ATTENTION_NAME",
+    "UnsupportedAttentionError",
     "hf_model_inputs",
     "hf_varlen_attention",
     "prepare_hf_model",
     "register_attention",
     "restore_hf_attention",
 ]
+
+
+class UnsupportedAttentionError(ValueError):
+    """A transformers model whose attention cannot be switched: it does not dispatch through ``AttentionInterface``.
+
+    Such a model (Falcon, and other architectures with their own attention classes) cannot be given the packed
+    boundaries, so packing is refused; :class:`~lit_seqpack.model.lm.HFCausalLM` keeps its own attention and trains
+    it in ``mode: dynamic`` or ``padded``, where every row holds one document.
+    """
 
 
 # ------------------------------------------------------------------------------------------- transformers glue
@@ -75,15 +85,21 @@ def prepare_hf_model(model: Any) -> Any:
     The implementation every config had before (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``, ... for the
     model and each sub-model) is recorded on the model, so :func:`restore_hf_attention` can switch it back exactly.
     Preparing a prepared model again keeps the first record.
+
+    Raises:
+        UnsupportedAttentionError: the model does not dispatch attention through transformers'
+            ``AttentionInterface`` (Falcon, ...); it is left as it was.
     """
     _hf_dispatch.record(model)
     model.set_attn_implementation(register_attention())
     _hf_dispatch.install_hooks(model)
     if model.config._attn_implementation != ATTENTION_NAME:
         _hf_dispatch.restore(model)
-        raise ValueError(
-            f"{type(model).__name__} does not support custom attention functions (its attn_implementation stayed "
-            f"{model.config._attn_implementation!r}); packed training needs a model built on AttentionInterface"
+        raise UnsupportedAttentionError(
+            f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface (its "
+            f"attn_implementation stayed {model.config._attn_implementation!r}), so its attention cannot be given "
+            "the packed boundaries and packing is refused for it; train it with mode: dynamic (or padded), where "
+            "every row holds one document (HFCausalLM keeps the model's own attention for those modes)"
         )
     return model
 

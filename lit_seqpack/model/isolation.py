@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lit_seqpack.batch import IGNORE_INDEX
-from lit_seqpack.model._hf_packed import hf_model_inputs
+from lit_seqpack.model._hf_packed import hf_model_inputs, missing_kernel_error
 from lit_seqpack.model._isolation_trace import (
     cross_document_entries,
     first_leaking_module,
@@ -223,6 +223,11 @@ def probe_packing_isolation(
                 if not any(not got for _, got in trace.attention_calls):
                     raise
                 raise PackingLeakError(leak_message(model, None, 0, None, trace, training=training)) from err
+            except ValueError as err:  # transformers refused the packed row for a missing kernel: say what is exact
+                refusal = missing_kernel_error(model, err)
+                if refusal is None:
+                    raise
+                raise refusal from err
         trace.reentrant = has_reentrant_checkpoint(logits)
         if not trace.leaves:
             cross = _perturbation_entries(forward, docs, logits)
