@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch._dynamo.utils import counters
 
-from lit_seqpack.model.hf import documents_batch, hf_model_inputs, prepare_hf_model
+from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model
+from lit_seqpack.model.isolation import documents_batch
 
 
 def packed_rows(steps: int, tokens: int, max_docs: int, vocab: int, device: str, seed: int = 0) -> list[dict]:

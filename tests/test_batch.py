@@ -109,8 +109,8 @@ def test_meta_rejects_bad_values(setting, value):
         "lit_seqpack.data.synthetic",
         "lit_seqpack.data.text",
         "lit_seqpack.data.datasets",
-        "lit_seqpack.data._planned_sampler",
-        "lit_seqpack.data.streaming.module",
+        "lit_seqpack.data.indexed.planned_sampler",
+        "lit_seqpack.data.streaming.pipeline",
     ],
 )
 def test_the_deprecated_alias_modules_are_gone(old):

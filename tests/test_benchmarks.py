@@ -11,11 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S, stages_timeout
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from _common import fair_batch_size, markdown_table, matched_accumulation  # noqa: E402
+
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)  # most tests run a benchmark in a subprocess
 
 MODES = [
     "padded",
@@ -31,7 +35,11 @@ MODES = [
 
 def _run(script: str, *args: str) -> list[str]:
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, str(BENCHMARKS / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip().splitlines()
@@ -128,6 +136,7 @@ def test_bench_train_rejects_bad_sizes(bad):
     assert bad[0] in result.stderr
 
 
+@pytest.mark.timeout(stages_timeout(2))
 def test_bench_scale_rank_table_and_bench_plan_balance_table_smoke():
     lines = _run("bench_scale.py", "--only", "rank", "--rank-sizes", "20000", "--rank-worlds", "2", "--tokens", "4096")
     (rank,) = _tables(lines)

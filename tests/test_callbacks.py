@@ -13,10 +13,12 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lit_seqpack import PackingMonitor
+from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -317,14 +319,14 @@ class RankModule(TinyModule):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_two_ranks_log_the_true_aggregate(tmp_path):
     clock = FakeClock()
     fit = trainer(
         tmp_path,
         PackingMonitor(clock=clock),
         max_steps=4,
-        strategy="ddp_spawn",
+        strategy=DDPStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT),
         devices=2,
         logger=CSVLogger(tmp_path, version=0),  # the main process must find the directory rank 0 wrote
         use_distributed_sampler=False,

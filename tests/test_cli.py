@@ -18,6 +18,7 @@ from lit_seqpack.__main__ import main
 from lit_seqpack.cli import SeqPackCLI, check_vocab, model_vocab_size
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
+from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -227,14 +228,20 @@ def test_help_lists_the_subcommands_and_inspect(capsys):
     assert all(name in text for name in ("fit", "validate", "test")) and "predict" not in text
 
 
-def _run(args: list[str], cwd: Path, timeout: int, path: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
+def _run(args: list[str], cwd: Path, path: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (ROOT, *path))), "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "lit_seqpack", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "lit_seqpack", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_demo_command_as_a_new_user_runs_it(tmp_path):
     result = _run(
         [
@@ -250,7 +257,6 @@ def test_demo_command_as_a_new_user_runs_it(tmp_path):
             *[f"--data.source.init_args.{key}={value}" for key, value in TINY_DATA.items()],
         ],
         cwd=tmp_path,
-        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
@@ -291,7 +297,7 @@ def test_a_users_own_dataset_class_trains_from_a_yaml_class_path(tmp_path):
     config["model"]["init_args"]["max_seq_len"] = 64
     path = tmp_path / "own.yaml"
     path.write_text(yaml.safe_dump(config))
-    result = _run(["fit", "--config", str(path)], cwd=tmp_path, timeout=900, path=(package,))
+    result = _run(["fit", "--config", str(path)], cwd=tmp_path, path=(package,))
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = next((tmp_path / "outputs" / "demo").glob("version_*/metrics.csv")).read_text()
     assert "val/loss" in metrics and "train/loss" in metrics
@@ -302,6 +308,7 @@ def test_a_users_own_dataset_class_trains_from_a_yaml_class_path(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_ddp_config_runs_two_cpu_processes_without_hanging(tmp_path):
     result = _run(
         [
@@ -316,7 +323,6 @@ def test_ddp_config_runs_two_cpu_processes_without_hanging(tmp_path):
             "400",
         ],
         cwd=tmp_path,
-        timeout=400,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr

@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)  # most tests run an example in a subprocess
 
 
-def _run(script: str, *args: str, cwd: Path, timeout: int = 300) -> str:
+def _run(script: str, *args: str, cwd: Path) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
@@ -23,7 +26,7 @@ def _run(script: str, *args: str, cwd: Path, timeout: int = 300) -> str:
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout + result.stderr
@@ -89,7 +92,12 @@ def test_compare_modes_trains_each_mode_on_the_same_real_tokens(tmp_path):
 def _stdout(script: str, *args: str, cwd: Path) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(EXAMPLES / script), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

@@ -19,6 +19,7 @@ import torch
 
 from lit_seqpack.model.fabric import FabricAccumulation
 from lit_seqpack.model.lm import ReferenceLM
+from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 from tests.model.test_exact_loss import assert_gradients_match, reference_gradients
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,13 +65,13 @@ def test_a_batch_planned_for_another_world_size_raises():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_two_gloo_processes_with_accumulation_2_equal_the_big_padded_batch(tmp_path):
     path = tmp_path / "step.pt"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     args = [*ARGS, "--devices", "2", "--accumulate-grad-batches", "2", "--save-first-step", str(path)]
     result = subprocess.run([sys.executable, SCRIPT, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=280)  # fmt: skip
+                            timeout=SUBPROCESS_TIMEOUT_S)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "x 2 ranks" in result.stdout
     assert _check_saved_step(path, 4) <= 1e-5

@@ -8,14 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
+
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_the_matrix_reports_exact_refused_and_dynamic_rows_against_the_stock_model() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "hf_matrix.py"), "--families", "llama,lfm2,gpt2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_seqpack.metrics import PackingEfficiency, PackingTracker, PaddingRatio, RankImbalance, TokensPerSecond
+from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 
 WORLD_SIZE = 2
 
@@ -31,7 +32,9 @@ def _batch(real: int, padding: int) -> dict:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         batches = [_batch(*counts) for counts in RANK_BATCHES[rank]]
         real, computed = TokensPerSecond(), TokensPerSecond(tokens="computed")
@@ -85,7 +88,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
 
 
 def test_tokens_per_second_is_the_true_aggregate_not_rank_zero_times_world(results):

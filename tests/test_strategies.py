@@ -32,6 +32,7 @@ from lit_seqpack.callbacks import PackingMonitor
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.model.lm import ReferenceLM, _clean_name
 from lit_seqpack.model.mixin import check_batch_layout
+from tests._limits import TEST_TIMEOUT_S
 from tests.model.test_exact_loss import TINY, VOCAB, assert_gradients_match, make_samples, reference_gradients
 
 WORLD = 2
@@ -213,7 +214,7 @@ def _expected_groups() -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_tensor_parallel_ranks_of_one_data_parallel_rank_get_the_same_odd_length_batches(runs: Path) -> None:
     tp0, tp1 = _load(runs, "tp_0.json")["batches"], _load(runs, "tp_1.json")["batches"]
     assert len(tp0) == 4 and tp0 == tp1
@@ -222,7 +223,7 @@ def test_tensor_parallel_ranks_of_one_data_parallel_rank_get_the_same_odd_length
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_the_monitor_counts_each_tensor_parallel_row_once(runs: Path) -> None:
     """Both TP ranks hold the same rows: the tokens summed over ranks are one rank's, not twice that."""
     for rank in range(WORLD):
@@ -241,7 +242,7 @@ def test_a_tensor_parallel_size_that_contradicts_the_mesh_names_both(runs: Path)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize(("run", "data_parallel"), [("fsdp2_0", WORLD), ("tp_0", 1)])
 def test_one_step_with_accumulation_equals_the_big_padded_batch(runs: Path, run: str, data_parallel: int) -> None:
     """FSDP2 over 2 data-parallel ranks, and TP over 2 ranks that form one data-parallel rank (plan for 1)."""
@@ -263,7 +264,7 @@ def test_one_step_with_accumulation_equals_the_big_padded_batch(runs: Path, run:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize("run", ["fsdp2", "fsdp1", "tp"])
 def test_the_decay_group_holds_exactly_the_two_dimensional_weights(runs: Path, run: str) -> None:
     decay, no_decay = _expected_groups()

@@ -160,7 +160,6 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
         apply_overlong_policy,
     )
     from lit_seqpack.data.datamodule import SeqPackDataModule
-    from lit_seqpack.data.indexed.planned_dataset import PlannedDataset
     from lit_seqpack.data.indexed.lengths import (
         cache_path,
         cached_lengths,
@@ -172,6 +171,7 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
         dataset_fingerprint,
     )
     from lit_seqpack.data.indexed.pipeline import IndexedPipeline
+    from lit_seqpack.data.indexed.planned_dataset import PlannedDataset
     from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler
     from lit_seqpack.data.indexed.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
     from lit_seqpack.data.indexed.splits import IndexView, Split, source_index, split_indices

@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "varlen_attention": "lit_seqpack.model.attention",
     "context_parallel_scope": "lit_seqpack.model.cp_attention",
     "FabricAccumulation": "lit_seqpack.model.fabric",
+    "UnsupportedAttentionError": "lit_seqpack.model.hf",
     "hf_model_inputs": "lit_seqpack.model.hf",
     "prepare_hf_model": "lit_seqpack.model.hf",
     "restore_hf_attention": "lit_seqpack.model.hf",
@@ -27,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "PackingLeakError": "lit_seqpack.model.isolation",
     "PackingReport": "lit_seqpack.model.isolation",
     "check_packing_equivalence": "lit_seqpack.model.isolation",
+    "documents_batch": "lit_seqpack.model.isolation",
     "probe_packing_isolation": "lit_seqpack.model.isolation",
     "HFCausalLM": "lit_seqpack.model.lm",
     "ReferenceLM": "lit_seqpack.model.lm",
@@ -55,9 +57,11 @@ __all__ = [
     "ReferenceConfig",
     "ReferenceDecoder",
     "ReferenceLM",
+    "UnsupportedAttentionError",
     "available_backends",
     "check_packing_equivalence",
     "context_parallel_scope",
+    "documents_batch",
     "exact_loss",
     "export_hf_model",
     "hf_model_inputs",
@@ -86,13 +90,14 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
     )
     from lit_seqpack.model.cp_attention import context_parallel_scope
     from lit_seqpack.model.fabric import FabricAccumulation
-    from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model, restore_hf_attention
+    from lit_seqpack.model.hf import UnsupportedAttentionError, hf_model_inputs, prepare_hf_model, restore_hf_attention
     from lit_seqpack.model.hf_load import export_hf_model, load_hf_model
     from lit_seqpack.model.isolation import (
         IsolationReport,
         PackingLeakError,
         PackingReport,
         check_packing_equivalence,
+        documents_batch,
         probe_packing_isolation,
     )
     from lit_seqpack.model.lm import HFCausalLM, ReferenceLM

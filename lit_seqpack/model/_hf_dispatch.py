@@ -31,12 +31,11 @@ from collections.abc import Callable
 from typing import Any
 
 from lit_seqpack._imports import require
+from lit_seqpack.model._hf_packed import RIGHT_PADDED_KWARG
+from lit_seqpack.model._leak_message import PackingLeakError
 
 RECORD_ATTR = "_lit_seqpack_attention_record"
 """The attribute of the top-level model that holds its :class:`AttentionRecord`."""
-
-RIGHT_PADDED_KWARG = "lit_seqpack_right_padded"
-"""The keyword :func:`~lit_seqpack.model.hf.hf_model_inputs` sets on a batch whose padding is only on the right."""
 
 _ORIGINALS: dict[int, tuple[weakref.ref[Any], str | None]] = {}
 # the kind of each model call in progress, innermost last. A plain list (not a ContextVar, which torch.compile
@@ -99,6 +98,11 @@ def record(model: Any) -> AttentionRecord:
     new = AttentionRecord(entries)
     object.__setattr__(model, RECORD_ATTR, new)  # a plain attribute: not a submodule, not in the state dict
     return new
+
+
+def is_prepared(model: Any) -> bool:
+    """Whether ``model`` was switched to lit_seqpack's attention (and not restored since)."""
+    return getattr(model, RECORD_ATTR, None) is not None
 
 
 def original_implementation(config: Any) -> str | None:
@@ -250,8 +254,6 @@ def delegate(module: Any, *args: Any, **kwargs: Any) -> Any:
     functions = require("transformers.modeling_utils", purpose="a transformers model").ALL_ATTENTION_FUNCTIONS
 
     if _CALLS and _CALLS[-1] == "packed" and kwargs.get("is_causal", getattr(module, "is_causal", True)):
-        from lit_seqpack.model.hf import PackingLeakError
-
         raise PackingLeakError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) was called without cu_seq_lens_q "
             "in a packed forward: a module between the model and its attention (typically a decoder layer that "

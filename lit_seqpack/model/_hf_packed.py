@@ -1,13 +1,25 @@
-"""What a transformers attention call may carry on a packed row, and how it maps onto ``varlen_attention``.
+"""The packed-row contract between lit_seqpack and a transformers model: names, inputs, and what a call may carry.
 
-:func:`attention_extras` turns transformers' ``sliding_window`` / ``softcap`` / ``s_aux`` keywords into
-:func:`~lit_seqpack.model.attention.varlen_attention`'s ``window`` / ``softcap`` / ``sinks``;
-:func:`reject_unsupported` raises, naming the setting, for everything a packed row cannot honour (attention dropout,
-a mask or bias the model built itself, keywords without a varlen mapping, non-causal layers).
+Both sides read this module (the glue in :mod:`lit_seqpack.model.hf` and :mod:`lit_seqpack.model._hf_dispatch`, and
+the isolation probe in :mod:`lit_seqpack.model.isolation`), so it imports neither of them:
+
+- :data:`ATTENTION_NAME`, :data:`BACKEND_KWARG`, :data:`RIGHT_PADDED_KWARG`: the names lit_seqpack registers with
+  transformers and the keywords it passes through the model to its attention function and mask function;
+- :func:`hf_model_inputs`: the batch contract mapped to a prepared model's keywords (re-exported by
+  :mod:`lit_seqpack.model.hf`, its public home);
+- :func:`attention_extras` turns transformers' ``sliding_window`` / ``softcap`` / ``s_aux`` keywords into
+  :func:`~lit_seqpack.model.attention.varlen_attention`'s ``window`` / ``softcap`` / ``sinks``;
+  :func:`reject_unsupported` raises, naming the setting, for everything a packed row cannot honour (attention
+  dropout, a mask or bias the model built itself, keywords without a varlen mapping, non-causal layers);
+- :func:`refuse_packing_without_interface`: a model that keeps its own attention (Falcon, ...: no
+  ``AttentionInterface``) trains in dynamic and padded mode only;
+- :func:`missing_kernel_error`: transformers' refusal of a packed row for a missing kernel package
+  (flash-linear-attention for Qwen3-Next / Qwen3.5, mamba-ssm, ...) in lit_seqpack's words: the mode that is exact.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,8 +30,50 @@ from lit_seqpack._checks import check_int
 ATTENTION_NAME = "lit_seqpack_varlen"
 """The name of lit_seqpack's attention function in transformers' ``AttentionInterface``."""
 
+BACKEND_KWARG = "lit_seqpack_backend"
+"""The keyword that carries the :func:`~lit_seqpack.model.attention.varlen_attention` backend to the attention."""
+
+RIGHT_PADDED_KWARG = "lit_seqpack_right_padded"
+"""The keyword :func:`hf_model_inputs` sets on a batch whose padding is only on the right."""
+
+_MISSING_KERNEL = re.compile(r"`(?P<function>[\w.]+)` can't keep packed sequences apart without `(?P<package>[\w.-]+)`")
+"""transformers' refusal (``integrations/hub_kernels.py``) when a layer's packed path needs a kernel package."""
+
 _REFUSED_KWARGS = ("position_bias", "sinks", "indices", "block_indices")
 """Attention-function keywords of some transformers models that change the result and have no varlen mapping."""
+
+
+def hf_model_inputs(batch: Mapping[str, Any], *, backend: str = "auto") -> dict[str, Any]:
+    """Keyword arguments for a model prepared by :func:`~lit_seqpack.model.hf.prepare_hf_model`, from a contract batch.
+
+    A padded batch passes the standard ``attention_mask`` (models that read it for more than attention get it);
+    when every row's padding is on the right it also passes ``lit_seqpack_right_padded=True``, so the mask is built
+    without the padding (plain causal SDPA, exact for every real token; see :mod:`lit_seqpack.model._hf_dispatch`).
+
+    Args:
+        batch: a packed row (with ``cu_seqlens``) or a padded ``[B, L]`` batch (with ``attention_mask``).
+        backend: the :func:`~lit_seqpack.model.attention.varlen_attention` backend for packed rows.
+    """
+    inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False, BACKEND_KWARG: backend}
+    if batch.get("position_ids") is not None:
+        inputs["position_ids"] = batch["position_ids"]
+    if batch.get("cu_seqlens") is not None:
+        cu_seqlens, max_seqlen = batch["cu_seqlens"], int(batch["max_seqlen"])
+        inputs.update(
+            cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen
+        )
+    elif batch.get("attention_mask") is not None:
+        mask = batch["attention_mask"]
+        inputs["attention_mask"] = mask
+        if mask.ndim == 2 and _is_right_padded(mask):
+            inputs[RIGHT_PADDED_KWARG] = True
+    return inputs
+
+
+def _is_right_padded(mask: torch.Tensor) -> bool:
+    """Whether every row of a 2-D ``[B, L]`` padding mask is ones then zeros (one host sync)."""
+    keep = mask.bool()
+    return bool((keep[:, 1:] <= keep[:, :-1]).all()) if keep.shape[1] > 1 else True
 
 
 def attention_extras(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -94,3 +148,47 @@ def reject_unsupported(
             )
     if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
         raise ValueError(f"{ATTENTION_NAME!r} supports causal attention only ({name} is not causal)")
+
+
+def missing_kernel_error(model: Any, error: BaseException) -> ValueError | None:
+    """lit_seqpack's refusal for ``error`` when it is transformers' "install <kernel> to train on packed sequences".
+
+    Some layers (gated delta rule, Mamba scans, ...) keep packed documents apart only through a kernel package that
+    takes the boundaries (``cu_seqlens`` / ``seq_idx``); without it transformers refuses the packed row. Padded rows
+    hold one document each and need no boundary, so ``mode: dynamic`` (or ``padded``) is exact for such a model.
+    Returns ``None`` for any other error.
+    """
+    found = _MISSING_KERNEL.search(str(error))
+    if found is None:
+        return None
+    function, package = found["function"], found["package"]
+    return ValueError(
+        f"{type(model).__name__} cannot be trained with mode: packing here: its layers' {function} needs the "
+        f"{package!r} kernel package (not installed) to keep the documents of a packed row apart, and transformers "
+        "refuses the packed row without it. Train it with mode: dynamic (or padded), where every row holds one "
+        f"document: that is exact for this model without the kernel; or install {package} (GPU kernels) "
+        "to pack it, and the isolation probe checks it on the first packed batch"
+    )
+
+
+def unwrapped_model(model: Any) -> Any:
+    """The transformers model inside PEFT's wrappers (``get_base_model``), or ``model`` itself."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
+def uses_varlen_attention(model: Any) -> bool:
+    """Whether ``model`` (PEFT-wrapped or not) runs lit_seqpack's attention, i.e. can run packed rows."""
+    return getattr(getattr(unwrapped_model(model), "config", None), "_attn_implementation", None) == ATTENTION_NAME
+
+
+def refuse_packing_without_interface(model: Any, batch: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for a packed ``batch`` when ``model`` keeps its own attention (no AttentionInterface)."""
+    if batch.get("cu_seqlens") is None or uses_varlen_attention(model):
+        return
+    raise ValueError(
+        f"{type(unwrapped_model(model)).__name__} cannot be trained with mode: packing: it does not dispatch "
+        "attention through transformers' AttentionInterface, so lit_seqpack cannot give its attention the packed "
+        "boundaries and its documents would attend to each other. Train it with mode: dynamic (or padded), where "
+        "every row holds one document: that is exact for this model with its own attention"
+    )

@@ -2,7 +2,9 @@
 
 Private: forward hooks that turn input embeddings into gradient leaves, record every leaf module's input and
 output in execution order, and (for transformers models) record which calls of lit_seqpack's attention function
-received the packed boundaries; plus the search for the first module whose output depends on another document.
+received the packed boundaries; the search for the first module whose output depends on another document; and
+:func:`outside_training`, the conditions the probe's own pass runs under (eager, parameters frozen), so that it
+neither breaks a compiled graph nor touches a parameter's gradient, also under reentrant activation checkpointing.
 """
 
 from __future__ import annotations
@@ -15,8 +17,16 @@ from typing import Any
 import torch
 
 from lit_seqpack._imports import require
+from lit_seqpack.model._hf_packed import ATTENTION_NAME
 
-__all__ = ["Trace", "cross_document_entries", "first_leaking_module", "tracing"]
+__all__ = [
+    "Trace",
+    "cross_document_entries",
+    "first_leaking_module",
+    "has_reentrant_checkpoint",
+    "outside_training",
+    "tracing",
+]
 
 
 @dataclass
@@ -28,12 +38,16 @@ class Trace:
         outputs: ``(name, module, input, output)`` of every leaf module, in the order they finished.
         attention_calls: ``(module, got_boundaries)`` per call of lit_seqpack's transformers attention function.
         attention_wrapped: whether the model uses lit_seqpack's transformers attention function at all.
+        reentrant: whether the row ran through reentrant activation checkpointing (``use_reentrant=True``): the
+            gradients are then taken with ``backward()`` (``torch.autograd.grad`` is refused there), and the outputs
+            inside checkpointed blocks, computed without a graph, cannot be searched for the first leaking module.
     """
 
     leaves: list[torch.Tensor] = field(default_factory=list)
     outputs: list[tuple[str, torch.nn.Module, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
     attention_calls: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
     attention_wrapped: bool = False
+    reentrant: bool = False
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -85,8 +99,6 @@ def tracing(model: torch.nn.Module, row_shape: tuple[int, ...]) -> Iterator[Trac
 @contextlib.contextmanager
 def _recording_attention(model: torch.nn.Module, trace: Trace) -> Iterator[None]:
     """Wrap lit_seqpack's registered transformers attention function to record whether calls got ``cu_seq_lens``."""
-    from lit_seqpack.model.hf import ATTENTION_NAME
-
     configs = [getattr(m, "config", None) for m in model.modules()]
     if not any(getattr(c, "_attn_implementation", None) == ATTENTION_NAME for c in configs):
         yield
@@ -106,17 +118,93 @@ def _recording_attention(model: torch.nn.Module, trace: Trace) -> Iterator[None]
         interface.register(ATTENTION_NAME, original)
 
 
+@contextlib.contextmanager
+def outside_training(model: Any) -> Iterator[None]:
+    """The probe's own pass: it leaves no trace on the model, the RNG or a compiled graph.
+
+    Inside the block compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``: a compiled model,
+    ``model.compile()`` or ``torch.compile``, runs its Python code, so the probe's hooks and shapes never reach a
+    compiled graph: no graph break, no guard failure, no extra graph; the graphs compiled for training are reused
+    unchanged afterwards) and every parameter is frozen (so no parameter gradient, and no hook on one such as DDP's
+    reducer or FSDP's, is reached by the probe's backward passes, whichever way they are taken). On exit the
+    parameters' ``requires_grad``, the buffers and the RNG states (CPU and the model's CUDA devices) are restored.
+    """
+    if not isinstance(model, torch.nn.Module):
+        with _eager():
+            yield
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    try:
+        for param in params:
+            param.requires_grad_(False)
+        with torch.random.fork_rng(devices=devices), _eager():
+            yield
+    finally:
+        for param in params:
+            param.requires_grad_(True)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+def _eager() -> contextlib.AbstractContextManager[Any]:
+    """Compiled code runs eagerly inside (torch >= 2.6; older versions compile the probe's pass too)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+def has_reentrant_checkpoint(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s autograd graph holds a reentrant ``torch.utils.checkpoint`` block."""
+    seen: set[int] = set()
+    stack = [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(child for child, _ in node.next_functions)
+    return False
+
+
+def _leaf_grads(output: torch.Tensor, leaves: list[torch.Tensor], reentrant: bool) -> list[torch.Tensor | None]:
+    """The gradients of the scalar ``output`` on ``leaves`` (the graph is kept for the next call).
+
+    Reentrant checkpointing refuses ``torch.autograd.grad``; there a plain ``backward()`` accumulates into the
+    leaves' ``.grad`` (the parameters are frozen by :func:`outside_training`, so nothing else is touched).
+    """
+    if not reentrant:
+        return list(torch.autograd.grad(output, leaves, retain_graph=True, allow_unused=True))
+    for leaf in leaves:
+        leaf.grad = None
+    output.backward(retain_graph=True)
+    grads = [leaf.grad for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+    return grads
+
+
 def cross_document_entries(
-    target: torch.Tensor, leaves: list[torch.Tensor], start: int, end: int, generator: torch.Generator
+    target: torch.Tensor,
+    leaves: list[torch.Tensor],
+    start: int,
+    end: int,
+    generator: torch.Generator,
+    *,
+    reentrant: bool = False,
 ) -> tuple[int, int]:
     """Nonzero gradient entries of a random projection of ``target``'s rows ``[start, end)`` on the leaves.
 
     ``target`` is ``[T, ...]`` (the sequence axis first). Returns ``(outside, inside)``: the count on the leaves'
     positions outside ``[start, end)`` (a leak when > 0) and inside it (0 means the probe sees no dependence).
+    ``reentrant``: the graph holds reentrant checkpointing (see :func:`has_reentrant_checkpoint`).
     """
     part = target[start:end].float()
     weights = torch.randn(part.shape, generator=generator).to(part.device)
-    grads = torch.autograd.grad((part * weights).sum(), leaves, retain_graph=True, allow_unused=True)
+    grads = _leaf_grads((part * weights).sum(), leaves, reentrant)
     outside = inside = 0
     for grad in grads:
         if grad is None:
@@ -154,7 +242,9 @@ def first_leaking_module(
 
     def leaks(tensor: torch.Tensor | None) -> bool:
         view = None if tensor is None or not tensor.requires_grad else sequence_first(tensor, length)
-        return view is not None and cross_document_entries(view, trace.leaves, start, end, generator)[0] > 0
+        if view is None:
+            return False
+        return cross_document_entries(view, trace.leaves, start, end, generator, reentrant=trace.reentrant)[0] > 0
 
     candidates = [entry for entry in trace.outputs if sequence_first(entry[3], length) is not None]
     low, high = 0, len(candidates)  # invariant: candidates[:low] do not leak, candidates[high:] start with a leak

@@ -1,4 +1,8 @@
-"""The isolation probe's document lengths (read from a model's config) and its refusal message (the real cause)."""
+"""The isolation probe's refusal (:class:`PackingLeakError` and its message, naming the real cause) and its lengths.
+
+:class:`PackingLeakError` is defined here, below both the probe (:mod:`lit_seqpack.model.isolation`, its public
+home) and the transformers glue (:mod:`lit_seqpack.model._hf_dispatch`), which both raise it.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lit_seqpack.model._hf_packed import ATTENTION_NAME
+
 if TYPE_CHECKING:
     from lit_seqpack.model._isolation_trace import Trace
     from lit_seqpack.model.isolation import IsolationReport
 
-__all__ = ["MAX_PROBE_LENGTH", "leak_message", "probe_lengths"]
+__all__ = ["MAX_PROBE_LENGTH", "PackingLeakError", "leak_message", "probe_lengths"]
+
+
+class PackingLeakError(RuntimeError):
+    """A model's outputs on a packed row depend on other documents of the row."""
+
 
 MAX_PROBE_LENGTH = 384
 """The longest probe document: a layer that mixes documents only past this many tokens is not seen."""
@@ -87,8 +98,6 @@ def _describe(model: torch.nn.Module, path: str) -> str:
 
 
 def _cause(model: torch.nn.Module, trace: Trace, culprit: tuple[str, torch.nn.Module, bool] | None) -> str:
-    from lit_seqpack.model.hf import ATTENTION_NAME
-
     dropped = [m for m, got in trace.attention_calls if not got]
     if dropped:
         path, parent = _named(model, dropped[0])
@@ -103,6 +112,12 @@ def _cause(model: torch.nn.Module, trace: Trace, culprit: tuple[str, torch.nn.Mo
         return (
             f"the config selects the attention function {ATTENTION_NAME!r} but no layer called it: the model does "
             "not dispatch attention through transformers' AttentionInterface."
+        )
+    if culprit is None and trace.reentrant:
+        return (
+            "no layer can be named under reentrant activation checkpointing (use_reentrant=True runs the "
+            "checkpointed layers without an autograd graph, so their outputs cannot be searched); probe once with "
+            "use_reentrant=False or without checkpointing to have the first mixing layer named."
         )
     if culprit is None:
         return "no single module could be named (the mixing happens outside the modules the probe can see)."

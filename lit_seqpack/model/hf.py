@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs on packed rows, and a check that packed outputs equal per-document outputs.
+"""Hugging Face causal LMs on packed rows: lit_seqpack's varlen attention inside a transformers model.
 
 A stock transformers model given a packed row with only ``position_ids`` is *not* safe: with the default
 ``use_cache=True`` it builds a cache, skips its packed-sequence detection and attends across documents (a tiny
@@ -18,45 +18,51 @@ is built by the original implementation's mask function and the attention delega
 GPT-2's ``reorder_and_upcast_attn`` under ``"eager"``) sees lit_seqpack's name; :func:`restore_hf_attention` gives
 back the stock model entirely (before ``save_pretrained`` or serving).
 
-:func:`check_packing_equivalence`, :func:`probe_packing_isolation` (the structural leak guard that
-:class:`~lit_seqpack.model.mixin.PackedSequenceMixin` runs once), :class:`PackingLeakError` and
-:func:`documents_batch` live in :mod:`lit_seqpack.model.isolation` and are re-exported here.
+The isolation checks (:func:`~lit_seqpack.model.isolation.check_packing_equivalence`,
+:func:`~lit_seqpack.model.isolation.probe_packing_isolation`, :class:`~lit_seqpack.model.isolation.PackingLeakError`,
+:func:`~lit_seqpack.model.isolation.documents_batch`) live in :mod:`lit_seqpack.model.isolation` (and are exported by
+:mod:`lit_seqpack.model`); :data:`ATTENTION_NAME` and :func:`hf_model_inputs` are defined in
+:mod:`lit_seqpack.model._hf_packed`, which both this module and the isolation probe read.
 
 transformers is imported only inside the functions that need it; nothing here touches CUDA at import time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from lit_seqpack._imports import require
 from lit_seqpack.model import _hf_dispatch
-from lit_seqpack.model._hf_packed import ATTENTION_NAME, attention_extras, reject_unsupported
-from lit_seqpack.model.attention import varlen_attention
-from lit_seqpack.model.isolation import (
-    PackingLeakError,
-    PackingReport,
-    check_packing_equivalence,
-    documents_batch,
-    probe_packing_isolation,
+from lit_seqpack.model._hf_packed import (
+    ATTENTION_NAME,
+    BACKEND_KWARG,
+    RIGHT_PADDED_KWARG,
+    attention_extras,
+    hf_model_inputs,
+    reject_unsupported,
 )
+from lit_seqpack.model.attention import varlen_attention
 
 __all__ = [
     "ATTENTION_NAME",
-    "PackingLeakError",  # re-exported from lit_seqpack.model.isolation, like the next four
-    "PackingReport",
-    "check_packing_equivalence",
-    "documents_batch",
+    "UnsupportedAttentionError",
     "hf_model_inputs",
     "hf_varlen_attention",
     "prepare_hf_model",
-    "probe_packing_isolation",
     "register_attention",
     "restore_hf_attention",
 ]
+
+
+class UnsupportedAttentionError(ValueError):
+    """A transformers model whose attention cannot be switched: it does not dispatch through ``AttentionInterface``.
+
+    Such a model (Falcon, and other architectures with their own attention classes) cannot be given the packed
+    boundaries, so packing is refused; :class:`~lit_seqpack.model.lm.HFCausalLM` keeps its own attention and trains
+    it in ``mode: dynamic`` or ``padded``, where every row holds one document.
+    """
 
 
 # ------------------------------------------------------------------------------------------- transformers glue
@@ -79,15 +85,21 @@ def prepare_hf_model(model: Any) -> Any:
     The implementation every config had before (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``, ... for the
     model and each sub-model) is recorded on the model, so :func:`restore_hf_attention` can switch it back exactly.
     Preparing a prepared model again keeps the first record.
+
+    Raises:
+        UnsupportedAttentionError: the model does not dispatch attention through transformers'
+            ``AttentionInterface`` (Falcon, ...); it is left as it was.
     """
     _hf_dispatch.record(model)
     model.set_attn_implementation(register_attention())
     _hf_dispatch.install_hooks(model)
     if model.config._attn_implementation != ATTENTION_NAME:
         _hf_dispatch.restore(model)
-        raise ValueError(
-            f"{type(model).__name__} does not support custom attention functions (its attn_implementation stayed "
-            f"{model.config._attn_implementation!r}); packed training needs a model built on AttentionInterface"
+        raise UnsupportedAttentionError(
+            f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface (its "
+            f"attn_implementation stayed {model.config._attn_implementation!r}), so its attention cannot be given "
+            "the packed boundaries and packing is refused for it; train it with mode: dynamic (or padded), where "
+            "every row holds one document (HFCausalLM keeps the model's own attention for those modes)"
         )
     return model
 
@@ -103,39 +115,6 @@ def restore_hf_attention(model: Any) -> Any:
         ValueError: ``model`` was not prepared by :func:`prepare_hf_model`.
     """
     return _hf_dispatch.restore(model)
-
-
-def hf_model_inputs(batch: Mapping[str, Any], *, backend: str = "auto") -> dict[str, Any]:
-    """Keyword arguments for a model prepared by :func:`prepare_hf_model`, from a contract batch.
-
-    A padded batch passes the standard ``attention_mask`` (models that read it for more than attention get it);
-    when every row's padding is on the right it also passes ``lit_seqpack_right_padded=True``, so the mask is built
-    without the padding (plain causal SDPA, exact for every real token; see :mod:`lit_seqpack.model._hf_dispatch`).
-
-    Args:
-        batch: a packed row (with ``cu_seqlens``) or a padded ``[B, L]`` batch (with ``attention_mask``).
-        backend: the :func:`~lit_seqpack.model.attention.varlen_attention` backend for packed rows.
-    """
-    inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False, "lit_seqpack_backend": backend}
-    if batch.get("position_ids") is not None:
-        inputs["position_ids"] = batch["position_ids"]
-    if batch.get("cu_seqlens") is not None:
-        cu_seqlens, max_seqlen = batch["cu_seqlens"], int(batch["max_seqlen"])
-        inputs.update(
-            cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen
-        )
-    elif batch.get("attention_mask") is not None:
-        mask = batch["attention_mask"]
-        inputs["attention_mask"] = mask
-        if mask.ndim == 2 and _is_right_padded(mask):
-            inputs[_hf_dispatch.RIGHT_PADDED_KWARG] = True
-    return inputs
-
-
-def _is_right_padded(mask: torch.Tensor) -> bool:
-    """Whether every row of a 2-D ``[B, L]`` padding mask is ones then zeros (one host sync)."""
-    keep = mask.bool()
-    return bool((keep[:, 1:] <= keep[:, :-1]).all()) if keep.shape[1] > 1 else True
 
 
 def hf_varlen_attention(
@@ -156,8 +135,8 @@ def hf_varlen_attention(
     :func:`prepare_hf_model`). On a packed row anything this function cannot honour raises rather than being
     ignored.
     """
-    backend = kwargs.pop("lit_seqpack_backend", "auto")
-    kwargs.pop(_hf_dispatch.RIGHT_PADDED_KWARG, None)
+    backend = kwargs.pop(BACKEND_KWARG, "auto")
+    kwargs.pop(RIGHT_PADDED_KWARG, None)
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None:
         return _hf_dispatch.delegate(

@@ -163,11 +163,12 @@ def export_hf_model(model: Any, path: str | Path, *, dtype: str | None = None) -
     otherwise the live model is switched to its original attention for the save and back afterwards.
 
     Args:
-        model: a transformers model prepared by :func:`~lit_seqpack.model.hf.prepare_hf_model`, or a PEFT model
-            wrapping one.
+        model: a transformers model prepared by :func:`~lit_seqpack.model.hf.prepare_hf_model` (or one that keeps its
+            own attention, see :class:`~lit_seqpack.model.hf.UnsupportedAttentionError`), or a PEFT model wrapping one.
         path: the output folder.
         dtype: the saved weights' dtype (default: as trained).
     """
+    from lit_seqpack.model._hf_dispatch import is_prepared
     from lit_seqpack.model.hf import prepare_hf_model, restore_hf_attention
 
     copied = hasattr(model, "merge_and_unload") or dtype is not None
@@ -176,10 +177,12 @@ def export_hf_model(model: Any, path: str | Path, *, dtype: str | None = None) -
         target = target.merge_and_unload()
     if dtype is not None:
         target.to(_torch_dtype(dtype))
-    restore_hf_attention(target)
+    prepared = is_prepared(target)
+    if prepared:
+        restore_hf_attention(target)
     try:
         target.save_pretrained(Path(path))
     finally:
-        if not copied:
+        if prepared and not copied:
             prepare_hf_model(target)
     return Path(path)

@@ -25,8 +25,15 @@ from typing import Any
 import torch
 
 from lit_seqpack.batch import IGNORE_INDEX
-from lit_seqpack.model._isolation_trace import cross_document_entries, first_leaking_module, tracing
-from lit_seqpack.model._leak_message import leak_message, probe_lengths
+from lit_seqpack.model._hf_packed import hf_model_inputs, missing_kernel_error
+from lit_seqpack.model._isolation_trace import (
+    cross_document_entries,
+    first_leaking_module,
+    has_reentrant_checkpoint,
+    outside_training,
+    tracing,
+)
+from lit_seqpack.model._leak_message import PackingLeakError, leak_message, probe_lengths
 
 __all__ = [
     "IsolationReport",
@@ -36,10 +43,6 @@ __all__ = [
     "documents_batch",
     "probe_packing_isolation",
 ]
-
-
-class PackingLeakError(RuntimeError):
-    """A model's outputs on a packed row depend on other documents of the row."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -170,6 +173,7 @@ def check_packing_equivalence(
     return report
 
 
+@torch.compiler.disable  # reached from a compiled step, it runs outside the graph (never traced)
 def probe_packing_isolation(
     model: Any, batch: Mapping[str, Any], *, lengths: Sequence[int] | None = None
 ) -> IsolationReport:
@@ -193,6 +197,11 @@ def probe_packing_isolation(
     Tested on CPU, alone and under DDP (it runs inside the training step, on the module DDP wraps); under FSDP or
     model-parallel strategies it runs like any forward of the sharded module, untested here.
 
+    Its pass is its own: compiled code (``model.compile()``, ``torch.compile`` of the model or of the step) runs
+    eagerly for it, so it adds no graph break and no graph; the parameters are frozen during it, so reentrant
+    activation checkpointing (``use_reentrant=True``, where ``torch.autograd.grad`` is refused) is probed with plain
+    ``backward()`` passes into the embedding leaves.
+
     Args:
         model: a module with ``seqpack_forward``, a transformers causal LM, or a ``.module`` wrapper of either.
         batch: a packed row of the training data (its tokens and device are used).
@@ -202,7 +211,8 @@ def probe_packing_isolation(
     forward = _forward_fn(model)
     lengths = tuple(lengths) if lengths is not None else probe_lengths(model)
     training = bool(getattr(model, "training", False))
-    with _preserved(model), torch.inference_mode(False), torch.enable_grad():  # validation runs in inference mode
+    # validation runs in inference mode; the probe's own pass leaves no trace (see outside_training)
+    with outside_training(model), torch.inference_mode(False), torch.enable_grad():
         docs = _probe_documents(batch, lengths)
         row = documents_batch(docs)
         bounds = row["cu_seqlens"].tolist()
@@ -213,12 +223,21 @@ def probe_packing_isolation(
                 if not any(not got for _, got in trace.attention_calls):
                     raise
                 raise PackingLeakError(leak_message(model, None, 0, None, trace, training=training)) from err
+            except ValueError as err:  # transformers refused the packed row for a missing kernel: say what is exact
+                refusal = missing_kernel_error(model, err)
+                if refusal is None:
+                    raise
+                raise refusal from err
+        trace.reentrant = has_reentrant_checkpoint(logits)
         if not trace.leaves:
             cross = _perturbation_entries(forward, docs, logits)
             method = "perturbation"
         else:
             generator = torch.Generator().manual_seed(0)
-            counts = [cross_document_entries(logits[0], trace.leaves, s, e, generator) for s, e in _pairs(bounds)]
+            counts = [
+                cross_document_entries(logits[0], trace.leaves, s, e, generator, reentrant=trace.reentrant)
+                for s, e in _pairs(bounds)
+            ]
             if not any(inside for _, inside in counts):
                 raise PackingLeakError(
                     f"{type(model).__name__}: the isolation probe found no dependence of the logits on the outputs "
@@ -232,7 +251,8 @@ def probe_packing_isolation(
         if not report.passed:
             leaking = next(i for i, c in enumerate(cross) if c)
             start, end = _pairs(bounds)[leaking]
-            culprit = first_leaking_module(trace, sum(lengths), start, end) if method == "gradient" else None
+            searchable = method == "gradient" and not trace.reentrant  # reentrant blocks run without a graph
+            culprit = first_leaking_module(trace, sum(lengths), start, end) if searchable else None
             raise PackingLeakError(leak_message(model, report, leaking, culprit, trace))
     return report
 
@@ -278,8 +298,6 @@ def _unwrap(model: Any) -> Any:
 def _forward_fn(model: Any) -> Callable[[Mapping[str, Any]], torch.Tensor]:
     if hasattr(model, "seqpack_forward"):
         return model.seqpack_forward
-    from lit_seqpack.model.hf import hf_model_inputs
-
     return lambda batch: model(**hf_model_inputs(batch)).logits
 
 
@@ -291,23 +309,6 @@ def _documents(batch: Mapping[str, Any]) -> list[tuple[int, int, int]]:
         return [(0, bounds[i], bounds[i + 1]) for i in range(count) if bounds[i + 1] > bounds[i]]
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     return [(row, 0, int(n)) for row, n in enumerate(lengths) if n > 0]
-
-
-@contextlib.contextmanager
-def _preserved(model: Any) -> Iterator[None]:
-    """RNG states (CPU and the model's CUDA device) and buffers are as before after the block."""
-    if not isinstance(model, torch.nn.Module):
-        yield
-        return
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
 
 
 @contextlib.contextmanager

@@ -16,12 +16,20 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 
 from lit_seqpack._checks import check_choice, check_int
 from lit_seqpack._imports import require
-from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model, register_attention
+from lit_seqpack.model._hf_packed import (
+    BACKEND_KWARG,
+    RIGHT_PADDED_KWARG,
+    missing_kernel_error,
+    refuse_packing_without_interface,
+    unwrapped_model,
+    uses_varlen_attention,
+)
+from lit_seqpack.model.hf import UnsupportedAttentionError, hf_model_inputs, prepare_hf_model, register_attention
 from lit_seqpack.model.hf_load import (
     apply_peft,
     attention_dropout_settings,
@@ -244,6 +252,11 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
             config_overrides: {attention_dropout: 0.0}      # config attributes set before building
             peft_config: {r: 8, lora_alpha: 16, target_modules: [q_proj, v_proj]}   # LoRA (pip install peft)
 
+    A model that does not dispatch attention through transformers' ``AttentionInterface`` (Falcon, ...) keeps its
+    own attention and trains with ``mode: dynamic`` or ``padded``; packed batches are refused for it, as they are for
+    a model whose layers need a kernel package that is not installed to keep packed documents apart (Qwen3-Next and
+    Qwen3.5 without flash-linear-attention), naming ``mode: dynamic``.
+
     :meth:`export_hf` (and ``lit-seqpack export``) writes the trained model as a Hugging Face folder with the
     adapters merged and the stock attention restored.
 
@@ -310,7 +323,14 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
                 f"vocab_size={vocab_size} (the data's ids) is more than the model's config.vocab_size={embedded}: "
                 "token ids would index past the embedding; use a model made for the data's tokenizer"
             )
-        model = prepare_hf_model(model)
+        try:
+            model = prepare_hf_model(model)
+        except UnsupportedAttentionError:  # Falcon, ...: its own attention, for mode dynamic and padded only
+            rank_zero_info(
+                f"HFCausalLM: {type(model).__name__} keeps its own attention ({model.config._attn_implementation!r}; "
+                "it does not dispatch through transformers' AttentionInterface): it trains with mode: dynamic or "
+                "padded, and packed batches are refused"
+            )
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.model = apply_peft(model, peft_config) if peft_config is not None else model
@@ -327,7 +347,8 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
             rank_zero_warn(message)
 
     def seqpack_verify_packing(self, batch: Any) -> None:
-        """Refuse attention dropout on packed rows naming the config key, then run the isolation probe."""
+        """Refuse a model without lit_seqpack's attention, or with attention dropout, then run the isolation probe."""
+        refuse_packing_without_interface(self.model, batch)
         first = self.training and True not in _VERIFIED.get(self, ())  # once, with the train-mode probe
         settings = attention_dropout_settings(self.model) if first else []
         if settings:
@@ -340,12 +361,32 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         super().seqpack_verify_packing(batch)
 
     def seqpack_model_inputs(self, batch: Any) -> dict[str, Any]:
-        """transformers keywords: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``, ``use_cache=False``."""
-        return hf_model_inputs(batch, backend=self.hparams.attn_backend)
+        """transformers keywords: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``, ``use_cache=False``.
+
+        A model that keeps its own attention (see :class:`~lit_seqpack.model.hf.UnsupportedAttentionError`) gets
+        transformers' keywords only, and a packed row is refused.
+        """
+        inputs = hf_model_inputs(batch, backend=self.hparams.attn_backend)
+        if not uses_varlen_attention(self.model):
+            refuse_packing_without_interface(self.model, batch)
+            for key in (BACKEND_KWARG, RIGHT_PADDED_KWARG):
+                inputs.pop(key, None)
+        return inputs
 
     def forward(self, **inputs: Any) -> Any:
-        """The wrapped model's output (a ``CausalLMOutput``; the mixin reads its ``logits``)."""
-        return self.model(**inputs)
+        """The wrapped model's output (a ``CausalLMOutput``; the mixin reads its ``logits``).
+
+        A packed row that transformers refuses for a missing kernel package (flash-linear-attention for Qwen3-Next /
+        Qwen3.5, ...) raises ``ValueError`` naming the mode that is exact without it (``mode: dynamic``).
+        """
+        try:
+            return self.model(**inputs)
+        except ValueError as err:
+            packed = inputs.get("cu_seq_lens_q") is not None
+            refusal = missing_kernel_error(unwrapped_model(self.model), err) if packed else None
+            if refusal is None:
+                raise
+            raise refusal from err
 
     def export_hf(self, path: str | Path, *, dtype: str | None = None, tokenizer: str | None = None) -> Path:
         """Write the trained model as a Hugging Face folder (``AutoModelForCausalLM.from_pretrained`` loads it).

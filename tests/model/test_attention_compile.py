@@ -48,7 +48,8 @@ def test_compiled_hf_model_on_packed_rows(fresh_dynamo: Any, model_type: str) ->
     pytest.importorskip("transformers")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lit_seqpack.model.hf import documents_batch, hf_model_inputs, prepare_hf_model
+    from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model
+    from lit_seqpack.model.isolation import documents_batch
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -65,6 +66,66 @@ def test_compiled_hf_model_on_packed_rows(fresh_dynamo: Any, model_type: str) ->
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     assert not fresh_dynamo["graph_break"], dict(fresh_dynamo["graph_break"])
     assert fresh_dynamo["stats"]["unique_graphs"] <= 2
+
+
+def _hf_causal_lm() -> Any:
+    pytest.importorskip("transformers")
+    from lit_seqpack.model.lm import HFCausalLM
+
+    torch.manual_seed(0)
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    return HFCausalLM(config=config, attn_backend="sdpa").train()
+
+
+def _packed_rows(steps: int) -> list[dict[str, Any]]:
+    from lit_seqpack.model.isolation import documents_batch
+
+    gen = torch.Generator().manual_seed(1)
+    return [documents_batch([torch.randint(1, 64, (n,), generator=gen) for n in lengths]) for lengths in
+            layouts(steps)]  # fmt: skip
+
+
+@pytest.fixture
+def probe_runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The modules the isolation probe ran on, one entry per run (the mixin imports it at call time)."""
+    import lit_seqpack.model.isolation as isolation
+
+    runs: list[Any] = []
+    probe = isolation.probe_packing_isolation
+
+    def counted(model: Any, *args: Any, **kwargs: Any) -> Any:
+        runs.append(model)
+        return probe(model, *args, **kwargs)
+
+    monkeypatch.setattr(isolation, "probe_packing_isolation", counted)
+    return runs
+
+
+def test_the_isolation_probe_adds_no_graph_break_and_no_graph_to_a_compiled_model(
+    fresh_dynamo: Any, probe_runs: list[Any]
+) -> None:
+    """The probe's pass (hooks, gradient leaves, its own row length) runs eagerly: the compiled model never sees it."""
+    module = _hf_causal_lm()
+    module.model.compile(backend="eager")
+    for step, batch in enumerate(_packed_rows(3)):
+        module.training_step(batch, step).backward()
+    assert probe_runs == [module]
+    assert not fresh_dynamo["graph_break"], dict(fresh_dynamo["graph_break"])  # the probe's hooks broke 6 times
+    assert fresh_dynamo["stats"]["unique_graphs"] <= 2  # as without the probe: the first layout, one dynamic graph
+
+
+def test_the_isolation_probe_reached_from_compiled_code_runs_once_outside_the_graph(
+    fresh_dynamo: Any, probe_runs: list[Any]
+) -> None:
+    """A compiled step (Fabric, ``torch.compile(module.training_step)``) meets the probe's call, never its body."""
+    module = _hf_causal_lm()
+    verify = torch.compile(module.seqpack_verify_packing, backend="eager")
+    for row in _packed_rows(3):
+        verify(row)
+    assert probe_runs == [module]
+    reasons = list(fresh_dynamo["graph_break"])
+    assert reasons and all("torch.compiler.disable" in reason for reason in reasons), reasons
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ from lit_seqpack.model.cp_attention import (
 )
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
 from lit_seqpack.parallel import shard_packed_batch, shard_tokens, unshard_tokens
+from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 
 CP = 2
 # documents of 12, 20, 4, 8 tokens and a padding tail of 4: every segment a multiple of 2 x CP
@@ -108,7 +109,9 @@ def _hf_errors(rank: int) -> dict[str, float]:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=CP)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=CP, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         group = dist.new_group([0, 1])
         outcome = {f"causal={c}": _attention_errors(rank, group, c) for c in (True, False)}
@@ -119,7 +122,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_sharded_attention_and_model_equal_the_unsharded_computation(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=CP, join=True)
     for rank in range(CP):

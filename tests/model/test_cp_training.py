@@ -26,6 +26,7 @@ from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.batching.collate import PackedCollator
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.parallel import shard_packed_batch
+from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 from tests.model.test_exact_loss import (
     assert_gradients_match,
     loss_tokens,
@@ -62,7 +63,9 @@ def _packed_step(samples: list[dict[str, list[int]]]) -> list[list[dict[str, Any
 
 def _worker(cp_rank: int, port: int, out_path: str) -> None:
     """One CP rank; the 2 data-parallel ranks are simulated one after the other, each on its own model copy."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=cp_rank, world_size=CP)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=cp_rank, world_size=CP, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         module = make_module("reference")  # float32, identical on both processes (seeded)
         batches = _packed_step(make_samples(count=14, seed=3))
@@ -84,7 +87,7 @@ def _worker(cp_rank: int, port: int, out_path: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_two_process_cp_step_equals_the_unsharded_step(tmp_path: Path) -> None:
     samples = make_samples(count=14, seed=3)
     expected = reference_gradients(make_module("reference"), samples)
@@ -109,7 +112,7 @@ def test_the_same_loop_without_cp_matches_too() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_lightning_ddp_with_the_datamodule_cp_knob_equals_the_unsharded_step(tmp_path: Path) -> None:
     """End to end: SeqPackDataModule(context_parallel_size=2) + ReferenceLM under a 2-process ddp_spawn Trainer."""
     samples = make_samples(count=20, seed=4)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
 
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data import PlannedDataset
@@ -22,6 +23,7 @@ from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.indexed.samplers import DynamicBatchSampler, PackedBatchSampler
 from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
 from lit_seqpack.model.loss import LossOutput
+from tests._limits import COLLECTIVE_TIMEOUT
 
 VOCAB = 64
 TINY = {"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "intermediate_size": 64}
@@ -145,7 +147,7 @@ def spawned_step_trainer(devices: int, path: str) -> Trainer:
     return Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy="ddp_spawn",
+        strategy=DDPStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT),
         precision="64-true",
         max_steps=1,
         accumulate_grad_batches=2,

@@ -15,6 +15,7 @@ import pytest
 import torch
 from lightning.pytorch import LightningDataModule
 
+from tests._limits import TEST_TIMEOUT_S
 from tests.model.test_exact_loss import (
     assert_gradients_match,
     make_module,
@@ -39,7 +40,7 @@ class PerRankBatches(LightningDataModule):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize(("kind", "mode"), [("reference", "packed"), ("reference", "dynamic")])
 def test_ddp_step_equals_the_big_padded_batch(kind: str, mode: str, tmp_path: Path) -> None:
     samples = make_samples(count=14, seed=3)

@@ -24,6 +24,7 @@ from lit_seqpack.data.batching.loss_weights import StepWeightedBatchSampler, sam
 from lit_seqpack.data.indexed.samplers import PackedBatchSampler
 from lit_seqpack.data.sources import TokenizedSource
 from lit_seqpack.parallel import gather_packed_batches, shard_packed_batch
+from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 from tests.model.test_exact_loss import (
     PACKED_GROUPS,
     VOCAB,
@@ -212,7 +213,7 @@ def test_real_sampler_with_planned_step_weights_end_to_end() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_weighted_ddp_step_on_two_gloo_ranks_equals_the_big_padded_batch(tmp_path: Path) -> None:
     """Real DDP (2 spawned gloo processes, accumulation 2): the averaged gradient is the weighted big-batch one."""
     samples = weighted_samples("weights", count=14, seed=3)
@@ -261,7 +262,9 @@ def test_datamodule_refuses_file_loss_mask_weights_and_undeclared_weight_fields(
 
 def _cp_weighted_worker(cp_rank: int, port: int, out_path: str) -> None:
     """One of 2 CP ranks (gloo); the 2 data-parallel ranks of GROUPS are simulated one after the other."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=cp_rank, world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=cp_rank, world_size=2, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         module = make_module("reference")
         samples = weighted_samples("weights", count=14, seed=3)
@@ -284,7 +287,7 @@ def _cp_weighted_worker(cp_rank: int, port: int, out_path: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_two_process_context_parallel_weighted_step_equals_the_big_padded_batch(tmp_path: Path) -> None:
     """The loss weights score targets: under CP each rank uses shift_loss_weights, as it uses shift_labels."""
     samples = weighted_samples("weights", count=14, seed=3)

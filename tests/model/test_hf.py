@@ -18,12 +18,14 @@ from lit_seqpack.model.attention import (  # noqa: E402
 )
 from lit_seqpack.model.hf import (  # noqa: E402
     ATTENTION_NAME,
-    PackingLeakError,
-    check_packing_equivalence,
-    documents_batch,
     hf_model_inputs,
     hf_varlen_attention,
     prepare_hf_model,
+)
+from lit_seqpack.model.isolation import (  # noqa: E402
+    PackingLeakError,
+    check_packing_equivalence,
+    documents_batch,
     probe_packing_isolation,
 )
 from lit_seqpack.model.mixin import PackedSequenceMixin  # noqa: E402

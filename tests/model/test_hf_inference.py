@@ -162,7 +162,8 @@ def test_generation_after_training_and_after_load_from_checkpoint(tmp_path: Any)
 def test_packed_rows_get_no_mask_and_a_model_own_mask_is_refused() -> None:
     """On a packed row the mask function builds nothing (no [T, T] mask); a mask that still arrives is the model's."""
     from lit_seqpack.model import _hf_dispatch
-    from lit_seqpack.model.hf import documents_batch, hf_model_inputs
+    from lit_seqpack.model.hf import hf_model_inputs
+    from lit_seqpack.model.isolation import documents_batch
 
     model = prepare_hf_model(tiny(attn_implementation="eager"))
     seen: list[Any] = []

@@ -13,7 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 from lit_seqpack.model import _hf_dispatch  # noqa: E402
-from lit_seqpack.model.hf import ATTENTION_NAME, documents_batch, hf_model_inputs, prepare_hf_model  # noqa: E402
+from lit_seqpack.model.hf import ATTENTION_NAME, hf_model_inputs, prepare_hf_model  # noqa: E402
+from lit_seqpack.model.isolation import documents_batch  # noqa: E402
 from tests.model._hf_tiny import TINY_HF  # noqa: E402
 
 TINY = TINY_HF

@@ -18,7 +18,8 @@ from lit_seqpack.model.attention import (  # noqa: E402
     reference_flash_attn_varlen_func,
     varlen_attention,
 )
-from lit_seqpack.model.hf import documents_batch, hf_model_inputs, prepare_hf_model  # noqa: E402
+from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model  # noqa: E402
+from lit_seqpack.model.isolation import documents_batch  # noqa: E402
 from lit_seqpack.model.lm import HFCausalLM  # noqa: E402
 from tests.model._hf_tiny import TINY_HF  # noqa: E402
 

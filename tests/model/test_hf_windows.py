@@ -15,7 +15,8 @@ import torch
 pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from lit_seqpack.model.hf import documents_batch, hf_model_inputs, hf_varlen_attention, prepare_hf_model  # noqa: E402
+from lit_seqpack.model.hf import hf_model_inputs, hf_varlen_attention, prepare_hf_model  # noqa: E402
+from lit_seqpack.model.isolation import documents_batch  # noqa: E402
 from tests.model._hf_tiny import TINY_HF  # noqa: E402
 
 TINY = {**TINY_HF, "head_dim": 8}
@@ -140,7 +141,7 @@ def test_a_sliding_layer_that_hides_its_window_is_refused() -> None:
 @pytest.mark.parametrize("model_type", ["stablelm", "nemotron"])
 def test_a_decoder_layer_that_drops_the_packing_keywords_is_named(model_type: str) -> None:
     """StableLM / Nemotron layers do not pass **kwargs on: the attention would see no boundaries."""
-    from lit_seqpack.model.hf import PackingLeakError
+    from lit_seqpack.model.isolation import PackingLeakError
 
     config = AutoConfig.for_model(model_type, **{k: v for k, v in TINY.items() if k != "head_dim"})
     model = prepare_hf_model(AutoModelForCausalLM.from_config(config)).eval()

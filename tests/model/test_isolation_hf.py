@@ -128,6 +128,31 @@ def test_the_probe_runs_through_gradient_checkpointing() -> None:
         probe_packing_isolation(leaky, _tokens_batch())
 
 
+def _reentrant(module: Any) -> Any:
+    module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return module.train()
+
+
+def test_the_probe_runs_under_reentrant_gradient_checkpointing_and_touches_no_parameter() -> None:
+    """``use_reentrant=True`` refuses ``torch.autograd.grad``: the probe takes its gradients by ``backward()``."""
+    plain, checkpointed = _hf("llama").train(), _reentrant(_hf("llama"))
+    report = probe_packing_isolation(checkpointed, _tokens_batch())
+    assert report.passed and report.method == "gradient"
+    params = list(checkpointed.parameters())
+    assert all(p.requires_grad and p.grad is None for p in params)  # frozen for the probe only, no gradient left
+    for module in (plain, checkpointed):  # the training step (probe first) gives the gradient of the plain model
+        module.training_step(_tokens_batch(), 0).backward()
+    for (name, p), q in zip(plain.named_parameters(), params, strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_leak_under_reentrant_gradient_checkpointing_is_refused_saying_why_no_layer_is_named() -> None:
+    module = _reentrant(_hf("lfm2", layer_types=["full_attention", "conv"]))
+    with pytest.raises(PackingLeakError, match=r"nonzero gradient entries.*use_reentrant=True.*mode: dynamic"):
+        module.training_step(_tokens_batch(), 0)
+    assert all(p.requires_grad and p.grad is None for p in module.parameters())
+
+
 @pytest.mark.parametrize("mode", ["packing", "dynamic"])
 def test_an_lfm2_run_is_refused_before_any_step_when_packed_and_trains_when_dynamic(mode: str, tmp_path: Any) -> None:
     from lightning.pytorch import Trainer

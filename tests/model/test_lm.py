@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch import Trainer
 
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
-from lit_seqpack.model.hf import ATTENTION_NAME, check_packing_equivalence
+from lit_seqpack.model.hf import ATTENTION_NAME
+from lit_seqpack.model.isolation import check_packing_equivalence
 from lit_seqpack.model.lm import HFCausalLM, ReferenceLM, warmup_cosine
 from tests.model._hf_tiny import TINY_HF
 

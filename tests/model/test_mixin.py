@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
 
 from lit_seqpack.model.attention import varlen_attention
-from lit_seqpack.model.hf import PackingLeakError, documents_batch
+from lit_seqpack.model.isolation import PackingLeakError, documents_batch
 from lit_seqpack.model.loss import LossOutput, sequence_cross_entropy, token_cross_entropy
 from lit_seqpack.model.mixin import PackedSequenceMixin, is_packed_batch
 

@@ -33,7 +33,7 @@ from lit_seqpack.cli import SeqPackCLI
 from lit_seqpack.data import PlannedDataset
 from lit_seqpack.data.sources import SyntheticInstructionDataset, TokenizedSource
 from lit_seqpack.model.attention import BackendUnavailableError
-from lit_seqpack.model.hf import PackingLeakError
+from lit_seqpack.model.isolation import PackingLeakError
 
 SYNTH = {"num_samples": 40, "median_length": 12, "max_length": 40, "vocab_size": 64, "seed": 3}
 SYNTH_SOURCE = {"class_path": "lit_seqpack.data.sources.SyntheticInstructionDataset", "init_args": SYNTH}

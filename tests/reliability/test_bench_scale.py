@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,11 +25,11 @@ def _tables(stdout: str) -> list[list[list[str]]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_bench_scale_prints_the_planning_and_loader_tables() -> None:
     command = [sys.executable, "benchmarks/bench_scale.py", "--sequences", "20000", "--tokens", "256"]
     command += ["--steps", "1", "--workers", "0", "1", "--threads", "1"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     plan, rank, loader = _tables(result.stdout)
     assert plan[0] == ["mode", "seconds", "peak MiB", "peak B/seq", "plan B/seq", "microbatches", "utilization"]

@@ -25,12 +25,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_seqpack import PackedBatchSampler
+from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S, stages_timeout
 from tests.reliability import _train_script as script
 
 SCRIPT = Path(script.__file__)
 ROOT = SCRIPT.parents[2]
 KILL_AT = 10  # optimizer steps; checkpoints every 4 steps, so the last one before the kill is step 8 (epoch 1)
-RUN_TIMEOUT_S = 240
 
 
 def _free_port() -> int:
@@ -52,11 +52,11 @@ def _start(script: Path, out: Path, *args: str) -> subprocess.Popen:
 
 def _wait(process: subprocess.Popen, out: Path) -> int:
     try:
-        return process.wait(timeout=RUN_TIMEOUT_S)
+        return process.wait(timeout=SUBPROCESS_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)  # never leave a hung run behind
         process.wait()
-        pytest.fail(f"{out.name} run hung for {RUN_TIMEOUT_S} s:\n{(out / 'stdout.txt').read_text()[-4000:]}")
+        pytest.fail(f"{out.name} run hung for {SUBPROCESS_TIMEOUT_S} s:\n{(out / 'stdout.txt').read_text()[-4000:]}")
 
 
 def _records(out: Path, rank: int) -> list[dict]:
@@ -88,7 +88,7 @@ def _key(record: dict) -> tuple[int, int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(stages_timeout(2))  # the runs fixture: reference and killed side by side, then resumed
 def test_killed_and_resumed_run_trains_every_sample_once_with_the_same_losses(runs: dict[str, Path]) -> None:
     checkpoint = torch.load(runs["killed"] / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     saved_step = checkpoint["global_step"]
@@ -125,7 +125,7 @@ def test_killed_and_resumed_run_trains_every_sample_once_with_the_same_losses(ru
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(stages_timeout(2))  # the runs fixture, when this test runs alone
 def test_resuming_a_two_rank_checkpoint_on_one_rank_fails_naming_the_world_size(runs: dict[str, Path]) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
@@ -174,7 +174,7 @@ def _fit_in_process(out: Path, *, ckpt_path: Path | None = None, save_at: int | 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_resume_with_a_schedule_that_reads_estimated_stepping_batches_continues_where_it_stopped(
     tmp_path: Path,
 ) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 from tests.reliability import _resume_harness as harness
 from tests.reliability import _train_script as script
 
@@ -66,7 +67,7 @@ def _single_cells(save_workers: int) -> list[tuple[str, str, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize("mode", ["packing", "dynamic", "padded"])
 def test_single_process_resume_matrix(tmp_path: Path, mode: str) -> None:
     failures, table = [], []
@@ -130,7 +131,7 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
             )
         )
     try:
-        codes = [process.wait(timeout=480) for process in processes]
+        codes = [process.wait(timeout=SUBPROCESS_TIMEOUT_S) for process in processes]
     except subprocess.TimeoutExpired:
         for process in processes:
             os.killpg(process.pid, signal.SIGKILL)
@@ -140,7 +141,7 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_two_rank_resume_matrix_ddp_fsdp2_fsdp1(two_rank_runs: tuple[Path, list[dict]]) -> None:
     out, cells = two_rank_runs
     failures, table = [], []

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._limits import stages_timeout
 from tests.reliability import _stream_train_script as script
 from tests.reliability.test_crash_resume import _key, _records, run_killed_and_resumed
 
@@ -27,7 +28,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(stages_timeout(2))  # the runs fixture: killed and reference, then resumed
 def test_a_ddp_stream_trains_every_sample_once_in_lock_step(runs: dict[str, Path]) -> None:
     reference = [_records(runs["reference"], rank) for rank in range(script.WORLD)]
     for epoch in range(script.EPOCHS):
@@ -41,7 +42,7 @@ def test_a_ddp_stream_trains_every_sample_once_in_lock_step(runs: dict[str, Path
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(stages_timeout(2))  # the runs fixture, when this test runs alone
 def test_a_killed_stream_run_resumes_exactly(runs: dict[str, Path]) -> None:
     checkpoint = torch.load(runs["killed"] / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     saved_step = checkpoint["global_step"]

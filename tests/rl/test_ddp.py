@@ -10,8 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
 
 from lit_seqpack.rl import RolloutPlanner
+from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
 from tests.rl._policies import AutomaticPolicy, ManualPolicy, RolloutBatches, one_item_loader, prefixed
 from tests.rl._rollouts import (
@@ -29,7 +31,9 @@ CASES = [("packing", "longest"), ("packing", "larger"), ("dynamic", "longest"), 
 
 
 def _logprob_worker(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         module, rollout = make_policy("reference"), make_rollout(count=11, seed=7)
         longest = int(rollout.lengths.max())
@@ -53,7 +57,7 @@ def _logprob_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_gathered_logprobs_equal_each_sample_alone_on_two_ranks(tmp_path: Path) -> None:
     mp.spawn(_logprob_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
     results = [torch.load(tmp_path / f"logprobs{rank}.pt") for rank in range(WORLD)]
@@ -76,7 +80,7 @@ def _ddp_trainer(use_distributed_sampler: bool = False, **kwargs) -> Trainer:
     return Trainer(
         accelerator="cpu",
         devices=WORLD,
-        strategy="ddp_spawn",
+        strategy=DDPStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT),
         precision="32-true",
         max_steps=1,
         use_distributed_sampler=use_distributed_sampler,
@@ -89,7 +93,7 @@ def _ddp_trainer(use_distributed_sampler: bool = False, **kwargs) -> Trainer:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize(
     ("normalize", "mode", "weight_field"),
     [("token", "packing", None), ("group", "dynamic", None), ("token", "packing", "weights")],
@@ -113,7 +117,7 @@ def test_automatic_ddp_step_equals_the_big_padded_batch(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_manual_ddp_steps_equal_the_big_padded_batch_for_every_normalisation(tmp_path: Path) -> None:
     _, rollout = _policy_rollout()
     kwargs = {"train_max_tokens": 40, "mode": "packing", "steps_per_rollout": 2}
@@ -133,7 +137,9 @@ def test_manual_ddp_steps_equal_the_big_padded_batch_for_every_normalisation(tmp
 
 
 def _check_worker(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         same, other = make_rollout(count=8, seed=3), make_rollout(count=8, seed=3 + rank)
         results = {"same": len(list(RolloutPlanner(train_max_tokens=64).train_microbatches(same)))}
@@ -156,7 +162,7 @@ def _check_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_different_rollouts_on_two_ranks_raise_on_both(tmp_path: Path) -> None:
     mp.spawn(_check_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
     results = [torch.load(tmp_path / f"check{rank}.pt") for rank in range(WORLD)]
@@ -186,7 +192,7 @@ class RolloutPerSeed(LightningModule):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_a_distributed_sampler_over_rollout_seeds_is_caught_through_the_strategy() -> None:
     seeds = torch.utils.data.DataLoader([0, 1], batch_size=None)
     trainer = _ddp_trainer(use_distributed_sampler=True, max_epochs=1)  # Lightning's default: rank r gets seed r

@@ -30,7 +30,6 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-
 __all__ = ["ResumableDataLoader", "loader_workers", "sampler_state_of"]
 
 log = logging.getLogger(__name__)

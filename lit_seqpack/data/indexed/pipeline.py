@@ -26,9 +26,9 @@ from lit_seqpack.data.batching.loss_weights import LOSS_MASK, with_step_loss_wei
 from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.indexed._eval_data import eval_sources, eval_split
 from lit_seqpack.data.indexed._loader import ResumableDataLoader
-from lit_seqpack.data.indexed.planned_dataset import PlannedDataset
 from lit_seqpack.data.indexed._resume import LOADER_STATE, PLAN_STATE, check_resume, layout_state, plan_settings
 from lit_seqpack.data.indexed.lengths import cached_scan
+from lit_seqpack.data.indexed.planned_dataset import PlannedDataset
 from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler
 from lit_seqpack.data.indexed.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
 from lit_seqpack.data.indexed.splits import IndexView, Split, split_indices
