@@ -1,10 +1,12 @@
 """One rank's share of a rollout step as microbatches: packer bins or sorted token-budget blocks, lock-step count.
 
-The items of a share are lists of sample indices (one sample, or a whole group under ``keep_together``). Packing
-hands every item to the packers of :mod:`lit_seqpack.planning.algorithms` as one length (so a kept-together group
-lands in one bin) and reaches the target count with their ``min_bin_count`` split; dynamic mode sorts samples
-longest first and cuts :func:`~lit_seqpack.planning.dynamic.dynamic_group_sizes` blocks (whole groups greedily
-under ``keep_together="microbatch"``). Empty lists complete the count (zero-weight lock-step fillers).
+The items of a share are lists of sample indices (one sample, or a whole group under ``keep_together``). Under
+``keep_together="microbatch"`` packing hands every group to the packers of :mod:`lit_seqpack.planning.algorithms` as
+one length (so it lands in one bin) and dynamic mode fills blocks with whole groups; otherwise (``None``, or
+``"rank"``, whose groups were already dealt whole to this rank) the samples are packed one by one, so a group may
+span several microbatches of its rank. The packers reach the target count with their ``min_bin_count`` split;
+dynamic mode sorts samples longest first and cuts :func:`~lit_seqpack.planning.dynamic.dynamic_group_sizes`
+blocks. Empty lists complete the count (zero-weight lock-step fillers).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def rank_microbatches(
     if not items:
         return [[] for _ in range(target)]
     keep = config.keep_together == "microbatch"
+    if not keep:  # a rank's groups are already whole on it: its samples are packed one by one
+        items = [[i] for item in items for i in item]
     if config.mode == "packing":
         from lit_seqpack.planning.algorithms import get_packer
 
@@ -46,7 +50,7 @@ def rank_microbatches(
     elif keep:
         bins = _dynamic_units(items, lengths, config)
     else:
-        flat = np.array([i for item in items for i in item], dtype=np.int64)
+        flat = np.array([item[0] for item in items], dtype=np.int64)
         order = flat[np.argsort(-lengths[flat], kind="stable")]
         sizes = dynamic_group_sizes(
             lengths[order],

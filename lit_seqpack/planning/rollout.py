@@ -96,9 +96,11 @@ def plan_rollout(
         group_ids: a group label per sample (GRPO group, DPO pair); ``None``: every sample is its own group.
 
     Raises:
-        ValueError: a sample (or a kept-together group) longer than ``max_tokens``, a step boundary inside a
-            group, a rollout that is not a multiple of ``samples_per_step``, more steps than groups, or a step that
-            needs more microbatches than ``accumulate_grad_batches``.
+        ValueError: a sample longer than ``max_tokens``, a group longer than ``max_tokens`` under
+            ``keep_together="microbatch"`` or longer than a rank's whole step (``accumulate_grad_batches``
+            microbatches) under ``keep_together="rank"``, a step boundary inside a group, a rollout that is not a
+            multiple of ``samples_per_step``, more steps than groups, or a step that needs more microbatches than
+            ``accumulate_grad_batches``.
 
     Example:
         >>> plan = plan_rollout([5, 3, 4, 4, 2, 6], RolloutPlanConfig(max_tokens=8, world_size=2, steps_per_rollout=2))
@@ -111,7 +113,7 @@ def plan_rollout(
         raise ValueError("the rollout has no sample")
     loss = np.maximum(lengths - 1, 0) if loss_tokens is None else as_counts("loss_tokens", loss_tokens, n)
     groups = dense_group_labels(group_ids, n)
-    _check_budget(lengths, groups, config)
+    _check_budget(lengths, groups, config, group_ids)
     units = group_units(groups, config)
     steps = cut_steps(units, n, config)
     costs = config.cost_linear * lengths + config.quadratic_cost * lengths.astype(np.float64) ** 2
@@ -120,6 +122,8 @@ def plan_rollout(
     needed = max((c for row in counts for c in row), default=1)
     accumulate = config.accumulate_grad_batches or max(needed, 1)
     if needed > accumulate:
+        if config.keep_together == "rank":
+            _check_rank_groups(units, lengths, config, group_ids)
         s, r = next((s, r) for s, row in enumerate(counts) for r, c in enumerate(row) if c == needed)
         raise ValueError(
             f"step {s} needs {needed} microbatches of max_tokens={config.max_tokens} on rank {r} but "
@@ -161,7 +165,36 @@ def dense_group_labels(group_ids: Sequence[int] | np.ndarray | None, n: int) -> 
     return rank_of[dense.reshape(-1)]
 
 
-def _check_budget(lengths: np.ndarray, groups: np.ndarray, config: RolloutPlanConfig) -> None:
+def _group_name(g: int, groups: np.ndarray, group_ids: Sequence[int] | np.ndarray | None) -> str:
+    """``group <its id as given> (samples [...])`` for an error message."""
+    members = np.flatnonzero(groups == g)
+    label = g if group_ids is None else np.asarray(group_ids)[members[0]].item()
+    return f"group {label} (samples {members.tolist()})"
+
+
+def _check_rank_groups(
+    units: list[list[int]],
+    lengths: np.ndarray,
+    config: RolloutPlanConfig,
+    group_ids: Sequence[int] | np.ndarray | None,
+) -> None:
+    """Raise naming the first group that alone needs more microbatches than a rank runs in a step."""
+    accumulate = config.accumulate_grad_batches
+    for unit in units:
+        needed = len(rank_microbatches([unit], lengths, config))
+        if needed > accumulate:
+            groups = dense_group_labels(group_ids, lengths.size)
+            raise ValueError(
+                f"keep_together='rank': {_group_name(int(groups[unit[0]]), groups, group_ids)} has "
+                f"{int(lengths[unit].sum())} tokens and needs {needed} microbatches of max_tokens={config.max_tokens}, "
+                f"more than one rank's whole step (accumulate_grad_batches={accumulate}); raise max_tokens or "
+                "accumulate_grad_batches, or use keep_together=None"
+            )
+
+
+def _check_budget(
+    lengths: np.ndarray, groups: np.ndarray, config: RolloutPlanConfig, group_ids: Sequence[int] | np.ndarray | None
+) -> None:
     rows = round_up(lengths, config.sequence_length_round) if config.mode == "dynamic" else lengths
     over = np.flatnonzero(rows > config.max_tokens)
     if over.size:
@@ -181,7 +214,6 @@ def _check_budget(lengths: np.ndarray, groups: np.ndarray, config: RolloutPlanCo
         if over.size:
             g = int(over[0])
             raise ValueError(
-                f"keep_together='microbatch': group {g} (samples {np.flatnonzero(groups == g).tolist()}) needs "
-                f"{int(group_cost[g])} tokens > max_tokens={config.max_tokens}; raise the budget or use "
-                "keep_together='rank'"
+                f"keep_together='microbatch': {_group_name(g, groups, group_ids)} needs {int(group_cost[g])} tokens "
+                f"> max_tokens={config.max_tokens} (one microbatch); raise the budget or use keep_together='rank'"
             )

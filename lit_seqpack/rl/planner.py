@@ -60,7 +60,8 @@ class RolloutPlanner:
         accumulate_grad_batches: fixed microbatches per rank per step (automatic optimization needs the
             Trainer's); ``None``: as many as the fullest rank needs (manual optimization).
         keep_together: ``None``, ``"microbatch"`` or ``"rank"``: a group (``Rollout.group_ids``) is never split
-            across microbatches, or across ranks.
+            across microbatches, or across ranks (its samples are packed one by one on its rank); see
+            :class:`~lit_seqpack.planning.rollout.RolloutPlanConfig`.
         world_size: data-parallel ranks; with ``rank``, overrides ``trainer`` and ``torch.distributed``.
         rank: this process's data-parallel rank.
         trainer: read the world size and rank from it (its device mesh's data-parallel layout if it has one).
