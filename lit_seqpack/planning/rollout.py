@@ -114,36 +114,45 @@ def plan_rollout(
     loss = np.maximum(lengths - 1, 0) if loss_tokens is None else as_counts("loss_tokens", loss_tokens, n)
     groups = dense_group_labels(group_ids, n)
     _check_budget(lengths, groups, config, group_ids)
-    units = group_units(groups, config)
-    steps = cut_steps(units, n, config)
+    members, bounds = group_units(groups, config)
+    steps = cut_steps(bounds, config)
     costs = config.cost_linear * lengths + config.quadratic_cost * lengths.astype(np.float64) ** 2
-    per_step = [balance_step(step, costs, config) for step in steps]
-    counts = [[len(rank_microbatches(share, lengths, config)) for share in ranks] for ranks in per_step]
-    needed = max((c for row in counts for c in row), default=1)
+    per_step = [balance_step(members, bounds, units, costs, config) for units in steps]
+    natural = [[rank_microbatches(*share, lengths, config) for share in ranks] for ranks in per_step]
+    needed = max((len(bins) for row in natural for bins in row), default=1)
     accumulate = config.accumulate_grad_batches or max(needed, 1)
     if needed > accumulate:
         if config.keep_together == "rank":
-            _check_rank_groups(units, lengths, config, group_ids)
-        s, r = next((s, r) for s, row in enumerate(counts) for r, c in enumerate(row) if c == needed)
+            _check_rank_groups(members, bounds, lengths, config, group_ids)
+        s, r = next((s, r) for s, row in enumerate(natural) for r, bins in enumerate(row) if len(bins) == needed)
         raise ValueError(
             f"step {s} needs {needed} microbatches of max_tokens={config.max_tokens} on rank {r} but "
             f"accumulate_grad_batches={accumulate}: raise the token budget, the number of steps, or "
             "accumulate_grad_batches"
         )
-    microbatches = [
-        [rank_microbatches(share, lengths, config, target=accumulate) for share in ranks] for ranks in per_step
+    microbatches = [  # a rank already at the count keeps its bins; the others split bins, then get fillers
+        [
+            bins if len(bins) == accumulate else rank_microbatches(*share, lengths, config, target=accumulate)
+            for share, bins in zip(ranks, row, strict=True)
+        ]
+        for ranks, row in zip(per_step, natural, strict=True)
     ]
+    cell = np.zeros(n, dtype=np.int64)  # step * world_size + rank of every sample
+    for s, ranks in enumerate(per_step):
+        for r, share in enumerate(ranks):
+            cell[share.samples] = s * config.world_size + r
+    step_of, cells = cell // config.world_size, len(steps) * config.world_size
     group_totals = np.bincount(groups, weights=loss).astype(np.int64)
     return RolloutPlan(
         config=config,
         microbatches=microbatches,
         accumulate_grad_batches=accumulate,
-        step_loss_tokens=np.array([int(loss[np.concatenate(s)].sum()) for s in steps], dtype=np.int64),
-        step_documents=np.array([sum(len(u) for u in s) for s in steps], dtype=np.int64),
-        step_groups=np.array([np.unique(groups[np.concatenate(s)]).size for s in steps], dtype=np.int64),
+        step_loss_tokens=np.bincount(step_of, weights=loss, minlength=len(steps)).astype(np.int64),
+        step_documents=np.array([bounds[last] - bounds[first] for first, last in steps], dtype=np.int64),
+        step_groups=np.array([last - first for first, last in steps], dtype=np.int64),
         group_loss_tokens=group_totals[groups],
-        rank_tokens=np.array([[lengths[sum(r, [])].sum() for r in ranks] for ranks in per_step], dtype=np.int64),
-        rank_cost=np.array([[costs[sum(r, [])].sum() for r in ranks] for ranks in per_step], dtype=np.float64),
+        rank_tokens=np.bincount(cell, weights=lengths, minlength=cells).astype(np.int64).reshape(len(steps), -1),
+        rank_cost=np.bincount(cell, weights=costs, minlength=cells).reshape(len(steps), -1),
     )
 
 
@@ -173,15 +182,17 @@ def _group_name(g: int, groups: np.ndarray, group_ids: Sequence[int] | np.ndarra
 
 
 def _check_rank_groups(
-    units: list[list[int]],
+    members: np.ndarray,
+    bounds: np.ndarray,
     lengths: np.ndarray,
     config: RolloutPlanConfig,
     group_ids: Sequence[int] | np.ndarray | None,
 ) -> None:
     """Raise naming the first group that alone needs more microbatches than a rank runs in a step."""
     accumulate = config.accumulate_grad_batches
-    for unit in units:
-        needed = len(rank_microbatches([unit], lengths, config))
+    for first, last in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        unit = members[first:last]
+        needed = len(rank_microbatches(unit, np.ones(unit.size, dtype=np.int64), lengths, config))
         if needed > accumulate:
             groups = dense_group_labels(group_ids, lengths.size)
             raise ValueError(
