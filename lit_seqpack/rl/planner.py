@@ -20,10 +20,16 @@ plan's facts:
 ``is_last_in_step``        the last microbatch of this rank in the step: call ``optimizer.step()`` after it
 =========================  =======================================================================================
 
-Under ``torch.distributed`` the planner also checks, once per call of ``train_microbatches`` or
-``logprob_microbatches``, that every rank holds the same rollout (``check_rollout``): one ``all_gather_object`` of
-:meth:`~lit_seqpack.rl.Rollout.fingerprint`, so that ranks fed different rollouts (a DataLoader sharded by
-Lightning's ``DistributedSampler``) raise on every rank instead of training on different data.
+Under ``torch.distributed`` the planner also checks, once per call of ``train_microbatches``,
+``logprob_microbatches`` or ``compute_per_token`` and before any batch is built, that every rank holds the same
+rollout (``check_rollout``): one ``all_gather_object`` of :meth:`~lit_seqpack.rl.Rollout.fingerprint`, so that ranks
+fed different rollouts (a DataLoader sharded by Lightning's ``DistributedSampler``) raise on every rank instead of
+training on different data.
+
+Plans are made once per rollout: the planner keeps the plans of the last rollout it saw, keyed by
+:attr:`~lit_seqpack.rl.Rollout.identity`, which the copies of :meth:`~lit_seqpack.rl.Rollout.with_fields` share, so
+the old-log-prob, reference and training passes of one rollout plan once per budget (the fingerprint, too, is
+computed once per rollout).
 """
 
 from __future__ import annotations
@@ -149,6 +155,8 @@ class RolloutPlanner:
             {"pad_token_id": pad_token_id, "pad_to_multiple_of": pad_to_multiple_of},
         )
         self._collator_type(**self._collator_args)  # validates the padding settings now
+        self._plans: dict[tuple[str, int], RolloutPlan] = {}  # the plans of the rollout ``self._planned``
+        self._planned: object | None = None
 
     # --------------------------------------------------------------------------------------------- plans
     @property
@@ -157,17 +165,28 @@ class RolloutPlanner:
         return self._world if self._world is not None else resolve_world(self._trainer)
 
     def plan(self, rollout: Rollout) -> RolloutPlan:
-        """The training plan of ``rollout`` (the same on every rank)."""
+        """The training plan of ``rollout`` (the same on every rank), made once per rollout (see :meth:`_plan`)."""
         return self._plan(rollout, self._train, "train_max_tokens")
 
     def logprob_plan(self, rollout: Rollout) -> RolloutPlan:
-        """The log-prob pass's plan of ``rollout``: one step, balanced over ranks."""
+        """The log-prob pass's plan of ``rollout``: one step, balanced over ranks, made once per rollout."""
         return self._plan(rollout, self._logprob, "logprob_max_tokens")
 
     def _plan(self, rollout: Rollout, config: RolloutPlanConfig, budget: str) -> RolloutPlan:
+        """The plan of ``rollout`` for ``budget``, kept for the rollout's :attr:`~lit_seqpack.rl.Rollout.identity`
+        (shared by its :meth:`~lit_seqpack.rl.Rollout.with_fields` copies): every pass over one rollout (old and
+        reference log-probs, training, several epochs) reuses it; a new rollout drops the previous one's plans."""
         if not isinstance(rollout, Rollout):
             raise TypeError(f"expected a lit_seqpack.rl.Rollout, got {type(rollout).__name__}")
         config = dataclasses.replace(config, world_size=self.world[0])
+        if self._planned is not rollout.identity:
+            self._plans, self._planned = {}, rollout.identity
+        key = (budget, config.world_size)
+        if key not in self._plans:
+            self._plans[key] = self._new_plan(rollout, config, budget)
+        return self._plans[key]
+
+    def _new_plan(self, rollout: Rollout, config: RolloutPlanConfig, budget: str) -> RolloutPlan:
         lengths = rollout.lengths
         over = np.flatnonzero(lengths > config.max_tokens)
         if over.size:
@@ -208,7 +227,8 @@ class RolloutPlanner:
             fn: called on each non-empty batch; returns values shaped like its ``input_ids``.
             rollout: the rollout.
             gather: all-gather every rank's values (``torch.distributed``), so every entry is filled on every rank;
-                raises ``RuntimeError`` when the ranks hold different rollouts.
+                raises ``RuntimeError`` when the ranks hold different rollouts (checked before the first forward
+                with ``check_rollout``, and again in the gather itself).
             device: move the batches there first.
 
         Returns:
@@ -216,8 +236,7 @@ class RolloutPlanner:
         """
         world_size, rank = self.world
         gathered = gather and world_size > 1
-        if not gathered:  # the gather compares the fingerprints itself
-            self._check_same_rollout(rollout)
+        self._check_same_rollout(rollout)  # before any forward: ranks holding other rollouts raise at once
         plan = self.logprob_plan(rollout)
         out: list[torch.Tensor | None] = [None] * len(rollout)
         for batch in self._batches(rollout, plan, device):

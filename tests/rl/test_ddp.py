@@ -42,11 +42,18 @@ def _logprob_worker(rank: int, init_file: str, out_dir: str) -> None:
             gathered = planner.compute_per_token(policy_logprobs(module), rollout, gather=True)
             results[(mode, budget)] = {"microbatches": mine, "local": local, "gathered": gathered}
         other = make_rollout(count=11, seed=7 + rank)  # each rank a different rollout: refused, not mixed
+        forwards = []
+
+        def counted(batch):
+            forwards.append(batch["sample_indices"])
+            return policy_logprobs(module)(batch)
+
         try:
-            planner.compute_per_token(policy_logprobs(module), other, gather=True)
+            planner.compute_per_token(counted, other, gather=True)
             results["mismatch"] = "no error"
         except RuntimeError as err:
             results["mismatch"] = str(err)
+        results["forwards_before_the_error"] = len(forwards)
         torch.save(results, Path(out_dir, f"logprobs{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -60,6 +67,7 @@ def test_gathered_logprobs_equal_each_sample_alone_on_two_ranks(tmp_path: Path) 
     module, rollout = make_policy("reference"), make_rollout(count=11, seed=7)
     expected = alone_logprobs(module, rollout)
     assert all("the ranks planned different rollouts" in results[rank]["mismatch"] for rank in range(WORLD))
+    assert [results[rank]["forwards_before_the_error"] for rank in range(WORLD)] == [0, 0]  # checked first
     for case in CASES:
         shares = [results[rank][case]["microbatches"] for rank in range(WORLD)]
         assert len(shares[0]) == len(shares[1])  # lock step
