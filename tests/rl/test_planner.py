@@ -198,7 +198,9 @@ def test_every_pass_over_one_rollout_reuses_its_plans(monkeypatch: pytest.Monkey
     planner = RolloutPlanner(train_max_tokens=40, logprob_max_tokens=80, world_size=2, rank=1)
     zeros = [torch.zeros(n) for n in rollout.lengths.tolist()]
     old = planner.compute_per_token(lambda b: torch.zeros(b["input_ids"].shape), rollout)  # old log-probs
-    rollout = rollout.with_fields(token_fields={"old_logprobs": [o if o is not None else z for o, z in zip(old, zeros)]})
+    rollout = rollout.with_fields(
+        token_fields={"old_logprobs": [o if o is not None else z for o, z in zip(old, zeros, strict=True)]}
+    )
     planner.compute_per_token(lambda b: torch.zeros(b["input_ids"].shape), rollout)  # reference log-probs
     rollout = rollout.with_fields(token_fields={"advantages": zeros})
     for _ in range(2):  # two epochs over the rollout
