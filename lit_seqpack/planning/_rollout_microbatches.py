@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 __all__ = ["rank_microbatches"]
 
+_DECREASING = ("first_fit_decreasing", "best_fit_decreasing", "modified_first_fit_decreasing")
+"""Packers that fill a single bin longest first (stable): a share that fits one row skips the packer."""
+
 
 def rank_microbatches(
     samples: np.ndarray, item_sizes: np.ndarray, lengths: np.ndarray, config: RolloutPlanConfig, target: int = 0
@@ -77,8 +80,12 @@ def _packed(
     else:
         starts = np.concatenate(([0], np.cumsum(item_sizes)[:-1]))
         sizes = np.add.reduceat(lengths[samples], starts)
-    packer = get_packer(config.algorithm or DEFAULT_ALGORITHM, config.max_tokens, min_bin_count=min(target, sizes.size))
-    flat, ends = packer.pack_flat(sizes)
+    algorithm = config.algorithm or DEFAULT_ALGORITHM
+    if target <= 1 and algorithm in _DECREASING and int(sizes.sum()) <= config.max_tokens:
+        flat, ends = np.argsort(-sizes, kind="stable"), np.array([sizes.size])  # one bin, as the packer fills it
+    else:
+        packer = get_packer(algorithm, config.max_tokens, min_bin_count=min(target, sizes.size))
+        flat, ends = packer.pack_flat(sizes)
     if item_sizes is None:
         return _split(samples[flat], ends)
     counts = item_sizes[flat]  # every packed item back to its samples, in bin order
