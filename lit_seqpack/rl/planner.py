@@ -13,10 +13,16 @@ plan's facts:
 ``document_loss_tokens``   ``[num_documents]`` int64 loss tokens of each document
 ``group_loss_tokens``      ``[num_documents]`` int64 loss tokens of each document's group over the whole step
 ``num_groups``             distinct groups in the batch
+``num_loss_documents``     documents of the batch with a loss (loss tokens, or a weight sum above 0); also
+                           ``num_loss_groups``: the batch's groups with a loss
 ``step``                   the optimizer step (0-based) within the rollout
 ``step_loss_tokens``       loss tokens of the step over all ranks (also ``step_documents``, ``step_groups``)
+``step_loss_documents``    samples of the step with a loss over all ranks (also ``step_loss_groups``): the
+                           denominators of the sequence and group means (samples without a loss are left out)
 ``step_loss_weight``       with ``loss_weight_field``: the step's loss-weight sum over all ranks (and the batch's
-                           ``loss_weights``, ``num_loss_weight``, as :mod:`lit_seqpack.data.loss_weights` places them)
+                           ``loss_weights``, ``num_loss_weight``, as :mod:`lit_seqpack.data.loss_weights` places them,
+                           ``document_loss_weight`` and ``group_loss_weight``: ``[num_documents]`` float64 weight sums
+                           of each document and of its group)
 ``is_last_in_step``        the last microbatch of this rank in the step: call ``optimizer.step()`` after it
 =========================  =======================================================================================
 
@@ -35,7 +41,6 @@ computed once per rollout).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -44,7 +49,7 @@ import torch
 
 from lit_seqpack.data.collate import PackedCollator, PaddedCollator
 from lit_seqpack.planning.rollout import RolloutPlan, RolloutPlanConfig, plan_rollout
-from lit_seqpack.rl._batches import collator_fields, plan_batches
+from lit_seqpack.rl._batches import collator_fields, loss_mass, plan_batches
 from lit_seqpack.rl._world import check_same_rollout, gather_per_sample, resolve_world
 from lit_seqpack.rl.rollout import Rollout
 from lit_seqpack.rl.unpack import unpack
@@ -208,8 +213,7 @@ class RolloutPlanner:
         """This rank's training batches, ``accumulate_grad_batches`` per step, with the step totals."""
         self._check_same_rollout(rollout)
         plan = self.plan(rollout)
-        step_weights = None if self.loss_weight_field is None else _step_weights(plan, rollout, self.loss_weight_field)
-        yield from self._batches(rollout, plan, device, step_weights=step_weights)
+        yield from self._batches(rollout, plan, device, weight_field=self.loss_weight_field)
 
     @torch.no_grad()
     def compute_per_token(
@@ -267,20 +271,14 @@ class RolloutPlanner:
             check_same_rollout(rollout.fingerprint(), world_size)
 
     def _batches(
-        self, rollout: Rollout, plan: RolloutPlan, device: Any, *, step_weights: np.ndarray | None = None
+        self, rollout: Rollout, plan: RolloutPlan, device: Any, *, weight_field: str | None = None
     ) -> Iterator[dict[str, Any]]:
         world_size, rank = self.world
-        fields = {"loss_weight_field": self.loss_weight_field} if step_weights is not None else {}
+        mass = loss_mass(plan, rollout, weight_field)  # first: it names a weight field the rollout lacks
+        fields = {"loss_weight_field": weight_field} if weight_field is not None else {}
         collate = self._collator_type(**self._collator_args, **collator_fields(rollout), **fields)
-        for batch in plan_batches(rollout, plan, rank, world_size, collate, step_weights=step_weights):
+        for batch in plan_batches(rollout, plan, rank, world_size, collate, mass):
             yield batch if device is None else _to_device(batch, device)
-
-
-def _step_weights(plan: RolloutPlan, rollout: Rollout, field: str) -> np.ndarray:
-    """The loss-weight sum of every optimizer step over all ranks (the same on every rank, no collective)."""
-    sums = rollout.loss_weight_sums(field)
-    members = [[i for share in ranks for mb in share for i in mb] for ranks in plan.microbatches]
-    return np.array([math.fsum(sums[step].tolist()) for step in members], dtype=np.float64)
 
 
 def _to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:

@@ -39,7 +39,9 @@ class Rollout:
     Args:
         input_ids: one 1-D integer tensor (or list) of token ids per sample, each non-empty.
         loss_mask: per sample, 1 on the tokens that carry the loss (the response), 0 elsewhere; position 0 must be
-            0 (no token predicts it) and every sample needs at least one 1. ``None``: every token but the first.
+            0 (no token predicts it). A mask without a 1 (a truncated, filtered or over-long completion masked out) is
+            a sample without a loss: it is planned and run, counted in :attr:`zero_loss_samples` and in the batches
+            (``num_loss_documents``), and left out of every loss mean. ``None``: every token but the first.
         token_fields: declared per-token fields, each a list of one 1-D tensor per sample (as long as its ids).
         sample_fields: declared per-sample fields, each ``N`` numbers.
         group_ids: a group label per sample (GRPO group, DPO pair) or ``None``.
@@ -75,11 +77,6 @@ class Rollout:
         mask = flat_mask(self.loss_mask, lengths)
         starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
         loss_tokens = np.add.reduceat(mask.numpy(), starts, dtype=np.int64)
-        empty = np.flatnonzero(loss_tokens == 0)
-        if empty.size and self.loss_mask is not None:
-            raise ValueError(
-                f"sample {int(empty[0])}: loss_mask has no 1 (a sample without a response token trains nothing)"
-            )
         sizes = lengths.tolist()
         object.__setattr__(self, "input_ids", list(ids.split(sizes)))
         object.__setattr__(self, "loss_mask", list(mask.split(sizes)))
@@ -188,6 +185,16 @@ class Rollout:
     def loss_tokens(self) -> np.ndarray:
         """Loss-mask tokens of every sample (``int64``, a read-only array computed once)."""
         return self._loss_tokens
+
+    @property
+    def zero_loss_samples(self) -> int:
+        """Samples whose loss mask has no 1 (they contribute nothing to any loss).
+
+        Example:
+            >>> Rollout(input_ids=[[5, 6, 7], [8, 9]], loss_mask=[[0, 1, 1], [0, 0]]).zero_loss_samples
+            1
+        """
+        return int((self._loss_tokens == 0).sum())
 
     def loss_weight_sums(self, field: str) -> np.ndarray:
         """Each sample's loss-weight sum: the token field ``field`` summed over the loss mask (``float64``).

@@ -22,6 +22,7 @@ from tests.rl._rollouts import (
     policy_logprobs,
     with_loss_weights,
     with_policy_fields,
+    without_loss,
 )
 
 WORLD = 2
@@ -97,18 +98,29 @@ def _ddp_trainer(use_distributed_sampler: bool = False, **kwargs) -> Trainer:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    ("normalize", "mode", "weight_field"),
-    [("token", "packing", None), ("group", "dynamic", None), ("token", "packing", "weights")],
+    ("normalize", "mode", "weight_field", "silent"),
+    [
+        ("token", "packing", None, []),
+        ("group", "dynamic", None, []),
+        ("token", "packing", "weights", []),
+        ("sequence", "packing", None, [0, 1, 5, 9]),  # samples without a loss: truncated completions
+        ("group", "dynamic", "weights", [2, 3, 6]),  # all-zero weights: group 1 (samples 2, 3) has none at all
+    ],
 )
 def test_automatic_ddp_step_equals_the_big_padded_batch(
-    normalize: str, mode: str, weight_field: str | None, tmp_path: Path
+    normalize: str, mode: str, weight_field: str | None, silent: list[int], tmp_path: Path
 ) -> None:
     _, rollout = _policy_rollout()
     kwargs = {"train_max_tokens": 48, "mode": mode, "accumulate_grad_batches": 4, "loss_weight_field": weight_field}
     if weight_field is not None:
         rollout = with_loss_weights(rollout, seed=3, field=weight_field)
+        weights = rollout.token_fields[weight_field]
+        zeroed = [torch.zeros_like(w) if i in silent else w for i, w in enumerate(weights)]
+        rollout = rollout.with_fields(token_fields={weight_field: zeroed})
+    else:
+        rollout = without_loss(rollout, silent)
     torch.manual_seed(0)
     module = AutomaticPolicy(normalize)
     samples = [list(range(len(rollout)))]
