@@ -27,11 +27,20 @@ from lit_seqpack.rl.loss import (
     step_loss,
     token_logprobs,
 )
+from lit_seqpack.rl.objectives import (
+    KL_ESTIMATORS,
+    kl_estimate,
+    sequence_log_ratio,
+    temperature_scaled,
+    token_entropy,
+    truncated_importance_weights,
+)
 from lit_seqpack.rl.planner import RolloutPlanner
 from lit_seqpack.rl.rollout import Rollout
 from lit_seqpack.rl.unpack import document_index, document_lengths, document_sums, per_document_to_tokens, unpack
 
 __all__ = [
+    "KL_ESTIMATORS",
     "NORMALIZE",
     "Rollout",
     "RolloutPlanner",
@@ -39,11 +48,16 @@ __all__ = [
     "document_index",
     "document_lengths",
     "document_sums",
+    "kl_estimate",
     "loss_output",
     "per_document_to_tokens",
     "policy_logits",
     "scale_step_loss",
+    "sequence_log_ratio",
     "step_loss",
+    "temperature_scaled",
+    "token_entropy",
     "token_logprobs",
+    "truncated_importance_weights",
     "unpack",
 ]

@@ -72,8 +72,14 @@ def clipped_policy_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float | None = None,
+    dual_clip: float | None = None,
+    log_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The per-token PPO / GRPO clipped surrogate ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``.
+
+    With ``dual_clip = c > 1`` (dual-clip PPO, Ye et al. 2020; NeMo-RL's ``ratio_clip_c``) a negative advantage's loss
+    is also capped at ``-c A``: ``min(-min(r A, clip(r) A), -c A)`` where ``A < 0``, so a huge ratio on a bad token
+    cannot blow the gradient up.
 
     Args:
         logprobs: the policy's log-probabilities (with grad).
@@ -81,15 +87,25 @@ def clipped_policy_loss(
         advantages: per-token advantages (a GRPO sample's advantage repeated over its tokens).
         clip_low: lower clip range.
         clip_high: upper clip range (``None``: ``clip_low``; DAPO's clip-higher uses a larger one).
+        dual_clip: ``c > 1`` for dual-clip PPO; ``None``: off.
+        log_ratio: ``log r`` to use instead of ``logprobs - old_logprobs``, e.g. GSPO's sequence-level
+            :func:`~lit_seqpack.rl.sequence_log_ratio`.
 
     Example:
         >>> lp = torch.tensor([0.0, 0.5])
         >>> clipped_policy_loss(lp, torch.zeros(2), torch.ones(2)).tolist()  # r = 1 and exp(0.5) clipped to 1.2
         [-1.0, -1.2000000476837158]
+        >>> clipped_policy_loss(torch.tensor([3.0]), torch.zeros(1), -torch.ones(1), dual_clip=3.0).tolist()
+        [3.0]
     """
     high = clip_low if clip_high is None else clip_high
-    ratio = torch.exp(logprobs - old_logprobs)
-    return -torch.minimum(ratio * advantages, ratio.clamp(1.0 - clip_low, 1.0 + high) * advantages)
+    ratio = torch.exp(logprobs - old_logprobs if log_ratio is None else log_ratio)
+    loss = -torch.minimum(ratio * advantages, ratio.clamp(1.0 - clip_low, 1.0 + high) * advantages)
+    if dual_clip is None:
+        return loss
+    if not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip!r}")
+    return torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
 
 
 def _plan_facts(batch: Mapping[str, Any]) -> None:

@@ -217,3 +217,26 @@ def test_a_distributed_sampler_over_rollout_seeds_is_caught_through_the_strategy
 def _policy_rollout():
     reference = make_policy("reference")
     return reference, with_policy_fields(reference, make_rollout(count=14, seed=2, group_size=2), seed=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("normalize", "mode", "gspo"), [("token", "packing", False), ("group", "dynamic", True)])
+def test_every_objective_on_two_ranks_equals_the_big_padded_batch(
+    normalize: str, mode: str, gspo: bool, tmp_path: Path
+) -> None:
+    """Temperature, truncated importance sampling, dual clip, k3 KL, entropy (and GSPO's ratio), with samples
+    without a loss, through Lightning's DDP on 2 gloo ranks."""
+    from tests.rl._objectives import ObjectivePolicy, padded_objective_gradients
+    from tests.rl.test_objectives import objective_rollout
+
+    rollout = objective_rollout(seed=1)
+    kwargs = {"train_max_tokens": 48, "mode": mode, "accumulate_grad_batches": 4}
+    torch.manual_seed(0)
+    module = ObjectivePolicy(normalize, gspo=gspo)
+    expected = padded_objective_gradients(module, rollout, list(range(len(rollout))), normalize, gspo=gspo)
+    path = tmp_path / "grads.pt"
+    _ddp_trainer(accumulate_grad_batches=4, callbacks=[GradientCapture(str(path))]).fit(
+        module, datamodule=RolloutBatches(rollout, kwargs)
+    )
+    assert_gradients_match(torch.load(path), prefixed(expected), rtol=1e-5)
