@@ -240,3 +240,81 @@ def test_every_objective_on_two_ranks_equals_the_big_padded_batch(
         module, datamodule=RolloutBatches(rollout, kwargs)
     )
     assert_gradients_match(torch.load(path), prefixed(expected), rtol=1e-5)
+
+
+def _local_samples(rank: int, *, with_field: bool = True):
+    """Rank 0 generates 5 samples in 3 groups, rank 1 three in 2 groups, each numbering its groups from 0."""
+    from lit_seqpack.rl import Rollout
+
+    count, groups = (5, [0, 0, 1, 1, 2]) if rank == 0 else (3, [0, 0, 1])
+    local = make_rollout(count=count, seed=20 + rank)
+    fields = {"adv": [torch.full((n,), float(10 * rank + i)) for i, n in enumerate(local.lengths.tolist())]}
+    return Rollout(
+        input_ids=local.input_ids,
+        loss_mask=local.loss_mask,
+        token_fields=fields if with_field else {},
+        sample_fields={"reward": torch.arange(count) + 100.0 * rank},
+        group_ids=groups,
+    )
+
+
+def _gather_worker(rank: int, init_file: str, out_dir: str) -> None:
+    from lit_seqpack.rl import gather_rollout
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        local = _local_samples(rank)
+        rollout = gather_rollout(local)
+        results = {
+            "fingerprint": rollout.fingerprint(),
+            "ids": [x.tolist() for x in rollout.input_ids],
+            "groups": rollout.group_ids.tolist(),
+            "global": gather_rollout(local, group_ids="global").group_ids.tolist(),
+            "adv": [float(a[0]) for a in rollout.token_fields["adv"]],
+            "reward": rollout.sample_fields["reward"].tolist(),
+            "one_rank": len(gather_rollout(local if rank == 1 else None)),
+        }
+        try:
+            gather_rollout(_local_samples(rank, with_field=rank == 0))
+            results["mismatch"] = "no error"
+        except ValueError as err:
+            results["mismatch"] = str(err)
+        dist.barrier()
+        torch.save(results, Path(out_dir, f"gather{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gather_rollout_builds_one_identical_rollout_on_every_rank(tmp_path: Path) -> None:
+    mp.spawn(_gather_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"gather{rank}.pt") for rank in range(WORLD)]
+    assert results[0] == results[1]  # every rank holds the same rollout
+    ours = results[0]
+    expected_ids = [x.tolist() for rank in range(WORLD) for x in _local_samples(rank).input_ids]
+    assert ours["ids"] == expected_ids  # rank 0's samples, then rank 1's
+    assert ours["groups"] == [0, 0, 1, 1, 2, 3, 3, 4]  # each rank's groups stay apart
+    assert ours["global"] == [0, 0, 1, 1, 2, 0, 0, 1]
+    assert ours["adv"] == [0.0, 1.0, 2.0, 3.0, 4.0, 10.0, 11.0, 12.0]
+    assert ours["reward"] == [0.0, 1.0, 2.0, 3.0, 4.0, 100.0, 101.0, 102.0]
+    assert ours["one_rank"] == 3
+    assert "the ranks declare different fields" in ours["mismatch"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_critic_loss_on_two_ranks_equals_the_big_padded_batch(tmp_path: Path) -> None:
+    from tests.rl._critic import Critic, padded_critic_gradients
+    from tests.rl.test_values import critic_rollout
+
+    torch.manual_seed(0)
+    critic = Critic("group")
+    rollout, _ = critic_rollout(critic, "packing", seed=1)
+    kwargs = {"train_max_tokens": 48, "mode": "packing", "accumulate_grad_batches": 4}
+    expected = padded_critic_gradients(critic, rollout, list(range(len(rollout))), "group")
+    path = tmp_path / "grads.pt"
+    _ddp_trainer(accumulate_grad_batches=4, callbacks=[GradientCapture(str(path))]).fit(
+        critic, datamodule=RolloutBatches(rollout, kwargs)
+    )
+    assert_gradients_match(torch.load(path), expected, rtol=1e-5)
