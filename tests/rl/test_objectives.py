@@ -4,6 +4,8 @@ equal to one big padded batch (gradients to 1e-5)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -20,8 +22,9 @@ from lit_seqpack.rl import (
 )
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
 from tests.rl._objectives import ObjectivePolicy, padded_objective_gradients, with_objective_fields
-from tests.rl._policies import prefixed
+from tests.rl._policies import RolloutBatches, prefixed
 from tests.rl._rollouts import make_policy, make_rollout, with_policy_fields, without_loss
+from tests.rl.test_ddp import _ddp_trainer as ddp_trainer
 
 
 def test_kl_estimators_follow_their_formulas_and_k1_k3_are_unbiased() -> None:
@@ -146,3 +149,23 @@ def test_a_loss_with_every_objective_equals_the_big_padded_batch(normalize: str,
         module, torch.utils.data.DataLoader(batches, batch_size=None)
     )
     assert_gradients_match(capture.grads, prefixed(expected), rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("normalize", "mode", "gspo"), [("token", "packing", False), ("group", "dynamic", True)])
+def test_every_objective_on_two_ranks_equals_the_big_padded_batch(
+    normalize: str, mode: str, gspo: bool, tmp_path: Path
+) -> None:
+    """Temperature, truncated importance sampling, dual clip, k3 KL, entropy (and GSPO's ratio), with samples
+    without a loss, through Lightning's DDP on 2 gloo ranks."""
+    rollout = objective_rollout(seed=1)
+    kwargs = {"train_max_tokens": 48, "mode": mode, "accumulate_grad_batches": 4}
+    torch.manual_seed(0)
+    module = ObjectivePolicy(normalize, gspo=gspo)
+    expected = padded_objective_gradients(module, rollout, list(range(len(rollout))), normalize, gspo=gspo)
+    path = tmp_path / "grads.pt"
+    ddp_trainer(accumulate_grad_batches=4, callbacks=[GradientCapture(str(path))]).fit(
+        module, datamodule=RolloutBatches(rollout, kwargs)
+    )
+    assert_gradients_match(torch.load(path), prefixed(expected), rtol=1e-5)

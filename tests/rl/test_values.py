@@ -3,6 +3,8 @@ in the response, samples without a loss), and the clipped critic loss equals one
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -10,6 +12,8 @@ from lightning.pytorch import Trainer
 from lit_seqpack.rl import RolloutPlanner, gae, token_values, value_loss
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
 from tests.rl._critic import Critic, alone_values, padded_critic_gradients, ppo_rollout, textbook_gae
+from tests.rl._policies import RolloutBatches
+from tests.rl.test_ddp import _ddp_trainer as ddp_trainer
 
 
 def critic_rollout(critic: Critic, mode: str, seed: int = 0):
@@ -84,3 +88,18 @@ def test_the_clipped_critic_loss_equals_the_big_padded_batch(normalize: str, mod
         enable_model_summary=False,
     ).fit(critic, torch.utils.data.DataLoader(batches, batch_size=None))
     assert_gradients_match(capture.grads, expected, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_critic_loss_on_two_ranks_equals_the_big_padded_batch(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    critic = Critic("group")
+    rollout, _ = critic_rollout(critic, "packing", seed=1)
+    kwargs = {"train_max_tokens": 48, "mode": "packing", "accumulate_grad_batches": 4}
+    expected = padded_critic_gradients(critic, rollout, list(range(len(rollout))), "group")
+    path = tmp_path / "grads.pt"
+    ddp_trainer(accumulate_grad_batches=4, callbacks=[GradientCapture(str(path))]).fit(
+        critic, datamodule=RolloutBatches(rollout, kwargs)
+    )
+    assert_gradients_match(torch.load(path), expected, rtol=1e-5)
