@@ -12,6 +12,12 @@ Each row gives max/mean over ranks (worst step) of the real tokens and of the co
 rank runs; ``cost bound`` is the best any dealing can do, the costliest sample over the mean rank cost (a sample is
 indivisible); for ``rl`` the microbatches per rank (lock step) and the planning time per rollout.
 
+The second table times :meth:`lit_seqpack.rl.RolloutPlanner.plan` (a fresh planner each time, on a
+:class:`~lit_seqpack.rl.Rollout` of those lengths) against NeMo-RL's ``shard_by_batch_size(sequence_packing_args=...)``
+(re-implemented in ``_reference_shard.py``: its planning half, without its data movement, with its default
+``modified_first_fit_decreasing`` packer and round-robin bins), alternately in one process, ``--repeats`` times each;
+medians, and the worst step's max/mean over ranks of each plan (tokens | cost).
+
     .venv/bin/python benchmarks/bench_rl.py
     .venv/bin/python benchmarks/bench_rl.py --samples 512 --ranks 8 --median 1024
 """
@@ -22,10 +28,13 @@ import argparse
 import time
 
 import numpy as np
+import torch
+from _reference_shard import nemo_rl_shard
 
 from lit_seqpack.planning._partition import karmarkar_karp
 from lit_seqpack.planning.algorithms import get_packer
 from lit_seqpack.planning.rollout import RolloutPlanConfig, plan_rollout
+from lit_seqpack.rl import Rollout, RolloutPlanner
 
 
 def _ratio(loads: np.ndarray) -> float:
@@ -52,6 +61,46 @@ def _bins_kk(
     return worst_tokens, worst_cost
 
 
+def _nemo_rl_balance(
+    tokens: list[list[list[int]]], samples: list[list[list[int]]], costs: np.ndarray, steps: int
+) -> tuple[float, float]:
+    """Worst step's max/mean over shards of NeMo-RL's plan: tokens (bins' sums) and cost (its samples' costs)."""
+    worst_tokens = worst_cost = 1.0
+    for step in range(steps):
+        loads = np.array([sum(shard[step]) for shard in tokens], dtype=np.float64)
+        worst_tokens = max(worst_tokens, _ratio(loads))
+    bins_per_step = [len(tokens[0][step]) for step in range(steps)]
+    for step in range(steps):
+        first = sum(bins_per_step[:step])
+        loads = np.array([sum(costs[i].sum() for i in shard[first : first + bins_per_step[step]]) for shard in samples])
+        worst_cost = max(worst_cost, _ratio(loads))
+    return worst_tokens, worst_cost
+
+
+def _time_against_nemo_rl(lengths: np.ndarray, costs: np.ndarray, ranks: int, args: argparse.Namespace) -> str:
+    """One row of the second table: interleaved timings (medians) and each plan's worst step."""
+    rollout = Rollout(input_ids=[torch.ones(int(n), dtype=torch.long) for n in lengths])
+    as_tensor = torch.as_tensor(lengths)
+    batch = lengths.size // args.steps
+    kwargs = {"train_max_tokens": args.max_tokens, "samples_per_step": batch, "world_size": ranks, "rank": 0}
+    RolloutPlanner(**kwargs).plan(rollout)  # loads the compiled kernels
+    ours, theirs = [], []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        plan = RolloutPlanner(**kwargs).plan(rollout)
+        ours.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        samples, _, tokens = nemo_rl_shard(as_tensor, ranks, args.max_tokens, batch_size=batch)
+        theirs.append(time.perf_counter() - start)
+    mine, nemo = float(np.median(ours)), float(np.median(theirs))
+    rl = (plan.imbalance("tokens")[1], plan.imbalance("cost")[1])
+    nemo_balance = _nemo_rl_balance(tokens, samples, costs, args.steps)
+    return (
+        f"| {lengths.size} | {ranks} | {mine * 1e3:.1f} ms | {nemo * 1e3:.1f} ms | {mine / nemo:.2f}x | "
+        f"{rl[0]:.4f} \\| {rl[1]:.4f} | {nemo_balance[0]:.4f} \\| {nemo_balance[1]:.4f} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, nargs="+", default=[512, 4096])
@@ -61,6 +110,7 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=0.8)
     parser.add_argument("--max-tokens", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=7, help="timings of each planner (interleaved; medians)")
     args = parser.parse_args()
     print(
         f"lognormal rollout lengths (median {args.median:g}, sigma {args.sigma:g}), {args.steps} step(s) per rollout, "
@@ -68,11 +118,9 @@ def main() -> None:
     )
     print("| samples | ranks | round-robin | KK on bins | rl (samples) | cost bound | rl microbatches/rank | rl plan |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    timed = []
     for n in args.samples:
-        rng = np.random.default_rng(args.seed)
-        lengths = np.clip(np.round(rng.lognormal(np.log(args.median), args.sigma, n)), 16, args.max_tokens)
-        lengths = lengths.astype(np.int64)
-        costs = lengths + lengths.astype(np.float64) ** 2 / args.max_tokens
+        lengths, costs = _lengths(n, args)
         steps = np.array_split(np.arange(n), args.steps)
         for ranks in args.ranks:
             rr = _round_robin(lengths, costs, steps, ranks)
@@ -89,6 +137,22 @@ def main() -> None:
                 + " | ".join(cells)
                 + f" | {plan.accumulate_grad_batches} | {elapsed * 1e3:.0f} ms |"
             )
+            timed.append(_time_against_nemo_rl(lengths, costs, ranks, args))
+    print(
+        f"\nPlanning time, RolloutPlanner.plan vs NeMo-RL's shard_by_batch_size with sequence packing "
+        f"(re-implemented, planning only), interleaved, median of {args.repeats}; worst step max/mean (tokens | cost)\n"
+    )
+    print("| samples | ranks | lit_seqpack | NeMo-RL | ratio | lit_seqpack balance | NeMo-RL balance |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(timed))
+
+
+def _lengths(n: int, args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
+    """Lognormal lengths clipped to [16, max_tokens], and their balance cost ``L + L^2 / max_tokens``."""
+    rng = np.random.default_rng(args.seed)
+    lengths = np.clip(np.round(rng.lognormal(np.log(args.median), args.sigma, n)), 16, args.max_tokens)
+    lengths = lengths.astype(np.int64)
+    return lengths, lengths + lengths.astype(np.float64) ** 2 / args.max_tokens
 
 
 if __name__ == "__main__":

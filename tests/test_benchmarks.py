@@ -171,9 +171,12 @@ def test_bench_stream_prints_the_packing_and_loader_tables():
 
 
 def test_bench_rl_prints_the_balance_table_with_rl_at_the_bound():
-    lines = _run("bench_rl.py", "--samples", "256", "--ranks", "4", "--steps", "2")
+    lines = _run("bench_rl.py", "--samples", "256", "--ranks", "4", "--steps", "2", "--repeats", "2")
     rows = [line for line in lines if line.startswith("| 256 ")]
-    assert len(rows) == 1, lines
+    assert len(rows) == 2, lines  # the balance table, then the timing table against NeMo-RL
     cells = [cell.strip(" \\") for cell in rows[0].strip("|").split("|")]  # "tokens \| cost" pairs split too
     round_robin_cost, rl_cost, bound = float(cells[3]), float(cells[7]), float(cells[8])
     assert bound <= rl_cost <= 1.01 and rl_cost < round_robin_cost
+    timed = [cell.strip(" \\") for cell in rows[1].strip("|").split("|")]
+    assert timed[2].endswith(" ms") and timed[3].endswith(" ms") and timed[4].endswith("x")
+    assert float(timed[6]) == pytest.approx(rl_cost, abs=1e-4) and float(timed[8]) >= float(timed[6])

@@ -40,6 +40,7 @@ def test_every_example_is_tested():  # fabric_loop.py: tests/test_fabric_loop.py
         "grpo.py",
         "hf_model.py",
         "own_model.py",
+        "ppo.py",
     ]
 
 
@@ -114,6 +115,32 @@ def _gradient_error(out: str) -> float:
 def test_grpo_example_matches_one_big_padded_batch(tmp_path):
     out = _stdout("grpo.py", "--rollouts", "2", "--check", cwd=tmp_path)
     assert re.search(r"^GRPO: 2 rollouts, 4 optimizer steps, final loss -?[\d.]+$", out, re.M), out[-2000:]
+    assert _gradient_error(out) <= 1e-5
+
+
+def test_grpo_example_resumes_between_rollouts_exactly(tmp_path):
+    out = _stdout("grpo.py", "--rollouts", "2", "--prompts", "4", "--resume-check", cwd=tmp_path)
+    match = re.search(r"^max weight difference, resumed after rollout 0 vs straight: ([\d.e+-]+)$", out, re.M)
+    assert match is not None and float(match[1]) <= 1e-6, out[-2000:]
+    first = _stdout(
+        "grpo.py", "--rollouts", "2", "--prompts", "4", "--ckpt-dir", "ckpt", "--stop-after", "1", cwd=tmp_path
+    )
+    assert re.search(r"^GRPO: 1 rollouts, 2 optimizer steps", first, re.M) and (tmp_path / "ckpt/last.ckpt").exists()
+    resumed = _stdout("grpo.py", "--rollouts", "2", "--prompts", "4", "--ckpt-dir", "ckpt", cwd=tmp_path)
+    assert re.search(r"^GRPO: 2 rollouts, 4 optimizer steps", resumed, re.M), resumed[-2000:]
+
+
+def test_ppo_example_matches_one_big_padded_batch(tmp_path):
+    out = _stdout("ppo.py", "--rollouts", "2", "--check", cwd=tmp_path)
+    assert re.search(r"^PPO: 2 rollouts, 4 optimizer steps, final loss -?[\d.]+$", out, re.M), out[-2000:]
+    assert _gradient_error(out) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+def test_rl_examples_match_one_big_padded_batch_on_two_ranks(script, tmp_path):
+    out = _stdout(script, "--devices", "2", "--rollouts", "2", "--check", cwd=tmp_path)
+    assert re.search(r"^(GRPO|PPO): 2 rollouts, 4 optimizer steps", out, re.M), out[-2000:]
     assert _gradient_error(out) <= 1e-5
 
 

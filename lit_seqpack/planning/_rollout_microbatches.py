@@ -1,10 +1,12 @@
 """One rank's share of a rollout step as microbatches: packer bins or sorted token-budget blocks, lock-step count.
 
-The items of a share are lists of sample indices (one sample, or a whole group under ``keep_together``). Packing
-hands every item to the packers of :mod:`lit_seqpack.planning.algorithms` as one length (so a kept-together group
-lands in one bin) and reaches the target count with their ``min_bin_count`` split; dynamic mode sorts samples
-longest first and cuts :func:`~lit_seqpack.planning.dynamic.dynamic_group_sizes` blocks (whole groups greedily
-under ``keep_together="microbatch"``). Empty lists complete the count (zero-weight lock-step fillers).
+A share is the rank's samples, item after item (one sample, or a whole group under ``keep_together``). Under
+``keep_together="microbatch"`` packing hands every group to the packers of :mod:`lit_seqpack.planning.algorithms` as
+one length (so it lands in one bin) and dynamic mode fills blocks with whole groups; otherwise (``None``, or
+``"rank"``, whose groups were already dealt whole to this rank) the samples are packed one by one, so a group may
+span several microbatches of its rank. The packers reach the target count with their ``min_bin_count`` split;
+dynamic mode sorts samples longest first and cuts :func:`~lit_seqpack.planning.dynamic.dynamic_group_sizes`
+blocks. Empty lists complete the count (zero-weight lock-step fillers).
 """
 
 from __future__ import annotations
@@ -21,48 +23,82 @@ if TYPE_CHECKING:
 
 __all__ = ["rank_microbatches"]
 
+_DECREASING = ("first_fit_decreasing", "best_fit_decreasing", "modified_first_fit_decreasing")
+"""Packers that fill a single bin longest first (stable): a share that fits one row skips the packer."""
+
 
 def rank_microbatches(
-    items: list[list[int]], lengths: np.ndarray, config: RolloutPlanConfig, target: int = 0
+    samples: np.ndarray, item_sizes: np.ndarray, lengths: np.ndarray, config: RolloutPlanConfig, target: int = 0
 ) -> list[list[int]]:
-    """One rank's items as ``target`` microbatches (as many as needed when 0), fillers included.
+    """One rank's samples as ``target`` microbatches (as many as needed when 0), fillers included.
+
+    Args:
+        samples: the rank's sample indices, item after item.
+        item_sizes: the sample count of each item (kept together under ``keep_together="microbatch"``).
+        lengths: tokens of every sample of the rollout.
+        config: the plan's settings.
+        target: the microbatch count to reach (bins are split, then empty fillers added); 0: as many as needed.
 
     Example:
         >>> from lit_seqpack.planning.rollout_config import RolloutPlanConfig
-        >>> rank_microbatches([[0], [1], [2]], np.array([5, 4, 3]), RolloutPlanConfig(max_tokens=8), target=3)
-        [[0], [1], [2]]
+        >>> config = RolloutPlanConfig(max_tokens=8)
+        >>> rank_microbatches(np.array([0, 1, 2]), np.ones(3, int), np.array([5, 4, 3]), config)
+        [[0, 2], [1]]
     """
-    if not items:
+    if samples.size == 0:
         return [[] for _ in range(target)]
     keep = config.keep_together == "microbatch"
     if config.mode == "packing":
-        from lit_seqpack.planning.algorithms import get_packer
-
-        sizes = np.array([lengths[item].sum() for item in items], dtype=np.int64)
-        packer = get_packer(
-            config.algorithm or DEFAULT_ALGORITHM, config.max_tokens, min_bin_count=min(target, len(items))
-        )
-        bins = [[i for j in b for i in items[j]] for b in packer.pack(sizes)]
+        bins = _packed(samples, item_sizes if keep else None, lengths, config, target)
     elif keep:
-        bins = _dynamic_units(items, lengths, config)
+        bins = _dynamic_units(samples, item_sizes, lengths, config)
     else:
-        flat = np.array([i for item in items for i in item], dtype=np.int64)
-        order = flat[np.argsort(-lengths[flat], kind="stable")]
+        order = samples[np.argsort(-lengths[samples], kind="stable")]
         sizes = dynamic_group_sizes(
             lengths[order],
             config.max_tokens,
             sequence_length_round=config.sequence_length_round,
             group_count_multiple=max(target, 1),
         )
-        bounds = np.concatenate(([0], np.cumsum(sizes)))
-        bins = [order[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-        bins = [b for b in bins if b]
+        bins = _split(order, np.cumsum(sizes[sizes > 0]))
     return bins + [[] for _ in range(max(target - len(bins), 0))]
 
 
-def _dynamic_units(items: list[list[int]], lengths: np.ndarray, config: RolloutPlanConfig) -> list[list[int]]:
+def _split(flat: np.ndarray, ends: np.ndarray) -> list[list[int]]:
+    items, stops = flat.tolist(), ends.tolist()
+    return [items[a:b] for a, b in zip([0, *stops[:-1]], stops, strict=True)]
+
+
+def _packed(
+    samples: np.ndarray, item_sizes: np.ndarray | None, lengths: np.ndarray, config: RolloutPlanConfig, target: int
+) -> list[list[int]]:
+    """Packer bins of single samples, or of whole items (``item_sizes``) each packed as one length."""
+    from lit_seqpack.planning.algorithms import get_packer
+
+    if item_sizes is None:
+        sizes = lengths[samples]
+    else:
+        starts = np.concatenate(([0], np.cumsum(item_sizes)[:-1]))
+        sizes = np.add.reduceat(lengths[samples], starts)
+    algorithm = config.algorithm or DEFAULT_ALGORITHM
+    if target <= 1 and algorithm in _DECREASING and int(sizes.sum()) <= config.max_tokens:
+        flat, ends = np.argsort(-sizes, kind="stable"), np.array([sizes.size])  # one bin, as the packer fills it
+    else:
+        packer = get_packer(algorithm, config.max_tokens, min_bin_count=min(target, sizes.size))
+        flat, ends = packer.pack_flat(sizes)
+    if item_sizes is None:
+        return _split(samples[flat], ends)
+    counts = item_sizes[flat]  # every packed item back to its samples, in bin order
+    first = np.repeat(starts[flat] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+    return _split(samples[first + np.arange(first.size)], np.cumsum(counts)[ends - 1])
+
+
+def _dynamic_units(
+    samples: np.ndarray, item_sizes: np.ndarray, lengths: np.ndarray, config: RolloutPlanConfig
+) -> list[list[int]]:
     """Dynamic blocks of whole groups: longest first, a block takes groups while ``rows x padded length`` fits."""
     rows = round_up(lengths, config.sequence_length_round)
+    items = _split(samples, np.cumsum(item_sizes))
     order = sorted(range(len(items)), key=lambda j: -int(rows[items[j]].max()))
     blocks: list[list[int]] = []
     width = count = 0

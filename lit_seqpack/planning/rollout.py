@@ -96,9 +96,11 @@ def plan_rollout(
         group_ids: a group label per sample (GRPO group, DPO pair); ``None``: every sample is its own group.
 
     Raises:
-        ValueError: a sample (or a kept-together group) longer than ``max_tokens``, a step boundary inside a
-            group, a rollout that is not a multiple of ``samples_per_step``, more steps than groups, or a step that
-            needs more microbatches than ``accumulate_grad_batches``.
+        ValueError: a sample longer than ``max_tokens``, a group longer than ``max_tokens`` under
+            ``keep_together="microbatch"`` or longer than a rank's whole step (``accumulate_grad_batches``
+            microbatches) under ``keep_together="rank"``, a step boundary inside a group, a rollout that is not a
+            multiple of ``samples_per_step``, more steps than groups, or a step that needs more microbatches than
+            ``accumulate_grad_batches``.
 
     Example:
         >>> plan = plan_rollout([5, 3, 4, 4, 2, 6], RolloutPlanConfig(max_tokens=8, world_size=2, steps_per_rollout=2))
@@ -111,35 +113,46 @@ def plan_rollout(
         raise ValueError("the rollout has no sample")
     loss = np.maximum(lengths - 1, 0) if loss_tokens is None else as_counts("loss_tokens", loss_tokens, n)
     groups = dense_group_labels(group_ids, n)
-    _check_budget(lengths, groups, config)
-    units = group_units(groups, config)
-    steps = cut_steps(units, n, config)
+    _check_budget(lengths, groups, config, group_ids)
+    members, bounds = group_units(groups, config)
+    steps = cut_steps(bounds, config)
     costs = config.cost_linear * lengths + config.quadratic_cost * lengths.astype(np.float64) ** 2
-    per_step = [balance_step(step, costs, config) for step in steps]
-    counts = [[len(rank_microbatches(share, lengths, config)) for share in ranks] for ranks in per_step]
-    needed = max((c for row in counts for c in row), default=1)
+    per_step = [balance_step(members, bounds, units, costs, config) for units in steps]
+    natural = [[rank_microbatches(*share, lengths, config) for share in ranks] for ranks in per_step]
+    needed = max((len(bins) for row in natural for bins in row), default=1)
     accumulate = config.accumulate_grad_batches or max(needed, 1)
     if needed > accumulate:
-        s, r = next((s, r) for s, row in enumerate(counts) for r, c in enumerate(row) if c == needed)
+        if config.keep_together == "rank":
+            _check_rank_groups(members, bounds, lengths, config, group_ids)
+        s, r = next((s, r) for s, row in enumerate(natural) for r, bins in enumerate(row) if len(bins) == needed)
         raise ValueError(
             f"step {s} needs {needed} microbatches of max_tokens={config.max_tokens} on rank {r} but "
             f"accumulate_grad_batches={accumulate}: raise the token budget, the number of steps, or "
             "accumulate_grad_batches"
         )
-    microbatches = [
-        [rank_microbatches(share, lengths, config, target=accumulate) for share in ranks] for ranks in per_step
+    microbatches = [  # a rank already at the count keeps its bins; the others split bins, then get fillers
+        [
+            bins if len(bins) == accumulate else rank_microbatches(*share, lengths, config, target=accumulate)
+            for share, bins in zip(ranks, row, strict=True)
+        ]
+        for ranks, row in zip(per_step, natural, strict=True)
     ]
+    cell = np.zeros(n, dtype=np.int64)  # step * world_size + rank of every sample
+    for s, ranks in enumerate(per_step):
+        for r, share in enumerate(ranks):
+            cell[share.samples] = s * config.world_size + r
+    step_of, cells = cell // config.world_size, len(steps) * config.world_size
     group_totals = np.bincount(groups, weights=loss).astype(np.int64)
     return RolloutPlan(
         config=config,
         microbatches=microbatches,
         accumulate_grad_batches=accumulate,
-        step_loss_tokens=np.array([int(loss[np.concatenate(s)].sum()) for s in steps], dtype=np.int64),
-        step_documents=np.array([sum(len(u) for u in s) for s in steps], dtype=np.int64),
-        step_groups=np.array([np.unique(groups[np.concatenate(s)]).size for s in steps], dtype=np.int64),
+        step_loss_tokens=np.bincount(step_of, weights=loss, minlength=len(steps)).astype(np.int64),
+        step_documents=np.array([bounds[last] - bounds[first] for first, last in steps], dtype=np.int64),
+        step_groups=np.array([last - first for first, last in steps], dtype=np.int64),
         group_loss_tokens=group_totals[groups],
-        rank_tokens=np.array([[lengths[sum(r, [])].sum() for r in ranks] for ranks in per_step], dtype=np.int64),
-        rank_cost=np.array([[costs[sum(r, [])].sum() for r in ranks] for ranks in per_step], dtype=np.float64),
+        rank_tokens=np.bincount(cell, weights=lengths, minlength=cells).astype(np.int64).reshape(len(steps), -1),
+        rank_cost=np.bincount(cell, weights=costs, minlength=cells).reshape(len(steps), -1),
     )
 
 
@@ -161,7 +174,38 @@ def dense_group_labels(group_ids: Sequence[int] | np.ndarray | None, n: int) -> 
     return rank_of[dense.reshape(-1)]
 
 
-def _check_budget(lengths: np.ndarray, groups: np.ndarray, config: RolloutPlanConfig) -> None:
+def _group_name(g: int, groups: np.ndarray, group_ids: Sequence[int] | np.ndarray | None) -> str:
+    """``group <its id as given> (samples [...])`` for an error message."""
+    members = np.flatnonzero(groups == g)
+    label = g if group_ids is None else np.asarray(group_ids)[members[0]].item()
+    return f"group {label} (samples {members.tolist()})"
+
+
+def _check_rank_groups(
+    members: np.ndarray,
+    bounds: np.ndarray,
+    lengths: np.ndarray,
+    config: RolloutPlanConfig,
+    group_ids: Sequence[int] | np.ndarray | None,
+) -> None:
+    """Raise naming the first group that alone needs more microbatches than a rank runs in a step."""
+    accumulate = config.accumulate_grad_batches
+    for first, last in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        unit = members[first:last]
+        needed = len(rank_microbatches(unit, np.ones(unit.size, dtype=np.int64), lengths, config))
+        if needed > accumulate:
+            groups = dense_group_labels(group_ids, lengths.size)
+            raise ValueError(
+                f"keep_together='rank': {_group_name(int(groups[unit[0]]), groups, group_ids)} has "
+                f"{int(lengths[unit].sum())} tokens and needs {needed} microbatches of max_tokens={config.max_tokens}, "
+                f"more than one rank's whole step (accumulate_grad_batches={accumulate}); raise max_tokens or "
+                "accumulate_grad_batches, or use keep_together=None"
+            )
+
+
+def _check_budget(
+    lengths: np.ndarray, groups: np.ndarray, config: RolloutPlanConfig, group_ids: Sequence[int] | np.ndarray | None
+) -> None:
     rows = round_up(lengths, config.sequence_length_round) if config.mode == "dynamic" else lengths
     over = np.flatnonzero(rows > config.max_tokens)
     if over.size:
@@ -181,7 +225,6 @@ def _check_budget(lengths: np.ndarray, groups: np.ndarray, config: RolloutPlanCo
         if over.size:
             g = int(over[0])
             raise ValueError(
-                f"keep_together='microbatch': group {g} (samples {np.flatnonzero(groups == g).tolist()}) needs "
-                f"{int(group_cost[g])} tokens > max_tokens={config.max_tokens}; raise the budget or use "
-                "keep_together='rank'"
+                f"keep_together='microbatch': {_group_name(g, groups, group_ids)} needs {int(group_cost[g])} tokens "
+                f"> max_tokens={config.max_tokens} (one microbatch); raise the budget or use keep_together='rank'"
             )

@@ -28,8 +28,10 @@ class RolloutPlanConfig:
         steps_per_rollout: instead, the exact number of optimizer steps (near-equal sample counts).
         accumulate_grad_batches: microbatches per rank per step, fixed (what a Lightning Trainer with automatic
             optimization needs); ``None`` uses as many as the fullest rank of any step needs.
-        keep_together: ``None``, ``"microbatch"`` (a group is never split across microbatches) or ``"rank"``
-            (never across ranks); groups are never split across steps either way.
+        keep_together: ``None``, ``"microbatch"`` (a group is never split across microbatches; a group longer than
+            ``max_tokens`` is refused) or ``"rank"`` (whole groups are dealt to ranks, then their samples are packed
+            one by one, so a group may span several microbatches of its rank; a group longer than a rank's whole
+            step is refused); groups are never split across steps either way.
         sequence_length_round: dynamic mode pads a block's length to a multiple of this.
         cost_linear: ``a`` of the cost ``a*L + b*L^2`` ranks are balanced on.
         cost_quadratic: ``b``; ``"auto"`` is ``cost_linear / max_tokens``.

@@ -19,6 +19,7 @@ The planning itself (:mod:`lit_seqpack.planning.rollout`) is torch-free.
 from __future__ import annotations
 
 from lit_seqpack.rl.forward import policy_logits
+from lit_seqpack.rl.gather import gather_rollout
 from lit_seqpack.rl.loss import (
     NORMALIZE,
     clipped_policy_loss,
@@ -27,11 +28,21 @@ from lit_seqpack.rl.loss import (
     step_loss,
     token_logprobs,
 )
+from lit_seqpack.rl.objectives import (
+    KL_ESTIMATORS,
+    kl_estimate,
+    sequence_log_ratio,
+    temperature_scaled,
+    token_entropy,
+    truncated_importance_weights,
+)
 from lit_seqpack.rl.planner import RolloutPlanner
 from lit_seqpack.rl.rollout import Rollout
 from lit_seqpack.rl.unpack import document_index, document_lengths, document_sums, per_document_to_tokens, unpack
+from lit_seqpack.rl.values import gae, token_values, value_loss
 
 __all__ = [
+    "KL_ESTIMATORS",
     "NORMALIZE",
     "Rollout",
     "RolloutPlanner",
@@ -39,11 +50,20 @@ __all__ = [
     "document_index",
     "document_lengths",
     "document_sums",
+    "gae",
+    "gather_rollout",
+    "kl_estimate",
     "loss_output",
     "per_document_to_tokens",
     "policy_logits",
     "scale_step_loss",
+    "sequence_log_ratio",
     "step_loss",
+    "temperature_scaled",
+    "token_entropy",
     "token_logprobs",
+    "token_values",
+    "truncated_importance_weights",
     "unpack",
+    "value_loss",
 ]

@@ -6,13 +6,16 @@ A per-token loss ``[B, T]`` (value at ``t`` for token ``t``, the ``labels`` conv
 
 - ``normalize="token"``: the mean over every loss token of the step (with a planner's ``loss_weight_field``, the
   weighted mean ``sum(w * loss) / sum(w)`` over the step: the batch's ``loss_weights`` and ``step_loss_weight``);
-- ``normalize="sequence"``: the mean over the step's samples of each sample's token mean;
+- ``normalize="sequence"``: the mean over the step's samples of each sample's token mean (weighted: each sample's
+  ``sum(w * loss) / sum(w)``);
 - ``normalize="group"``: the mean over the step's groups of each group's token mean (a group may be split over
-  microbatches or ranks: the plan knows its total),
+  microbatches or ranks: the plan knows its total; weighted: each group's ``sum(w * loss) / sum(w)``),
 
-as if the step's samples were one big padded batch. The step totals travel in the batch (no collective). With
-automatic optimization Lightning divides the loss by ``accumulate_grad_batches``; with manual optimization it does
-not; DDP averages over ranks either way: :func:`scale_step_loss` cancels exactly what applies.
+as if the step's samples were one big padded batch. A sample (a group) without a loss token, or whose weights are
+all 0, is left out of every mean (numerator and count); a step where nothing has a loss gives a zero gradient. The
+step totals travel in the batch (no collective). With automatic optimization Lightning divides the loss by
+``accumulate_grad_batches``; with manual optimization it does not; DDP averages over ranks either way:
+:func:`scale_step_loss` cancels exactly what applies.
 """
 
 from __future__ import annotations
@@ -30,7 +33,15 @@ from lit_seqpack.rl.unpack import per_document_to_tokens
 __all__ = ["NORMALIZE", "clipped_policy_loss", "loss_output", "scale_step_loss", "step_loss", "token_logprobs"]
 
 NORMALIZE: tuple[str, ...] = ("token", "sequence", "group")
-_PLAN_KEYS = ("step_loss_tokens", "step_documents", "step_groups", "document_loss_tokens", "group_loss_tokens")
+_PLAN_KEYS = (
+    "step_loss_tokens",
+    "step_loss_documents",
+    "step_loss_groups",
+    "document_loss_tokens",
+    "group_loss_tokens",
+    "num_loss_documents",
+    "num_loss_groups",
+)
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -61,8 +72,14 @@ def clipped_policy_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float | None = None,
+    dual_clip: float | None = None,
+    log_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The per-token PPO / GRPO clipped surrogate ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``.
+
+    With ``dual_clip = c > 1`` (dual-clip PPO, Ye et al. 2020; NeMo-RL's ``ratio_clip_c``) a negative advantage's loss
+    is also capped at ``-c A``: ``min(-min(r A, clip(r) A), -c A)`` where ``A < 0``, so a huge ratio on a bad token
+    cannot blow the gradient up.
 
     Args:
         logprobs: the policy's log-probabilities (with grad).
@@ -70,15 +87,25 @@ def clipped_policy_loss(
         advantages: per-token advantages (a GRPO sample's advantage repeated over its tokens).
         clip_low: lower clip range.
         clip_high: upper clip range (``None``: ``clip_low``; DAPO's clip-higher uses a larger one).
+        dual_clip: ``c > 1`` for dual-clip PPO; ``None``: off.
+        log_ratio: ``log r`` to use instead of ``logprobs - old_logprobs``, e.g. GSPO's sequence-level
+            :func:`~lit_seqpack.rl.sequence_log_ratio`.
 
     Example:
         >>> lp = torch.tensor([0.0, 0.5])
         >>> clipped_policy_loss(lp, torch.zeros(2), torch.ones(2)).tolist()  # r = 1 and exp(0.5) clipped to 1.2
         [-1.0, -1.2000000476837158]
+        >>> clipped_policy_loss(torch.tensor([3.0]), torch.zeros(1), -torch.ones(1), dual_clip=3.0).tolist()
+        [3.0]
     """
     high = clip_low if clip_high is None else clip_high
-    ratio = torch.exp(logprobs - old_logprobs)
-    return -torch.minimum(ratio * advantages, ratio.clamp(1.0 - clip_low, 1.0 + high) * advantages)
+    ratio = torch.exp(logprobs - old_logprobs if log_ratio is None else log_ratio)
+    loss = -torch.minimum(ratio * advantages, ratio.clamp(1.0 - clip_low, 1.0 + high) * advantages)
+    if dual_clip is None:
+        return loss
+    if not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip!r}")
+    return torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
 
 
 def _plan_facts(batch: Mapping[str, Any]) -> None:
@@ -96,8 +123,8 @@ def loss_output(
     """The microbatch's :class:`~lit_seqpack.model.loss.LossOutput` for a per-token loss (positions off the loss
     mask are ignored, whatever their value), with the step's unit count as ``step_units``.
 
-    A batch with ``loss_weights`` (``RolloutPlanner(loss_weight_field=...)``) gives the weighted token loss, its
-    units being weight sums; the sequence and group means refuse it (the weights would be dropped).
+    A batch with ``loss_weights`` (``RolloutPlanner(loss_weight_field=...)``) gives the weighted means, whose units
+    are weight sums (token) or the samples and groups with a weight sum above 0 (sequence, group).
 
     Return it from a :class:`~lit_seqpack.model.mixin.PackedSequenceMixin`'s ``seqpack_loss`` and the mixin's
     exact normalisation does the rest (automatic optimization).
@@ -109,35 +136,27 @@ def loss_output(
     if token_loss.shape != labels.shape:
         raise ValueError(f"token_loss must have the batch's shape {tuple(labels.shape)}, got {tuple(token_loss.shape)}")
     masked = torch.where(labels != IGNORE_INDEX, token_loss, torch.zeros_like(token_loss))
-    if batch.get(LOSS_WEIGHTS) is not None:
-        return _weighted_token_output(masked, batch, normalize)
+    weighted = batch.get(LOSS_WEIGHTS) is not None
+    if weighted:
+        if batch.get(STEP_LOSS_WEIGHT) is None or batch.get("document_loss_weight") is None:
+            raise ValueError(
+                "the batch carries loss_weights but no step_loss_weight / document_loss_weight: use a batch of "
+                "RolloutPlanner(loss_weight_field=...).train_microbatches"
+            )
+        masked = masked * batch[LOSS_WEIGHTS].to(device=masked.device, dtype=masked.dtype)
     if normalize == "token":
-        return LossOutput(
-            loss_sum=masked.sum(), num_units=int(batch["num_loss_tokens"]), step_units=int(batch["step_loss_tokens"])
-        )
-    key, step_key = (
-        ("document_loss_tokens", "step_documents") if normalize == "sequence" else ("group_loss_tokens", "step_groups")
-    )
-    weights = 1.0 / batch[key].to(device=token_loss.device, dtype=token_loss.dtype).clamp(min=1)
-    loss_sum = (masked * per_document_to_tokens(weights, batch)).sum()
-    units = int(batch["num_documents"]) if normalize == "sequence" else int(batch["num_groups"])
-    return LossOutput(loss_sum=loss_sum, num_units=units, step_units=int(batch[step_key]))
-
-
-def _weighted_token_output(masked: torch.Tensor, batch: Mapping[str, Any], normalize: str) -> LossOutput:
-    """The weighted token mean's share of a batch planned with a ``loss_weight_field``."""
-    if normalize != "token":
-        raise ValueError(
-            f"the batch carries loss_weights (RolloutPlanner(loss_weight_field=...)), which only normalize='token' "
-            f"supports, got normalize={normalize!r}: drop the weights or use normalize='token'"
-        )
-    if batch.get(STEP_LOSS_WEIGHT) is None:
-        raise ValueError("the batch carries loss_weights but no step_loss_weight: the weighted step mean needs it")
-    weights = batch[LOSS_WEIGHTS].to(device=masked.device, dtype=masked.dtype)
+        if weighted:
+            units = (float(batch[NUM_LOSS_WEIGHT]), float(batch[STEP_LOSS_WEIGHT]))
+        else:
+            units = (int(batch["num_loss_tokens"]), int(batch["step_loss_tokens"]))
+        return LossOutput(loss_sum=masked.sum(), num_units=units[0], step_units=units[1])
+    per = "document" if normalize == "sequence" else "group"
+    totals = batch[f"{per}_loss_weight" if weighted else f"{per}_loss_tokens"].to(token_loss.device)
+    inverse = torch.where(totals > 0, 1.0 / totals.double().clamp(min=1e-300), 0.0).to(token_loss.dtype)
+    loss_sum = (masked * per_document_to_tokens(inverse, batch)).sum()
+    plural = "documents" if normalize == "sequence" else "groups"
     return LossOutput(
-        loss_sum=(masked * weights).sum(),
-        num_units=float(batch[NUM_LOSS_WEIGHT]),
-        step_units=float(batch[STEP_LOSS_WEIGHT]),
+        loss_sum=loss_sum, num_units=int(batch[f"num_loss_{plural}"]), step_units=int(batch[f"step_loss_{plural}"])
     )
 
 

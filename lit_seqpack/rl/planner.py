@@ -13,23 +13,34 @@ plan's facts:
 ``document_loss_tokens``   ``[num_documents]`` int64 loss tokens of each document
 ``group_loss_tokens``      ``[num_documents]`` int64 loss tokens of each document's group over the whole step
 ``num_groups``             distinct groups in the batch
+``num_loss_documents``     documents of the batch with a loss (loss tokens, or a weight sum above 0); also
+                           ``num_loss_groups``: the batch's groups with a loss
 ``step``                   the optimizer step (0-based) within the rollout
 ``step_loss_tokens``       loss tokens of the step over all ranks (also ``step_documents``, ``step_groups``)
+``step_loss_documents``    samples of the step with a loss over all ranks (also ``step_loss_groups``): the
+                           denominators of the sequence and group means (samples without a loss are left out)
 ``step_loss_weight``       with ``loss_weight_field``: the step's loss-weight sum over all ranks (and the batch's
-                           ``loss_weights``, ``num_loss_weight``, as the collators place them)
+                           ``loss_weights``, ``num_loss_weight``, as the collators place them,
+                           ``document_loss_weight`` and ``group_loss_weight``: ``[num_documents]`` float64 weight sums
+                           of each document and of its group)
 ``is_last_in_step``        the last microbatch of this rank in the step: call ``optimizer.step()`` after it
 =========================  =======================================================================================
 
-Under ``torch.distributed`` the planner also checks, once per call of ``train_microbatches`` or
-``logprob_microbatches``, that every rank holds the same rollout (``check_rollout``): one ``all_gather_object`` of
-:meth:`~lit_seqpack.rl.Rollout.fingerprint`, so that ranks fed different rollouts (a DataLoader sharded by
-Lightning's ``DistributedSampler``) raise on every rank instead of training on different data.
+Under ``torch.distributed`` the planner also checks, once per call of ``train_microbatches``,
+``logprob_microbatches`` or ``compute_per_token`` and before any batch is built, that every rank holds the same
+rollout (``check_rollout``): one ``all_gather_object`` of :meth:`~lit_seqpack.rl.Rollout.fingerprint`, so that ranks
+fed different rollouts (a DataLoader sharded by Lightning's ``DistributedSampler``) raise on every rank instead of
+training on different data.
+
+Plans are made once per rollout: the planner keeps the plans of the last rollout it saw, keyed by
+:attr:`~lit_seqpack.rl.Rollout.identity`, which the copies of :meth:`~lit_seqpack.rl.Rollout.with_fields` share, so
+the old-log-prob, reference and training passes of one rollout plan once per budget (the fingerprint, too, is
+computed once per rollout).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -38,7 +49,7 @@ import torch
 
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.planning.rollout import RolloutPlan, RolloutPlanConfig, plan_rollout
-from lit_seqpack.rl._batches import collator_fields, plan_batches
+from lit_seqpack.rl._batches import collator_fields, loss_mass, plan_batches
 from lit_seqpack.rl._world import check_same_rollout, gather_per_sample, resolve_world
 from lit_seqpack.rl.rollout import Rollout
 from lit_seqpack.rl.unpack import unpack
@@ -60,7 +71,8 @@ class RolloutPlanner:
         accumulate_grad_batches: fixed microbatches per rank per step (automatic optimization needs the
             Trainer's); ``None``: as many as the fullest rank needs (manual optimization).
         keep_together: ``None``, ``"microbatch"`` or ``"rank"``: a group (``Rollout.group_ids``) is never split
-            across microbatches, or across ranks.
+            across microbatches, or across ranks (its samples are packed one by one on its rank); see
+            :class:`~lit_seqpack.planning.rollout.RolloutPlanConfig`.
         world_size: data-parallel ranks; with ``rank``, overrides ``trainer`` and ``torch.distributed``.
         rank: this process's data-parallel rank.
         trainer: read the world size and rank from it (its device mesh's data-parallel layout if it has one).
@@ -148,6 +160,8 @@ class RolloutPlanner:
             {"pad_token_id": pad_token_id, "pad_to_multiple_of": pad_to_multiple_of},
         )
         self._collator_type(**self._collator_args)  # validates the padding settings now
+        self._plans: dict[tuple[str, int], RolloutPlan] = {}  # the plans of the rollout ``self._planned``
+        self._planned: object | None = None
 
     # --------------------------------------------------------------------------------------------- plans
     @property
@@ -156,17 +170,28 @@ class RolloutPlanner:
         return self._world if self._world is not None else resolve_world(self._trainer)
 
     def plan(self, rollout: Rollout) -> RolloutPlan:
-        """The training plan of ``rollout`` (the same on every rank)."""
+        """The training plan of ``rollout`` (the same on every rank), made once per rollout (see :meth:`_plan`)."""
         return self._plan(rollout, self._train, "train_max_tokens")
 
     def logprob_plan(self, rollout: Rollout) -> RolloutPlan:
-        """The log-prob pass's plan of ``rollout``: one step, balanced over ranks."""
+        """The log-prob pass's plan of ``rollout``: one step, balanced over ranks, made once per rollout."""
         return self._plan(rollout, self._logprob, "logprob_max_tokens")
 
     def _plan(self, rollout: Rollout, config: RolloutPlanConfig, budget: str) -> RolloutPlan:
+        """The plan of ``rollout`` for ``budget``, kept for the rollout's :attr:`~lit_seqpack.rl.Rollout.identity`
+        (shared by its :meth:`~lit_seqpack.rl.Rollout.with_fields` copies): every pass over one rollout (old and
+        reference log-probs, training, several epochs) reuses it; a new rollout drops the previous one's plans."""
         if not isinstance(rollout, Rollout):
             raise TypeError(f"expected a lit_seqpack.rl.Rollout, got {type(rollout).__name__}")
         config = dataclasses.replace(config, world_size=self.world[0])
+        if self._planned is not rollout.identity:
+            self._plans, self._planned = {}, rollout.identity
+        key = (budget, config.world_size)
+        if key not in self._plans:
+            self._plans[key] = self._new_plan(rollout, config, budget)
+        return self._plans[key]
+
+    def _new_plan(self, rollout: Rollout, config: RolloutPlanConfig, budget: str) -> RolloutPlan:
         lengths = rollout.lengths
         over = np.flatnonzero(lengths > config.max_tokens)
         if over.size:
@@ -188,8 +213,7 @@ class RolloutPlanner:
         """This rank's training batches, ``accumulate_grad_batches`` per step, with the step totals."""
         self._check_same_rollout(rollout)
         plan = self.plan(rollout)
-        step_weights = None if self.loss_weight_field is None else _step_weights(plan, rollout, self.loss_weight_field)
-        yield from self._batches(rollout, plan, device, step_weights=step_weights)
+        yield from self._batches(rollout, plan, device, weight_field=self.loss_weight_field)
 
     @torch.no_grad()
     def compute_per_token(
@@ -207,7 +231,8 @@ class RolloutPlanner:
             fn: called on each non-empty batch; returns values shaped like its ``input_ids``.
             rollout: the rollout.
             gather: all-gather every rank's values (``torch.distributed``), so every entry is filled on every rank;
-                raises ``RuntimeError`` when the ranks hold different rollouts.
+                raises ``RuntimeError`` when the ranks hold different rollouts (checked before the first forward
+                with ``check_rollout``, and again in the gather itself).
             device: move the batches there first.
 
         Returns:
@@ -215,8 +240,7 @@ class RolloutPlanner:
         """
         world_size, rank = self.world
         gathered = gather and world_size > 1
-        if not gathered:  # the gather compares the fingerprints itself
-            self._check_same_rollout(rollout)
+        self._check_same_rollout(rollout)  # before any forward: ranks holding other rollouts raise at once
         plan = self.logprob_plan(rollout)
         out: list[torch.Tensor | None] = [None] * len(rollout)
         for batch in self._batches(rollout, plan, device):
@@ -247,20 +271,14 @@ class RolloutPlanner:
             check_same_rollout(rollout.fingerprint(), world_size)
 
     def _batches(
-        self, rollout: Rollout, plan: RolloutPlan, device: Any, *, step_weights: np.ndarray | None = None
+        self, rollout: Rollout, plan: RolloutPlan, device: Any, *, weight_field: str | None = None
     ) -> Iterator[dict[str, Any]]:
         world_size, rank = self.world
-        fields = {"loss_weight_field": self.loss_weight_field} if step_weights is not None else {}
+        mass = loss_mass(plan, rollout, weight_field)  # first: it names a weight field the rollout lacks
+        fields = {"loss_weight_field": weight_field} if weight_field is not None else {}
         collate = self._collator_type(**self._collator_args, **collator_fields(rollout), **fields)
-        for batch in plan_batches(rollout, plan, rank, world_size, collate, step_weights=step_weights):
+        for batch in plan_batches(rollout, plan, rank, world_size, collate, mass):
             yield batch if device is None else _to_device(batch, device)
-
-
-def _step_weights(plan: RolloutPlan, rollout: Rollout, field: str) -> np.ndarray:
-    """The loss-weight sum of every optimizer step over all ranks (the same on every rank, no collective)."""
-    sums = rollout.loss_weight_sums(field)
-    members = [[i for share in ranks for mb in share for i in mb] for ranks in plan.microbatches]
-    return np.array([math.fsum(sums[step].tolist()) for step in members], dtype=np.float64)
 
 
 def _to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:

@@ -167,3 +167,17 @@ def test_bad_settings_fail_at_construction(kwargs, message) -> None:
 def test_dense_group_labels_follow_first_appearance() -> None:
     assert dense_group_labels(None, 3).tolist() == [0, 1, 2]
     assert dense_group_labels(np.array([9, 9, 2, 5, 2]), 5).tolist() == [0, 0, 1, 2, 1]
+
+
+@pytest.mark.parametrize("algorithm", ["first_fit_decreasing", "best_fit_decreasing", "modified_first_fit_decreasing"])
+def test_a_share_that_fits_one_row_is_the_packers_single_bin(algorithm: str) -> None:
+    from lit_seqpack.planning._rollout_microbatches import rank_microbatches
+    from lit_seqpack.planning.algorithms import get_packer
+
+    rng = np.random.default_rng(7)
+    config = RolloutPlanConfig(max_tokens=4096, algorithm=algorithm)
+    for _ in range(20):
+        lengths = rng.integers(1, 200, 300)
+        samples = rng.choice(300, size=int(rng.integers(1, 20)), replace=False)
+        expected = [samples[b].tolist() for b in get_packer(algorithm, 4096).pack(lengths[samples])]
+        assert rank_microbatches(samples, np.ones(samples.size, int), lengths, config) == expected == [expected[0]]

@@ -103,8 +103,9 @@ def padded_reference_gradients(
     module: LightningModule, rollout: Rollout, steps: list[list[int]], normalize: str, weight_field: str | None = None
 ) -> dict[str, torch.Tensor]:
     """Gradient (float64) of the clipped policy loss of the first step's samples as one big right-padded batch,
-    normalised over the step by tokens, sequences or groups (with ``weight_field``: the weighted token mean
-    ``sum(w * loss) / sum(w)``); computed without lit_seqpack's batching."""
+    normalised over the step by tokens, sequences or groups (with ``weight_field``: weighted means
+    ``sum(w * loss) / sum(w)``), samples and groups without a loss left out; computed without lit_seqpack's
+    batching."""
     from lit_seqpack.rl import clipped_policy_loss
 
     model = stock_model(module).double()
@@ -128,17 +129,37 @@ def padded_reference_gradients(
     logits = plain_logits(model, ids, attention.long())
     logprobs = token_logprobs(logits, torch.where(mask, ids, -100))
     loss = torch.where(mask, clipped_policy_loss(logprobs, old, adv), 0.0)
-    per_sample, tokens = loss.sum(dim=1), mask.sum(dim=1).double()
     if weight_field is not None:
-        assert normalize == "token", normalize
-        total = (loss * weights).sum() / torch.where(mask, weights, 0.0).sum()
-    elif normalize == "token":
-        total = per_sample.sum() / tokens.sum()
-    elif normalize == "sequence":
-        total = (per_sample / tokens).mean()
+        loss, units = loss * weights, torch.where(mask, weights, 0.0).sum(dim=1)
     else:
-        groups = rollout.group_ids[samples]
-        parts = [per_sample[groups == g].sum() / tokens[groups == g].sum() for g in groups.unique()]
-        total = torch.stack(parts).mean()
+        units = mask.sum(dim=1).double()
+    groups = rollout.group_ids[samples] if rollout.group_ids is not None else torch.arange(len(samples))
+    total = reference_step_mean(loss.sum(dim=1), units, groups, normalize)
     total.backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def reference_step_mean(per_sample: torch.Tensor, units: torch.Tensor, groups: torch.Tensor, normalize: str):
+    """The step's loss from each sample's loss sum and units (tokens or weight sums): the token mean, the mean of the
+    samples' means, or of the groups' means, leaving out samples and groups without units (0 when none has any)."""
+    if normalize == "token":
+        return per_sample.sum() / units.sum() if units.sum() > 0 else per_sample.sum() * 0.0
+    if normalize == "sequence":
+        has = units > 0
+        return (per_sample[has] / units[has]).mean() if has.any() else per_sample.sum() * 0.0
+    parts = [
+        per_sample[groups == g].sum() / units[groups == g].sum() for g in groups.unique() if units[groups == g].sum()
+    ]
+    return torch.stack(parts).mean() if parts else per_sample.sum() * 0.0
+
+
+def without_loss(rollout: Rollout, samples: list[int]) -> Rollout:
+    """The rollout with the loss masks of ``samples`` all 0 (truncated or filtered completions), fields kept."""
+    masks = [torch.zeros_like(m) if i in samples else m for i, m in enumerate(rollout.loss_mask)]
+    return Rollout(
+        input_ids=rollout.input_ids,
+        loss_mask=masks,
+        token_fields=rollout.token_fields,
+        sample_fields=rollout.sample_fields,
+        group_ids=rollout.group_ids,
+    )

@@ -24,6 +24,7 @@ from tests.rl._rollouts import (
     policy_logprobs,
     with_loss_weights,
     with_policy_fields,
+    without_loss,
 )
 
 WORLD = 2
@@ -46,11 +47,18 @@ def _logprob_worker(rank: int, init_file: str, out_dir: str) -> None:
             gathered = planner.compute_per_token(policy_logprobs(module), rollout, gather=True)
             results[(mode, budget)] = {"microbatches": mine, "local": local, "gathered": gathered}
         other = make_rollout(count=11, seed=7 + rank)  # each rank a different rollout: refused, not mixed
+        forwards = []
+
+        def counted(batch):
+            forwards.append(batch["sample_indices"])
+            return policy_logprobs(module)(batch)
+
         try:
-            planner.compute_per_token(policy_logprobs(module), other, gather=True)
+            planner.compute_per_token(counted, other, gather=True)
             results["mismatch"] = "no error"
         except RuntimeError as err:
             results["mismatch"] = str(err)
+        results["forwards_before_the_error"] = len(forwards)
         torch.save(results, Path(out_dir, f"logprobs{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -64,6 +72,7 @@ def test_gathered_logprobs_equal_each_sample_alone_on_two_ranks(tmp_path: Path) 
     module, rollout = make_policy("reference"), make_rollout(count=11, seed=7)
     expected = alone_logprobs(module, rollout)
     assert all("the ranks planned different rollouts" in results[rank]["mismatch"] for rank in range(WORLD))
+    assert [results[rank]["forwards_before_the_error"] for rank in range(WORLD)] == [0, 0]  # checked first
     for case in CASES:
         shares = [results[rank][case]["microbatches"] for rank in range(WORLD)]
         assert len(shares[0]) == len(shares[1])  # lock step
@@ -95,16 +104,27 @@ def _ddp_trainer(use_distributed_sampler: bool = False, **kwargs) -> Trainer:
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize(
-    ("normalize", "mode", "weight_field"),
-    [("token", "packing", None), ("group", "dynamic", None), ("token", "packing", "weights")],
+    ("normalize", "mode", "weight_field", "silent"),
+    [
+        ("token", "packing", None, []),
+        ("group", "dynamic", None, []),
+        ("token", "packing", "weights", []),
+        ("sequence", "packing", None, [0, 1, 5, 9]),  # samples without a loss: truncated completions
+        ("group", "dynamic", "weights", [2, 3, 6]),  # all-zero weights: group 1 (samples 2, 3) has none at all
+    ],
 )
 def test_automatic_ddp_step_equals_the_big_padded_batch(
-    normalize: str, mode: str, weight_field: str | None, tmp_path: Path
+    normalize: str, mode: str, weight_field: str | None, silent: list[int], tmp_path: Path
 ) -> None:
     _, rollout = _policy_rollout()
     kwargs = {"train_max_tokens": 48, "mode": mode, "accumulate_grad_batches": 4, "loss_weight_field": weight_field}
     if weight_field is not None:
         rollout = with_loss_weights(rollout, seed=3, field=weight_field)
+        weights = rollout.token_fields[weight_field]
+        zeroed = [torch.zeros_like(w) if i in silent else w for i, w in enumerate(weights)]
+        rollout = rollout.with_fields(token_fields={weight_field: zeroed})
+    else:
+        rollout = without_loss(rollout, silent)
     torch.manual_seed(0)
     module = AutomaticPolicy(normalize)
     samples = [list(range(len(rollout)))]

@@ -132,18 +132,19 @@ def weighted_rollout(seed: int = 0):
     return with_loss_weights(rollout, seed=seed)
 
 
+@pytest.mark.parametrize("normalize", NORMALIZE)
 @pytest.mark.parametrize("mode", ["packing", "dynamic"])
-def test_weighted_automatic_step_equals_the_big_padded_batch(mode: str) -> None:
+def test_weighted_automatic_step_equals_the_big_padded_batch(normalize: str, mode: str) -> None:
     rollout = weighted_rollout()
     torch.manual_seed(0)
-    module = AutomaticPolicy("token")
+    module = AutomaticPolicy(normalize)
     planner = RolloutPlanner(
         train_max_tokens=48, mode=mode, accumulate_grad_batches=6, loss_weight_field="weights", world_size=1, rank=0
     )
     batches = list(planner.train_microbatches(rollout))
     assert len({round(b["num_loss_weight"], 6) for b in batches}) > 1
-    expected = padded_reference_gradients(module, rollout, [list(range(len(rollout)))], "token", "weights")
-    unweighted = padded_reference_gradients(module, rollout, [list(range(len(rollout)))], "token")
+    expected = padded_reference_gradients(module, rollout, [list(range(len(rollout)))], normalize, "weights")
+    unweighted = padded_reference_gradients(module, rollout, [list(range(len(rollout)))], normalize)
     with pytest.raises(AssertionError):  # the weights change the gradient: the comparison below can fail
         assert_gradients_match(unweighted, expected, rtol=1e-3)
     capture = GradientCapture()
@@ -166,11 +167,3 @@ def test_weighted_manual_steps_equal_the_big_padded_batch_of_each_step(mode: str
     trainer().fit(module, one_item_loader())
     assert len(module.step_gradients) == 2
     assert_gradients_match(module.step_gradients[0], prefixed(expected), rtol=1e-5)
-
-
-@pytest.mark.parametrize("normalize", ["sequence", "group"])
-def test_weighted_batches_refuse_the_sequence_and_group_means(normalize: str) -> None:
-    planner = RolloutPlanner(train_max_tokens=64, loss_weight_field="weights", world_size=1, rank=0)
-    batch = next(planner.train_microbatches(weighted_rollout()))
-    with pytest.raises(ValueError, match=f"only normalize='token' supports, got normalize='{normalize}'"):
-        loss_output(torch.zeros(batch["labels"].shape), batch, normalize=normalize)

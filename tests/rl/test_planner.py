@@ -186,3 +186,28 @@ def test_the_rollout_check_is_not_run_in_a_dataloader_worker() -> None:
     loader = torch.utils.data.DataLoader(_PlannedRollout(forced), batch_size=None, num_workers=1)
     with pytest.raises(ValueError, match="check_rollout=True .* but it runs in a DataLoader worker"):
         list(loader)
+
+
+def test_every_pass_over_one_rollout_reuses_its_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lit_seqpack.rl.planner as planner_module
+
+    calls = []
+    real = planner_module.plan_rollout
+    monkeypatch.setattr(planner_module, "plan_rollout", lambda *a, **k: calls.append(a[1].max_tokens) or real(*a, **k))
+    rollout = make_rollout(count=10, seed=12)
+    planner = RolloutPlanner(train_max_tokens=40, logprob_max_tokens=80, world_size=2, rank=1)
+    zeros = [torch.zeros(n) for n in rollout.lengths.tolist()]
+    old = planner.compute_per_token(lambda b: torch.zeros(b["input_ids"].shape), rollout)  # old log-probs
+    rollout = rollout.with_fields(
+        token_fields={"old_logprobs": [o if o is not None else z for o, z in zip(old, zeros, strict=True)]}
+    )
+    planner.compute_per_token(lambda b: torch.zeros(b["input_ids"].shape), rollout)  # reference log-probs
+    rollout = rollout.with_fields(token_fields={"advantages": zeros})
+    for _ in range(2):  # two epochs over the rollout
+        assert list(planner.train_microbatches(rollout))
+    assert calls == [80, 40]  # one log-prob plan and one training plan
+    kept = planner.plan(rollout)
+    assert kept is planner.plan(rollout.with_fields(sample_fields={"r": torch.zeros(10)}))
+    fresh = make_rollout(count=10, seed=12)  # the same samples in a new rollout: planned again, identically
+    again = planner.plan(fresh)
+    assert again is not kept and again.microbatches == kept.microbatches and calls == [80, 40, 40]

@@ -59,7 +59,6 @@ def test_with_fields_adds_and_replaces_without_touching_the_original() -> None:
         ({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1]]}, "sample 0: loss_mask has 2 entries but input_ids has 3"),
         ({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 2, 1]]}, "sample 0: loss_mask must hold only 0 and 1"),
         ({"input_ids": [[1, 2, 3]], "loss_mask": [[1, 1, 1]]}, r"sample 0: loss_mask\[0\] is 1"),
-        ({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 0, 0]]}, "sample 0: loss_mask has no 1"),
         ({"input_ids": [[1, 2], [3, 4]], "loss_mask": [[0, 1]]}, "loss_mask has 1 entries for 2 samples"),
         (
             {"input_ids": [[1, 2, 3]], "token_fields": {"advantages": [torch.zeros(2)]}},
@@ -114,3 +113,36 @@ def test_the_fingerprint_tells_rollouts_apart_by_ids_masks_boundaries_and_groups
         Rollout(input_ids=[[1, 2, 3], [4, 5]], loss_mask=base.loss_mask, group_ids=[0, 1]),
     ]
     assert len({base.fingerprint(), *(other.fingerprint() for other in others)}) == 1 + len(others)
+
+
+def test_with_fields_keeps_the_samples_and_checks_only_the_new_fields() -> None:
+    rollout = Rollout(input_ids=[[1, 2, 3], [4, 5]], sample_fields={"reward": [1.0, 0.0]}, group_ids=[0, 0])
+    digest = rollout.fingerprint()
+    more = rollout.with_fields(token_fields={"adv": [torch.ones(3), torch.ones(2)]})
+    assert more.identity is rollout.identity and more.fingerprint() == digest
+    assert more.input_ids is rollout.input_ids and more.lengths is rollout.lengths
+    assert Rollout(input_ids=[[1, 2, 3], [4, 5]], group_ids=[0, 0]).identity is not rollout.identity
+    with pytest.raises(ValueError, match="sample 1: token field 'adv' has 3 entries but the sample has 2 tokens"):
+        rollout.with_fields(token_fields={"adv": [torch.ones(3), torch.ones(3)]})
+    with pytest.raises(ValueError, match="'reward' is declared both as a token field and as a sample field"):
+        rollout.with_fields(token_fields={"reward": [torch.ones(3), torch.ones(2)]})
+    with pytest.raises(ValueError, match="sample field 'x' holds a NaN"):
+        rollout.with_fields(sample_fields={"x": [float("nan"), 0.0]})
+
+
+def test_the_token_digest_is_the_same_compiled_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from lit_seqpack.planning._kernels import DISABLE_ENV_VAR
+    from lit_seqpack.rl._digest import token_lanes
+
+    rng = np.random.default_rng(0)
+    ids, mask = rng.integers(0, 2**31, 5000), rng.random(5000) < 0.5
+    compiled = token_lanes(ids, mask)
+    monkeypatch.setenv(DISABLE_ENV_VAR, "1")
+    assert token_lanes(ids, mask) == compiled
+    swapped = ids.copy()
+    swapped[[10, 11]] = swapped[[11, 10]]
+    flipped = mask.copy()
+    flipped[7] = not flipped[7]
+    assert len({compiled, token_lanes(swapped, mask), token_lanes(ids, flipped)}) == 3
