@@ -30,11 +30,15 @@ chunk's last token lives on another rank.
 ``sample_fields=["reward"]``, see :mod:`~lit_seqpack.data.batching.fields`) travel under their own names: a token
 field is ``[1, T]`` (packed) or ``[B, L]`` (padded), aligned with ``input_ids`` and padded with its declared value; a
 sample field is ``[num_documents]`` (packed) or ``[B]`` (padded). No declared name may be one of :data:`CONTRACT_KEYS`
-or start with :data:`SHIFT_PREFIX`. With a ``loss_weight_field`` the batch also carries :data:`LOSS_WEIGHTS`,
-:data:`NUM_LOSS_WEIGHT` and :data:`STEP_LOSS_WEIGHT`, the step's weight sum that normalises the loss.
+or start with :data:`SHIFT_PREFIX`. With a ``loss_weight_field`` the batch also carries ``loss_weights``,
+``num_loss_weight`` and ``step_loss_weight``, the step's weight sum that normalises the loss.
+
+Keys are spelled as plain strings everywhere (``batch["cu_seqlens"]``), each declared once in the TypedDicts below
+(:class:`Sample`, :class:`PackedBatch`, :class:`PaddedBatch`), from which :data:`SCALAR_KEYS` and :data:`CONTRACT_KEYS`
+are derived.
 
 Example:
-    >>> batch = {INPUT_IDS: torch.tensor([[5, 6, 7]]), CU_SEQLENS: torch.tensor([0, 3], dtype=torch.int32)}
+    >>> batch = {"input_ids": torch.tensor([[5, 6, 7]]), "cu_seqlens": torch.tensor([0, 3], dtype=torch.int32)}
     >>> is_packed_batch(batch)
     True
     >>> shift_labels(torch.tensor([[-100, 6, 7]])).tolist()
@@ -53,143 +57,69 @@ import torch.nn.functional as F
 from lit_seqpack._checks import check_int
 
 __all__ = [
-    "ACCUMULATE_GRAD_BATCHES",
-    "ATTENTION_MASK",
-    "CONTEXT_PARALLEL_RANK",
-    "CONTEXT_PARALLEL_SIZE",
     "CONTRACT_KEYS",
-    "CU_SEQLENS",
-    "CU_SEQLENS_UNPADDED",
     "IGNORE_INDEX",
-    "INPUT_IDS",
-    "IS_EMPTY",
-    "LABELS",
-    "LOSS_MASK",
-    "LOSS_WEIGHTS",
-    "MAX_SEQLEN",
-    "MAX_TOKENS",
-    "NUM_DOCUMENTS",
-    "NUM_LOSS_TOKENS",
-    "NUM_LOSS_WEIGHT",
-    "NUM_PADDING_TOKENS",
-    "NUM_REAL_TOKENS",
-    "POSITION_IDS",
     "SCALAR_KEYS",
-    "SHIFT_LABELS",
     "SHIFT_PREFIX",
-    "STEP_LOSS_TOKENS",
-    "STEP_LOSS_WEIGHT",
-    "TENSOR_PARALLEL_SIZE",
-    "WORLD_SIZE",
     "Microbatch",
     "MicrobatchMeta",
     "PackedBatch",
     "PaddedBatch",
+    "Sample",
     "is_packed_batch",
     "shift_labels",
 ]
 
-# ------------------------------------------------------------------------------------------ per-token keys
-INPUT_IDS = "input_ids"
-"""Token ids, int64 ``[1, T]`` (packed) or ``[B, L]`` (padded); also the sample key a dataset returns."""
-LABELS = "labels"
-"""Unshifted targets aligned with ``input_ids``; :data:`IGNORE_INDEX` where no loss is taken."""
-LOSS_MASK = "loss_mask"
-"""Sample key only: 1 to train on a token, 0 not to (the collators turn it into ``labels``)."""
-POSITION_IDS = "position_ids"
-"""Positions, int64, restarting at 0 for every document of a packed row."""
-ATTENTION_MASK = "attention_mask"
-"""Padded batches only: 1 on real tokens, 0 on padding. Never sent with a packed row."""
-SHIFT_LABELS = "shift_labels"
-"""Context-parallel shards only: each local token's next-token target, shifted on the whole row."""
 SHIFT_PREFIX = "shift_"
 """Context-parallel shards carry ``shift_<name>`` for every declared token field (and ``shift_labels``): the value
 of each local token's target, shifted on the whole row like the labels. Declared names may not start with it."""
-LOSS_WEIGHTS = "loss_weights"
-"""With a ``loss_weight_field`` only: float32 per-token loss weights, 0 wherever ``labels`` is ``IGNORE_INDEX``."""
-
-# ------------------------------------------------------------------------------- packed-row layout keys
-CU_SEQLENS = "cu_seqlens"
-"""Packed rows only: int32 cumulative segment boundaries, ``cu_seqlens[-1] == T`` (FlashAttention-2 name)."""
-CU_SEQLENS_UNPADDED = "cu_seqlens_unpadded"
-"""Packed rows with per-document padding only: the boundaries of the real tokens (same number of entries)."""
-MAX_SEQLEN = "max_seqlen"
-"""Packed rows only: the longest segment, a Python int."""
-
-# ----------------------------------------------------------------------------------- scalar counts (ints)
-NUM_DOCUMENTS = "num_documents"
-NUM_REAL_TOKENS = "num_real_tokens"
-NUM_PADDING_TOKENS = "num_padding_tokens"
-NUM_LOSS_TOKENS = "num_loss_tokens"
-STEP_LOSS_TOKENS = "step_loss_tokens"
-"""Loss tokens of the whole optimizer step over all ranks: the exact-loss normaliser."""
-WORLD_SIZE = "world_size"
-"""Data-parallel ranks the plan was made for."""
-ACCUMULATE_GRAD_BATCHES = "accumulate_grad_batches"
-MAX_TOKENS = "max_tokens"
-"""The plan's token budget of a microbatch (``None`` for the padded baseline)."""
-IS_EMPTY = "is_empty"
-"""A lock-step filler: a zero-weight dummy batch that the plan had no sample for."""
-CONTEXT_PARALLEL_SIZE = "context_parallel_size"
-CONTEXT_PARALLEL_RANK = "context_parallel_rank"
-TENSOR_PARALLEL_SIZE = "tensor_parallel_size"
-NUM_LOSS_WEIGHT = "num_loss_weight"
-"""With a ``loss_weight_field`` only: this microbatch's weight sum (a Python float)."""
-STEP_LOSS_WEIGHT = "step_loss_weight"
-"""With a ``loss_weight_field`` only: the weight sum of the whole optimizer step over all ranks (the normaliser)."""
-
-SCALAR_KEYS: tuple[str, ...] = (
-    NUM_DOCUMENTS,
-    NUM_REAL_TOKENS,
-    NUM_PADDING_TOKENS,
-    NUM_LOSS_TOKENS,
-    STEP_LOSS_TOKENS,
-    WORLD_SIZE,
-    ACCUMULATE_GRAD_BATCHES,
-    MAX_TOKENS,
-    IS_EMPTY,
-)
-"""The Python scalars every collator writes (never tensors, so reading them costs no device sync)."""
-
-CONTRACT_KEYS: frozenset[str] = frozenset(
-    {
-        INPUT_IDS,
-        LABELS,
-        LOSS_MASK,
-        POSITION_IDS,
-        ATTENTION_MASK,
-        SHIFT_LABELS,
-        CU_SEQLENS,
-        CU_SEQLENS_UNPADDED,
-        MAX_SEQLEN,
-        *SCALAR_KEYS,
-        CONTEXT_PARALLEL_SIZE,
-        CONTEXT_PARALLEL_RANK,
-        TENSOR_PARALLEL_SIZE,
-        LOSS_WEIGHTS,
-        NUM_LOSS_WEIGHT,
-        STEP_LOSS_WEIGHT,
-    }
-)
-"""Every key the library itself writes or reads: no declared token or sample field may take one of these names."""
 
 IGNORE_INDEX = -100
 """The label of a position that carries no loss (a prompt token, a document's first token, padding)."""
 
 
+class Sample(TypedDict, total=False):
+    """What a dataset's item holds (unshifted); declared token and sample fields travel beside these keys."""
+
+    input_ids: Sequence[int]
+    """Token ids (always there)."""
+    labels: Sequence[int]
+    """Unshifted targets aligned with ``input_ids``; :data:`IGNORE_INDEX` where no loss is taken."""
+    loss_mask: Sequence[int]
+    """1 to train on a token, 0 not to (the collators turn it into ``labels``); weights in ``[0, 1]`` with
+    ``loss_weight_field="loss_mask"``."""
+
+
 class _BatchScalars(TypedDict):
+    """The Python scalars every collator writes (never tensors, so reading them costs no device sync)."""
+
     num_documents: int
     num_real_tokens: int
     num_padding_tokens: int
     num_loss_tokens: int
     step_loss_tokens: int
+    """Loss tokens of the whole optimizer step over all ranks: the exact-loss normaliser."""
     world_size: int
+    """Data-parallel ranks the plan was made for."""
     accumulate_grad_batches: int
     max_tokens: int | None
+    """The plan's token budget of a microbatch (``None`` for the padded baseline)."""
     is_empty: bool
+    """A lock-step filler: a zero-weight dummy batch that the plan had no sample for."""
 
 
-class PackedBatch(_BatchScalars, total=False):
+class _LossWeights(TypedDict, total=False):
+    """With a ``loss_weight_field`` only."""
+
+    loss_weights: torch.Tensor
+    """Float32 per-token loss weights, 0 wherever ``labels`` is :data:`IGNORE_INDEX`."""
+    num_loss_weight: float
+    """This microbatch's weight sum (a Python float)."""
+    step_loss_weight: float
+    """The weight sum of the whole optimizer step over all ranks (the normaliser)."""
+
+
+class PackedBatch(_BatchScalars, _LossWeights, total=False):
     """Typed view of a packed row (``B == 1``); at run time a plain ``dict``.
 
     ``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens`` and ``max_seqlen`` are always there;
@@ -198,24 +128,41 @@ class PackedBatch(_BatchScalars, total=False):
     """
 
     input_ids: torch.Tensor
+    """Token ids, int64 ``[1, T]``."""
     labels: torch.Tensor
+    """Unshifted targets, int64 ``[1, T]``: :data:`IGNORE_INDEX` at every document's first token and on padding."""
     position_ids: torch.Tensor
+    """Positions, int64, restarting at 0 for every document of the row (and for the padding tail)."""
     cu_seqlens: torch.Tensor
+    """Int32 cumulative segment boundaries, ``cu_seqlens[-1] == T`` (FlashAttention-2 name)."""
     max_seqlen: int
+    """The longest segment, a Python int."""
     cu_seqlens_unpadded: torch.Tensor
+    """With per-document padding only: the boundaries of the real tokens (same number of entries)."""
     shift_labels: torch.Tensor
+    """Context-parallel shards only: each local token's next-token target, shifted on the whole row."""
     context_parallel_size: int
     context_parallel_rank: int
     tensor_parallel_size: int
 
 
-class PaddedBatch(_BatchScalars):
-    """Typed view of a padded or dynamic ``[B, L]`` batch; at run time a plain ``dict``."""
+class PaddedBatch(_BatchScalars, _LossWeights):
+    """Typed view of a padded or dynamic ``[B, L]`` batch; at run time a plain ``dict``. Never sent with a packed
+    row: ``attention_mask`` (1 on real tokens, 0 on padding)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
+
+
+SCALAR_KEYS: tuple[str, ...] = tuple(_BatchScalars.__annotations__)
+"""The Python scalars every collator writes (never tensors, so reading them costs no device sync)."""
+
+CONTRACT_KEYS: frozenset[str] = frozenset(
+    {*Sample.__annotations__, *PackedBatch.__annotations__, *PaddedBatch.__annotations__}
+)
+"""Every key the library itself writes or reads: no declared token or sample field may take one of these names."""
 
 
 def is_packed_batch(batch: Mapping[str, Any]) -> bool:
@@ -225,7 +172,7 @@ def is_packed_batch(batch: Mapping[str, Any]) -> bool:
         >>> is_packed_batch({"input_ids": torch.zeros(2, 4), "attention_mask": torch.ones(2, 4)})
         False
     """
-    return batch.get(CU_SEQLENS) is not None
+    return batch.get("cu_seqlens") is not None
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

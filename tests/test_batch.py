@@ -23,7 +23,7 @@ from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.indexed.splits import IndexView
 
 DOCS = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]
-DECLARED = {value for name, value in vars(contract).items() if name.isupper() and isinstance(value, str)}
+DECLARED = contract.CONTRACT_KEYS
 
 
 def _meta(**kwargs):
@@ -56,8 +56,8 @@ def test_the_collators_write_only_declared_keys_and_every_required_one(collator,
 
 def test_labels_travel_unshifted_and_aligned_with_input_ids():
     out = PackedCollator()([{"input_ids": [5, 6, 7], "labels": [IGNORE_INDEX, 6, 7]}, {"input_ids": [8, 9]}])
-    assert out[contract.INPUT_IDS].tolist() == [[5, 6, 7, 8, 9]]
-    assert out[contract.LABELS].tolist() == [[IGNORE_INDEX, 6, 7, IGNORE_INDEX, 9]]  # labels[t] is input_ids[t]
+    assert out["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert out["labels"].tolist() == [[IGNORE_INDEX, 6, 7, IGNORE_INDEX, 9]]  # labels[t] is input_ids[t]
 
 
 def test_is_packed_batch_tells_packed_rows_from_padded_batches():
@@ -109,8 +109,8 @@ def test_meta_rejects_bad_values(setting, value):
         "lit_seqpack.data.synthetic",
         "lit_seqpack.data.text",
         "lit_seqpack.data.datasets",
-        "lit_seqpack.data.indexed.planned_sampler",
-        "lit_seqpack.data.streaming.pipeline",
+        "lit_seqpack.data._planned_sampler",
+        "lit_seqpack.data.streaming.module",
     ],
 )
 def test_the_deprecated_alias_modules_are_gone(old):
@@ -125,3 +125,21 @@ def test_names_that_did_not_move_import_without_a_warning():
         from lit_seqpack.data.sources import TokenizedDataset, load_tokenized  # the package took the module's path
     assert callable(load_tokenized) and callable(scan_dataset)
     assert TokenizedDataset.__module__ == "lit_seqpack.data.sources.tokenized"
+
+
+def test_the_contract_keys_have_one_spelling():
+    """Plain strings declared once in the TypedDicts: no module defines its own constant for a contract key."""
+    import ast
+    from pathlib import Path
+
+    import lit_seqpack
+
+    assert {"input_ids", "cu_seqlens", "loss_mask", "loss_weights", "step_loss_weight"} <= contract.CONTRACT_KEYS
+    assert contract.SCALAR_KEYS[:2] == ("num_documents", "num_real_tokens")
+    offenders = []
+    for path in Path(lit_seqpack.__file__).parent.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            constant = isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+            if constant and node.value.value in contract.CONTRACT_KEYS:
+                offenders.append(f"{path.name}: {ast.unparse(node)}")
+    assert offenders == []

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_seqpack._checks import check_int
-from lit_seqpack.batch import IGNORE_INDEX, LOSS_WEIGHTS, SHIFT_PREFIX, shift_labels
+from lit_seqpack.batch import IGNORE_INDEX, SHIFT_PREFIX, shift_labels
 
 __all__ = [
     "SHIFT_PREFIX",
@@ -173,8 +173,8 @@ def shard_packed_batch(
     if max_tokens is not None and max_tokens % cp:
         raise ValueError(f"max_tokens={max_tokens} must be a multiple of context_parallel_size={cp}")
     fields = dict(token_fields or {})
-    if LOSS_WEIGHTS in batch:  # a weighted loss scores targets: its weights are shifted like the labels
-        fields.setdefault(LOSS_WEIGHTS, 0.0)
+    if "loss_weights" in batch:  # a weighted loss scores targets: its weights are shifted like the labels
+        fields.setdefault("loss_weights", 0.0)
     missing = sorted(set(fields) - set(batch))
     if missing:
         raise ValueError(f"token_fields {missing} are declared but the batch has no such key")
@@ -193,8 +193,8 @@ def shard_packed_batch(
         "context_parallel_size": cp,
         "context_parallel_rank": rank,
     }
-    if LOSS_WEIGHTS in fields:  # the weights of the local targets (a weighted loss's local sum)
-        out["num_loss_weight"] = math.fsum(out[SHIFT_PREFIX + LOSS_WEIGHTS].double().flatten().tolist())
+    if "loss_weights" in fields:  # the weights of the local targets (a weighted loss's local sum)
+        out["num_loss_weight"] = math.fsum(out[SHIFT_PREFIX + "loss_weights"].double().flatten().tolist())
     return out
 
 

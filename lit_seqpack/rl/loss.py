@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from lit_seqpack.batch import IGNORE_INDEX, LOSS_WEIGHTS, NUM_LOSS_WEIGHT, STEP_LOSS_WEIGHT, shift_labels
+from lit_seqpack.batch import IGNORE_INDEX, shift_labels
 from lit_seqpack.model.loss import LossOutput, exact_loss
 from lit_seqpack.rl.unpack import per_document_to_tokens
 
@@ -136,17 +136,17 @@ def loss_output(
     if token_loss.shape != labels.shape:
         raise ValueError(f"token_loss must have the batch's shape {tuple(labels.shape)}, got {tuple(token_loss.shape)}")
     masked = torch.where(labels != IGNORE_INDEX, token_loss, torch.zeros_like(token_loss))
-    weighted = batch.get(LOSS_WEIGHTS) is not None
+    weighted = batch.get("loss_weights") is not None
     if weighted:
-        if batch.get(STEP_LOSS_WEIGHT) is None or batch.get("document_loss_weight") is None:
+        if batch.get("step_loss_weight") is None or batch.get("document_loss_weight") is None:
             raise ValueError(
                 "the batch carries loss_weights but no step_loss_weight / document_loss_weight: use a batch of "
                 "RolloutPlanner(loss_weight_field=...).train_microbatches"
             )
-        masked = masked * batch[LOSS_WEIGHTS].to(device=masked.device, dtype=masked.dtype)
+        masked = masked * batch["loss_weights"].to(device=masked.device, dtype=masked.dtype)
     if normalize == "token":
         if weighted:
-            units = (float(batch[NUM_LOSS_WEIGHT]), float(batch[STEP_LOSS_WEIGHT]))
+            units = (float(batch["num_loss_weight"]), float(batch["step_loss_weight"]))
         else:
             units = (int(batch["num_loss_tokens"]), int(batch["step_loss_tokens"]))
         return LossOutput(loss_sum=masked.sum(), num_units=units[0], step_units=units[1])

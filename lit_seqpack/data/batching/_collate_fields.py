@@ -15,7 +15,6 @@ import torch
 from lit_seqpack.data.batching._samples import sample_name
 from lit_seqpack.data.batching.fields import FieldValues, check_fields, empty_fields, read_fields
 from lit_seqpack.data.batching.loss_weights import (
-    LOSS_WEIGHTS,
     check_loss_weight_field,
     loss_weight_scalars,
     read_loss_weights,
@@ -40,23 +39,23 @@ def read_collator_fields(
     fields = read_fields(samples, docs, names, collator.token_fields, collator.sample_fields, collator._reported)
     if collator.loss_weight_field is not None:
         per_doc = labels.split([len(d) for d in docs])
-        fields.tokens[LOSS_WEIGHTS] = read_loss_weights(samples, per_doc, collator.loss_weight_field, names)
+        fields.tokens["loss_weights"] = read_loss_weights(samples, per_doc, collator.loss_weight_field, names)
     return fields
 
 
 def token_pads(collator: Any) -> dict[str, float | int]:
     """Pad value of every per-token field the collator places (the declared ones and ``loss_weights``)."""
-    return collator.token_fields | ({LOSS_WEIGHTS: 0.0} if collator.loss_weight_field is not None else {})
+    return collator.token_fields | ({"loss_weights": 0.0} if collator.loss_weight_field is not None else {})
 
 
 def weight_scalars(collator: Any, batch: dict[str, Any], meta: Any, stats: dict[str, Any]) -> dict[str, Any]:
     if collator.loss_weight_field is None:
         return {}
-    return loss_weight_scalars(batch[LOSS_WEIGHTS], meta, stats["step_loss_tokens"], stats["is_empty"])
+    return loss_weight_scalars(batch["loss_weights"], meta, stats["step_loss_tokens"], stats["is_empty"])
 
 
 def empty_collator_fields(collator: Any) -> FieldValues:
     fields = empty_fields(collator.token_fields, collator.sample_fields)
     if collator.loss_weight_field is not None:
-        fields.tokens[LOSS_WEIGHTS] = []
+        fields.tokens["loss_weights"] = []
     return fields

@@ -32,7 +32,6 @@ from lit_seqpack.data.batching._collate_fields import (
 )
 from lit_seqpack.data.batching._samples import read_samples
 from lit_seqpack.data.batching.fields import FieldValues, pad_token_field, scatter_tokens
-from lit_seqpack.data.batching.loss_weights import LOSS_MASK
 
 __all__ = ["IGNORE_INDEX", "PackedCollator", "PaddedCollator"]
 
@@ -147,7 +146,7 @@ class PackedCollator:
             length = math.lcm(self.pad_to_multiple_of or 1, self.pad_document_to_multiple_of or 1)
             empty = torch.empty(0, dtype=torch.int64)
             return self._layout([], empty, empty, empty_collator_fields(self), meta, length)
-        docs, ids, labels = read_samples(samples, weighted_mask=self.loss_weight_field == LOSS_MASK)
+        docs, ids, labels = read_samples(samples, weighted_mask=self.loss_weight_field == "loss_mask")
         return self._layout(docs, ids, labels, read_collator_fields(self, samples, docs, labels), meta, None)
 
     def _layout(
@@ -251,7 +250,7 @@ class PaddedCollator:
             batch |= self._fields(empty_collator_fields(self), (1, width), slice(0, 0))
             stats = _scalars(meta, documents=0, real=0, total=width, loss=0, is_empty=True)
             return batch | stats | weight_scalars(self, batch, meta, stats)
-        docs, ids, labels = read_samples(samples, weighted_mask=self.loss_weight_field == LOSS_MASK)
+        docs, ids, labels = read_samples(samples, weighted_mask=self.loss_weight_field == "loss_mask")
         fields = read_collator_fields(self, samples, docs, labels)
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         rows, width = len(docs), round_up(int(lengths.max()), self.pad_to_multiple_of)

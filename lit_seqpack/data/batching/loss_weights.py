@@ -27,11 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_seqpack.batch import IGNORE_INDEX, LOSS_WEIGHTS, Microbatch
+from lit_seqpack.batch import IGNORE_INDEX, Microbatch
 
 __all__ = [
-    "LOSS_MASK",
-    "LOSS_WEIGHTS",
     "StepWeightedBatchSampler",
     "check_datamodule_weight_field",
     "check_loss_weight_field",
@@ -42,9 +40,6 @@ __all__ = [
     "with_step_loss_weights",
 ]
 
-LOSS_MASK = "loss_mask"
-"""``loss_weight_field="loss_mask"``: the samples' ``loss_mask`` holds weights in ``[0, 1]``."""
-
 
 def check_loss_weight_field(field: str | None, token_fields: Mapping[str, float | int]) -> None:
     """Fail unless ``field`` is ``None``, ``"loss_mask"`` or a declared token field.
@@ -52,7 +47,7 @@ def check_loss_weight_field(field: str | None, token_fields: Mapping[str, float 
     Raises:
         ValueError: naming ``loss_weight_field`` and the bad value.
     """
-    if field is None or field == LOSS_MASK:
+    if field is None or field == "loss_mask":
         return
     if not isinstance(field, str) or field not in token_fields:
         raise ValueError(
@@ -76,7 +71,7 @@ def check_datamodule_weight_field(
         ValueError: ``loss_weight_field="loss_mask"`` with a file source (its reader turns ``loss_mask`` into
             labels at load time, so weights would be lost), or a field that is not a declared token field.
     """
-    if field == LOSS_MASK and file_source is not None:
+    if field == "loss_mask" and file_source is not None:
         raise ValueError(
             f"loss_weight_field='loss_mask' is not supported with source={file_source!r}: the file reader turns "
             "loss_mask into labels when it loads the data, so its weights would be lost. Store the weights in a "
@@ -99,7 +94,7 @@ def _weights_of(sample: Mapping[str, Any], field: str, length: int, name: str) -
     """The raw float64 weights of one sample (1 everywhere for a sample without ``loss_mask`` under ``loss_mask``)."""
     value = sample.get(field)
     if value is None:
-        if field == LOSS_MASK:
+        if field == "loss_mask":
             return np.ones(length)
         raise ValueError(f"{name}: the loss weight field {field!r} is missing")
     weights = np.asarray(value.cpu() if isinstance(value, torch.Tensor) else value, dtype=np.float64)
@@ -107,7 +102,7 @@ def _weights_of(sample: Mapping[str, Any], field: str, length: int, name: str) -
         raise ValueError(f"{name}: {field} has shape {weights.shape} but input_ids has {length} tokens")
     if not np.isfinite(weights).all() or (weights < 0).any():
         raise ValueError(f"{name}: loss weights ({field}) must be finite and >= 0, got {weights.tolist()!r:.80}")
-    if field == LOSS_MASK and (weights > 1).any():
+    if field == "loss_mask" and (weights > 1).any():
         raise ValueError(f"{name}: loss_mask weights must be in [0, 1], got {weights.tolist()!r:.80}")
     return weights
 

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_seqpack._hashing import content_digest
 from lit_seqpack.data._trainer import read_layout, training_start
 from lit_seqpack.data.batching._budget import apply_document_budget, planned_lengths
-from lit_seqpack.data.batching.loss_weights import LOSS_MASK, with_step_loss_weights
+from lit_seqpack.data.batching.loss_weights import with_step_loss_weights
 from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.indexed._eval_data import eval_sources, eval_split
 from lit_seqpack.data.indexed._loader import ResumableDataLoader
@@ -73,7 +73,7 @@ class IndexedPipeline:
         val_source: IndexedSource | None = None,
         test_source: IndexedSource | None = None,
     ) -> None:
-        if settings.loss_weight_field == LOSS_MASK and isinstance(source, FileSource):
+        if settings.loss_weight_field == "loss_mask" and isinstance(source, FileSource):
             raise ValueError(
                 f"loss_weight_field='loss_mask' is not supported with {type(source).__name__}: the file reader turns "
                 "loss_mask into labels when it loads the data, so its weights would be lost. Store the weights in a "
@@ -120,7 +120,7 @@ class IndexedPipeline:
         return self._scan
 
     def _scan_data(self, data: Dataset) -> DataScan:
-        cache_dir, weighted = self.settings.cache_dir, {"weighted_mask": self.settings.loss_weight_field == LOSS_MASK}
+        cache_dir, weighted = self.settings.cache_dir, {"weighted_mask": self.settings.loss_weight_field == "loss_mask"}
         exact = declared_counts(data, "lengths") is not None and declared_counts(data, "loss_tokens") is not None
         direct = cache_dir is None or exact  # declared counts are free: never cached
         return scan_dataset(data, **weighted) if direct else cached_scan(data, cache_dir, **weighted)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from lit_seqpack._imports import require
-from lit_seqpack.batch import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
+from lit_seqpack.batch import IGNORE_INDEX
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -52,8 +52,8 @@ def hf_disk_table(path: Path, split: str | None, fields: tuple[str, ...] = ()) -
     """Load a ``save_to_disk`` directory; return its ``input_ids``/``labels``/``loss_mask`` columns and the
     declared ``fields`` present as a Table, and all its column names."""
     loaded = load_disk_split(path, split)
-    columns = [c for c in (INPUT_IDS, LABELS, LOSS_MASK, *fields) if c in loaded.column_names]
-    if INPUT_IDS not in columns:
+    columns = [c for c in ("input_ids", "labels", "loss_mask", *fields) if c in loaded.column_names]
+    if "input_ids" not in columns:
         raise ValueError(f"{path}: no 'input_ids' column (columns: {loaded.column_names})")
     return loaded.select_columns(columns).with_format("arrow")[:], list(loaded.column_names)
 
@@ -130,16 +130,16 @@ def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.
     Returns:
         ``(tokens, offsets, labels)``; ``labels`` is ``None`` when the table has neither column.
     """
-    if INPUT_IDS not in table.column_names:
+    if "input_ids" not in table.column_names:
         raise ValueError(f"{where}: no 'input_ids' column (columns: {table.column_names})")
     if table.num_rows == 0:
         raise ValueError(f"{where}: no samples")
-    tokens, lengths, _ = _list_column(table.column(INPUT_IDS), INPUT_IDS, where, allow_null=False)
+    tokens, lengths, _ = _list_column(table.column("input_ids"), "input_ids", where, allow_null=False)
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     if (lengths == 0).any():
         raise ValueError(f"{where}, row {int(np.argmax(lengths == 0))}: 'input_ids' is empty")
-    _check_values(tokens, tokens < 0, offsets, INPUT_IDS, where, "ids must be >= 0")
-    present = [key for key in (LABELS, LOSS_MASK) if key in table.column_names]
+    _check_values(tokens, tokens < 0, offsets, "input_ids", where, "ids must be >= 0")
+    present = [key for key in ("labels", "loss_mask") if key in table.column_names]
     if not present:
         return tokens, offsets, None
     labels = tokens.copy()
@@ -156,7 +156,7 @@ def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.
             raise ValueError(f"{where}, row {int(np.argmax(both))}: give either 'labels' or 'loss_mask', not both")
         with_labels |= valid
         positions = np.repeat(valid, lengths)
-        if key == LABELS:
+        if key == "labels":
             labels[positions] = values
             continue
         bad = (values != 0) & (values != 1)
@@ -165,7 +165,7 @@ def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.
             raise ValueError(f"{where}, row {row}: 'loss_mask' must hold only 0 and 1, got {int(values[bad][0])}")
         labels[positions] = np.where(values == 1, tokens[positions], IGNORE_INDEX)
     _check_values(
-        labels, (labels < 0) & (labels != IGNORE_INDEX), offsets, LABELS, where, "labels are ids >= 0 or -100"
+        labels, (labels < 0) & (labels != IGNORE_INDEX), offsets, "labels", where, "labels are ids >= 0 or -100"
     )
     return tokens, offsets, labels
 
@@ -176,7 +176,7 @@ def _list_column(column: Any, key: str, where: str, *, allow_null: bool) -> tupl
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     list_type = pa.types.is_list(array.type) or pa.types.is_large_list(array.type)
     value_type = array.type.value_type if list_type else None
-    mask_type = key == LOSS_MASK and value_type is not None and pa.types.is_boolean(value_type)
+    mask_type = key == "loss_mask" and value_type is not None and pa.types.is_boolean(value_type)
     if not list_type or not (pa.types.is_integer(value_type) or mask_type):
         raise ValueError(f"{where}: column '{key}' must hold lists of ints, its type is {array.type}")
     valid = np.asarray(array.is_valid().to_numpy(zero_copy_only=False), dtype=bool)

@@ -21,13 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_seqpack.batch import INPUT_IDS, LABELS, LOSS_MASK
-
 __all__ = ["FieldColumns", "check_field_columns", "column_dtype", "report_undeclared_keys"]
 
 log = logging.getLogger(__name__)
 
-_READ_KEYS = frozenset({INPUT_IDS, LABELS, LOSS_MASK})
+_READ_KEYS = frozenset({"input_ids", "labels", "loss_mask"})
 
 
 def column_dtype(parts: Sequence[np.ndarray], *, token: bool) -> np.dtype:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from lit_seqpack._hashing import hashed_uniform
-from lit_seqpack.batch import IGNORE_INDEX, INPUT_IDS, LABELS
+from lit_seqpack.batch import IGNORE_INDEX
 
 __all__ = [
     "BOS_ID",
@@ -242,7 +242,7 @@ class SyntheticInstructionDataset(torch.utils.data.Dataset):
         input_ids = np.concatenate((prompt, response))
         labels = input_ids.copy()
         labels[: len(prompt)] = IGNORE_INDEX
-        return {INPUT_IDS: torch.from_numpy(input_ids), LABELS: torch.from_numpy(labels)}
+        return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels)}
 
     def response_for(self, prompt: np.ndarray | list[int] | torch.Tensor) -> np.ndarray:
         """The response (payload transformation then EOS) that answers ``[BOS, TASK, x1..xn, SEP]``.

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_seqpack.batch import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
+from lit_seqpack.batch import IGNORE_INDEX
 from lit_seqpack.data.sources._fields import FieldColumns, check_field_columns, report_undeclared_keys
 from lit_seqpack.data.sources._files import file_fingerprint as _file_fingerprint
 from lit_seqpack.data.sources._files import text_lines
@@ -100,9 +100,9 @@ class TokenizedDataset(torch.utils.data.Dataset):
         if not 0 <= i < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
         start, stop = self.offsets[i], self.offsets[i + 1]
-        sample = {INPUT_IDS: torch.from_numpy(self.tokens[start:stop].astype(np.int64))}
+        sample = {"input_ids": torch.from_numpy(self.tokens[start:stop].astype(np.int64))}
         if self.labels is not None:
-            sample[LABELS] = torch.from_numpy(self.labels[start:stop].astype(np.int64))
+            sample["labels"] = torch.from_numpy(self.labels[start:stop].astype(np.int64))
         for name, buffer in self.token_fields.items():
             sample[name] = torch.from_numpy(buffer[start:stop].copy())
         for name, values in self.sample_fields.items():
@@ -153,7 +153,7 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
         path = Path(path)
         fields = (*token_fields, *sample_fields)
-        table, names = parquet_table(path, (INPUT_IDS, LABELS, LOSS_MASK, *fields))
+        table, names = parquet_table(path, ("input_ids", "labels", "loss_mask", *fields))
         fingerprint = functools.partial(_file_fingerprint, "parquet", path)
         return _from_table(cls, table, names, str(path), fingerprint, tuple(token_fields), tuple(sample_fields))
 
@@ -190,7 +190,7 @@ def _from_table(
 
     tokens, offsets, labels = table_to_arrays(table, where)
     token_columns, sample_columns = table_fields(table, where, offsets, token_fields, sample_fields)
-    known = {INPUT_IDS, LABELS, LOSS_MASK, *token_fields, *sample_fields}
+    known = {"input_ids", "labels", "loss_mask", *token_fields, *sample_fields}
     report_undeclared_keys({name: table.num_rows for name in names if name not in known}, table.num_rows, where)
     return cls(
         tokens,
@@ -317,26 +317,26 @@ def validate_record(
     """
     if not isinstance(record, Mapping):
         raise ValueError(f"{where}: expected an object with 'input_ids', got {type(record).__name__}")
-    if INPUT_IDS not in record:
+    if "input_ids" not in record:
         raise ValueError(f"{where}: missing 'input_ids' (keys: {sorted(record)})")
-    ids = _int_array(record[INPUT_IDS], INPUT_IDS, where)
+    ids = _int_array(record["input_ids"], "input_ids", where)
     if len(ids) == 0:
         raise ValueError(f"{where}: 'input_ids' is empty")
     if ids.min() < 0:
         position = int(np.argmax(ids < 0))
         raise ValueError(f"{where}: 'input_ids' has negative id {int(ids[position])} at position {position}")
     if not null_is_absent:
-        for key in (LABELS, LOSS_MASK):
+        for key in ("labels", "loss_mask"):
             if key in record and record[key] is None:
                 raise ValueError(f"{where}: '{key}' is None; omit the key to train on every token")
-    labels = record.get(LABELS)
-    if record.get(LOSS_MASK) is not None:
+    labels = record.get("labels")
+    if record.get("loss_mask") is not None:
         if labels is not None:
             raise ValueError(f"{where}: give either 'labels' or 'loss_mask', not both")
-        return ids, _mask_to_labels(ids, record[LOSS_MASK], where, weighted=weighted_mask)
+        return ids, _mask_to_labels(ids, record["loss_mask"], where, weighted=weighted_mask)
     if labels is None:
         return ids, None
-    labels = _int_array(labels, LABELS, where)
+    labels = _int_array(labels, "labels", where)
     if len(labels) != len(ids):
         raise ValueError(f"{where}: 'labels' has {len(labels)} entries but 'input_ids' has {len(ids)}")
     bad = (labels < 0) & (labels != IGNORE_INDEX)
@@ -360,7 +360,7 @@ def _mask_to_labels(ids: np.ndarray, loss_mask: Any, where: str, *, weighted: bo
             f"{where}: 'loss_mask' must hold only 0 and 1, found floats; for loss weights in [0, 1] set "
             "loss_weight_field='loss_mask'"
         )
-    mask = _int_array(loss_mask, LOSS_MASK, where, allow_bool=True)
+    mask = _int_array(loss_mask, "loss_mask", where, allow_bool=True)
     if len(mask) != len(ids):
         raise ValueError(f"{where}: 'loss_mask' has {len(mask)} entries but 'input_ids' has {len(ids)}")
     if ((mask != 0) & (mask != 1)).any():
