@@ -35,6 +35,7 @@ import torch
 from lit_seqpack._imports import require
 from lit_seqpack.model import _hf_dispatch
 from lit_seqpack.model._hf_packed import ATTENTION_NAME, attention_extras, reject_unsupported
+from lit_seqpack.model._padding import is_right_padded
 from lit_seqpack.model.attention import varlen_attention
 from lit_seqpack.model.isolation import (
     PackingLeakError,
@@ -127,15 +128,9 @@ def hf_model_inputs(batch: Mapping[str, Any], *, backend: str = "auto") -> dict[
     elif batch.get("attention_mask") is not None:
         mask = batch["attention_mask"]
         inputs["attention_mask"] = mask
-        if mask.ndim == 2 and _is_right_padded(mask):
+        if mask.ndim == 2 and is_right_padded(mask):
             inputs[_hf_dispatch.RIGHT_PADDED_KWARG] = True
     return inputs
-
-
-def _is_right_padded(mask: torch.Tensor) -> bool:
-    """Whether every row of a 2-D ``[B, L]`` padding mask is ones then zeros (one host sync)."""
-    keep = mask.bool()
-    return bool((keep[:, 1:] <= keep[:, :-1]).all()) if keep.shape[1] > 1 else True
 
 
 def hf_varlen_attention(
