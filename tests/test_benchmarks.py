@@ -52,6 +52,10 @@ def _tables(lines: list[str]) -> list[list[list[str]]]:
 def test_bench_train_smoke_prints_tables_and_the_headline():
     lines = _run("bench_train.py", "--smoke")
     assert re.fullmatch(r"packed/padded real-token throughput: \d+\.\d\dx", lines[-1]), lines[-1]
+    assert re.fullmatch(r"packed/dynamic real-token throughput: \d+\.\d\dx", lines[-3]), lines[-3]
+    assert re.fullmatch(r"packed/dynamic .* by CPU time \(maskless dynamic\): \d+\.\d\dx", lines[-4]), lines[-4]
+    maskless = [re.search(r"needed a mask: (\d+) of (\d+)\.", line) for line in lines if "needed a mask" in line]
+    assert len(maskless) == 2 and all(m and m[1] == "0" and int(m[2]) > 0 for m in maskless), maskless
     tables = _tables(lines)
     assert len(tables) == 4  # throughput + loss, for each of the two profiles
     for throughput, losses in (tables[0:2], tables[2:4]):
@@ -59,10 +63,11 @@ def test_bench_train_smoke_prints_tables_and_the_headline():
         assert [row[0] for row in throughput[1:]] == MODES
         assert [row[0] for row in losses[1:]] == MODES
         by_mode = {row[0]: dict(zip(throughput[0], row, strict=True)) for row in throughput[1:]}
-        assert by_mode["padded"]["x padded"] == "1.00x"
+        assert by_mode["padded"]["x padded"] == "1.00x" and by_mode["dynamic"]["x dynamic (CPU)"] == "1.00x"
         for name in MODES:
             assert float(by_mode[name]["real tok/s"].replace(",", "")) > 0
-            assert re.fullmatch(r"\d+\.\d\dx", by_mode[name]["x padded (CPU)"])
+            for column in ("x padded (CPU)", "x dynamic", "x dynamic (CPU)"):
+                assert re.fullmatch(r"\d+\.\d\dx", by_mode[name][column])
         assert all(by_mode[name]["padding"] == "0.0%" for name in MODES if name.startswith("packing"))
         assert float(by_mode["padded"]["padding"].rstrip("%")) > 10  # the baseline pads, packing does not
         for row in losses[1:]:
