@@ -42,8 +42,17 @@ REFERENCE_PRESETS: dict[str, dict[str, int]] = {
         "n_embd": 768,
         "intermediate_size": 2048,
     },
+    "1b": {  # TinyLlama's shape, embeddings tied
+        "vocab_size": 32000,
+        "n_layer": 22,
+        "n_head": 32,
+        "n_kv_head": 4,
+        "n_embd": 2048,
+        "intermediate_size": 5632,
+    },
 }
-"""Named sizes: ``tiny`` for unit tests, ``demo`` for the CPU demo, ``100m`` (~100M parameters) for GPU runs."""
+"""Named sizes: ``tiny`` for unit tests, ``demo`` for the CPU demo, ``100m`` (~100M parameters) and ``1b`` (~1.03B,
+TinyLlama's shape with tied embeddings; ``benchmarks/gpu.py``) for GPU runs."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -109,3 +109,21 @@ def test_left_padding_keeps_the_mask_and_the_per_document_logits(monkeypatch):
     assert spy.dense == 1 and all(m is not None and not causal for m, causal in spy.sdpa[: model.config.n_layer])
     for i, n in enumerate(LENGTHS):
         torch.testing.assert_close(left[i, -n:], alone[i][0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_right_padding_on_cuda_in_bf16_runs_without_a_mask_and_matches_the_masked_loss(monkeypatch):
+    """On CUDA the maskless path is SDPA's flash kernel; the masked path is the reference (bf16 tolerance)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = _model(torch.bfloat16).cuda()
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in _padded_batch().items()}
+    spy = _Spy(monkeypatch)
+    loss, grads = _loss_and_grads(model, batch)
+    assert spy.dense == 0
+    monkeypatch.setattr(reference, "is_right_padded", lambda mask: False)
+    masked_loss, masked_grads = _loss_and_grads(model, batch)
+    assert spy.dense == 1
+    torch.testing.assert_close(loss.float(), masked_loss.float(), rtol=2e-2, atol=2e-2)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad.float(), masked_grads[name].float(), rtol=5e-2, atol=5e-3, msg=name)
