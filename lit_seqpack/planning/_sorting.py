@@ -57,7 +57,7 @@ def largest(values: np.ndarray, candidates: np.ndarray, count: int) -> np.ndarra
     """The ``count`` candidates with the largest ``values[candidate]`` (ties: lower index first), in index order.
 
     ``np.sort(candidates[np.lexsort((candidates, -values[candidates]))][:count])`` in O(n) (a partition, no sort):
-    the planner only ever needs a handful of the largest bins or groups.
+    the planner only ever needs a handful of the largest bins or groups. ``candidates`` are increasing indices.
 
     Example:
         >>> largest(np.array([3, 5, 3, 1, 3]), np.arange(5), 3).tolist()
@@ -71,5 +71,5 @@ def largest(values: np.ndarray, candidates: np.ndarray, count: int) -> np.ndarra
     chosen = values[candidates]
     threshold = np.partition(chosen, chosen.size - count)[chosen.size - count]
     above = candidates[chosen > threshold]
-    tied = np.sort(candidates[chosen == threshold])[: count - above.size]
+    tied = candidates[chosen == threshold][: count - above.size]  # increasing: the lowest indices first
     return np.sort(np.concatenate([above, tied]))

@@ -14,8 +14,8 @@ import numpy as np
 
 from lit_seqpack.planning import _kernels
 from lit_seqpack.planning._balance import assign_slots, order_within_bundles
-from lit_seqpack.planning._sorting import decreasing_order
-from lit_seqpack.planning.dynamic import dynamic_group_sizes, fixed_group_sizes, round_up
+from lit_seqpack.planning._sorting import decreasing_order, decreasing_runs, dense_histogram
+from lit_seqpack.planning.dynamic import dynamic_group_sizes, fixed_group_sizes, round_up, run_group_sizes
 
 if TYPE_CHECKING:
     from lit_seqpack.planning.config import PlanConfig
@@ -146,14 +146,12 @@ def _local_microbatches(window_lengths: np.ndarray, config: PlanConfig, seed: in
         local = np.arange(window_lengths.size)
         return local, fixed_group_sizes(local.size, config.batch_size, group_count_multiple=multiple)
     if config.mode == "dynamic":
-        order = decreasing_order(window_lengths)  # np.argsort(-window_lengths, kind="stable"), by counting
-        sizes = dynamic_group_sizes(
-            window_lengths[order],
-            config.max_tokens,
-            sequence_length_round=config.sequence_length_round,
-            group_count_multiple=multiple,
-        )
-        return order, sizes
+        histogram = dense_histogram(window_lengths)
+        order = decreasing_order(window_lengths, histogram)  # np.argsort(-window_lengths, kind="stable")
+        knobs = {"sequence_length_round": config.sequence_length_round, "group_count_multiple": multiple}
+        if histogram is None:  # huge lengths: no counting sort
+            return order, dynamic_group_sizes(window_lengths[order], config.max_tokens, **knobs)
+        return order, run_group_sizes(*decreasing_runs(window_lengths, histogram), config.max_tokens, **knobs)
     flat, ends, fillers = _pack(window_lengths, config, seed)
     return flat, np.concatenate([np.diff(ends, prepend=0), np.zeros(fillers, dtype=np.int64)])
 

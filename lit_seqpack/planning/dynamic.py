@@ -25,7 +25,7 @@ from lit_seqpack._checks import round_up  # re-exported: the planner's modules i
 from lit_seqpack.planning import _kernels
 from lit_seqpack.planning._sorting import largest
 
-__all__ = ["dynamic_group_sizes", "dynamic_groups", "fixed_group_sizes", "round_up"]
+__all__ = ["dynamic_group_sizes", "dynamic_groups", "fixed_group_sizes", "round_up", "run_group_sizes"]
 
 
 def dynamic_group_sizes(
@@ -62,6 +62,28 @@ def dynamic_group_sizes(
     # rows allowed when a group starts at position i; 0-length rows cost nothing but still take a row
     rows_at = max_tokens // np.maximum(padded, 1)
     sizes = _kernels.get_kernel("greedy_group_sizes")(rows_at)
+    return _split_to_multiple(sizes, group_count_multiple)
+
+
+def run_group_sizes(
+    run_lengths: np.ndarray,
+    run_counts: np.ndarray,
+    max_tokens: int,
+    *,
+    sequence_length_round: int = 1,
+    group_count_multiple: int = 1,
+) -> np.ndarray:
+    """:func:`dynamic_group_sizes` of ``np.repeat(run_lengths, run_counts)``, from the runs of equal lengths.
+
+    One division per distinct length instead of one per row (the planner has the runs from its counting sort).
+    ``run_lengths`` must be decreasing and fit the budget after rounding (not checked here).
+
+    Example:
+        >>> run_group_sizes(np.array([900, 400, 120]), np.array([2, 3, 2]), 2048).tolist()
+        [2, 5]
+    """
+    rows = max_tokens // np.maximum(round_up(np.asarray(run_lengths, dtype=np.int64), sequence_length_round), 1)
+    sizes = _kernels.get_kernel("greedy_group_sizes")(np.repeat(rows, run_counts))
     return _split_to_multiple(sizes, group_count_multiple)
 
 
