@@ -100,10 +100,33 @@ def mode_specs(args: argparse.Namespace, batch_size: int) -> dict[str, dict]:
         "padded, other order": padded | {"seed": args.seed + 1},
         "dynamic": {"mode": "dynamic", "max_tokens": args.max_tokens, "seed": args.seed},
     }
+    if args.masked:  # the baselines as they ran before right padding went maskless: the mask's cost, in this run
+        specs |= {f"{name} + mask": specs[name] | {"masked": True} for name in ("padded", "dynamic")}
     for algorithm in PACKING_ALGORITHMS:
         specs[f"packing {algorithm}"] = {"mode": "packing", "max_tokens": args.max_tokens, "algorithm": algorithm,
                                          "seed": args.seed}  # fmt: skip
     return {k: v for k, v in specs.items() if not args.modes or v.get("algorithm", v["mode"]) in args.modes}
+
+
+def force_dense_mask(module: torch.nn.Module) -> None:
+    """Make ``module`` attend through the dense padding mask even on right-padded batches (``--masked`` rows).
+
+    The right-padding check is replaced, for this module's training steps only, by one that always answers no,
+    so ``ReferenceDecoder`` builds its ``[B, 1, L, L]`` mask and ``hf_model_inputs`` keeps HF's padding mask.
+    """
+    from lit_seqpack.model import hf, reference
+
+    step = module.training_step
+
+    def training_step(batch, index):
+        saved = reference.is_right_padded, hf.is_right_padded
+        reference.is_right_padded = hf.is_right_padded = lambda mask: False
+        try:
+            return step(batch, index)
+        finally:
+            reference.is_right_padded, hf.is_right_padded = saved
+
+    module.training_step = training_step
 
 
 def training_set(profile: str, args: argparse.Namespace, *, tokens: int | None, seed: int, samples: int = 0):
@@ -135,7 +158,11 @@ def run_profile(profile: str, args: argparse.Namespace) -> tuple[dict[str, ModeR
         torch.manual_seed(args.seed)  # identical initial weights in every mode
         module = build_module(args.model, preset=args.preset, vocab_size=args.vocab_size, max_seq_len=args.max_tokens,
                               lr=args.lr, warmup_steps=args.warmup)  # fmt: skip
-        loader = datamodule_loader(dataset, spec, accumulate=accumulation[name])
+        if spec.get("masked"):
+            force_dense_mask(module)
+        loader = datamodule_loader(
+            dataset, {k: v for k, v in spec.items() if k != "masked"}, accumulate=accumulation[name]
+        )
         runs[name] = ModeRun(name, module, loader, accumulate=accumulation[name])
     rounds = args.rounds or max(2, total // args.max_tokens)
     print(f"\n## {profile}: {len(dataset):,} samples, {total:,} tokens (length mean {lengths.mean():.0f}, median "
@@ -164,7 +191,7 @@ def print_tables(runs: dict[str, ModeRun], losses: dict[str, list[float]], marks
     )
     print(f"Baselines without a mask: padded and dynamic microbatches are right-padded, so the model attends with "
           f"is_causal and no mask (exact for the real tokens); microbatches that needed a mask: {masked} of "
-          f"{padded}.\n")  # fmt: skip
+          f"{padded}{' (the + mask rows force one)' if any('+ mask' in name for name in runs) else ''}.\n")  # fmt: skip
     bases = {name: runs.get(name) for name in ("padded", "dynamic")}
     headers = ["mode", "accum", "opt steps", "real tok/step", "real tok/s", "x padded", "x dynamic", "real tok/CPU-s",
                "x padded (CPU)", "x dynamic (CPU)", "padding", "mb ms", "peak mb tokens", "peak attn L^2"]  # fmt: skip
@@ -236,6 +263,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-match-steps", dest="match_steps", action="store_false",
                         help="no accumulation: every mode steps the optimizer after each microbatch")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="torch.profiler top ops of padded and packed steps")
+    parser.add_argument("--masked", action="store_true", help="also the baselines with a dense padding mask")
     args = parser.parse_args(argv)
     size_of = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
     for key in ("tokens", "max_tokens", "warmup"):

@@ -76,6 +76,27 @@ def test_bench_train_smoke_prints_tables_and_the_headline():
     assert sum(line.startswith("target ") for line in lines) == 8
 
 
+def test_bench_train_masked_rows_build_the_dense_mask(monkeypatch):
+    import torch
+    from bench_train import build_module, force_dense_mask
+
+    from lit_seqpack.data.collate import PaddedCollator
+    from lit_seqpack.model.reference import ReferenceDecoder
+
+    built = []
+    dense = ReferenceDecoder._dense_mask
+    monkeypatch.setattr(ReferenceDecoder, "_dense_mask", staticmethod(lambda *a: built.append(1) or dense(*a)))
+    torch.manual_seed(0)
+    module = build_module("reference", preset="tiny", vocab_size=128, max_seq_len=64, lr=1e-3)
+    batch = PaddedCollator()([{"input_ids": torch.arange(1, n + 1)} for n in (5, 9, 3)])
+    maskless = module.training_step(batch, 0)
+    assert built == []
+    force_dense_mask(module)
+    masked = module.training_step(batch, 1)
+    assert built == [1]  # one mask a forward, shared by the layers
+    torch.testing.assert_close(masked, maskless)  # the same loss: right padding needs no mask
+
+
 def test_gpu_script_code_path_on_cpu(tmp_path):
     out = tmp_path / "results" / "gpu.json"
     lines = _run("gpu.py", "--device", "cpu", "--tiny", "--out", str(out))
