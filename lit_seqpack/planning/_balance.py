@@ -144,7 +144,10 @@ def step_imbalance(tokens: np.ndarray, slots: np.ndarray) -> tuple[float, float]
         >>> round(mean, 4), round(worst, 4)  # step 0: 4 vs 2 -> 4/3; step 1: 3 vs 3 -> 1
         (1.1667, 1.3333)
     """
-    rank_tokens = np.asarray(tokens)[slots].sum(axis=2).astype(np.float64)
+    per_slot = np.asarray(tokens)[slots]
+    rank_tokens = per_slot[:, :, 0].astype(np.float64)  # integer sums slot by slot (exact, faster than sum(axis=2))
+    for slot in range(1, per_slot.shape[2]):
+        rank_tokens += per_slot[:, :, slot]
     means = rank_tokens.mean(axis=1)
     busy = means > 0
     ratios = rank_tokens.max(axis=1)[busy] / means[busy]

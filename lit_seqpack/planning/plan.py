@@ -213,12 +213,12 @@ def build_plan(
 def _assemble(config: PlanConfig, epoch: int, lengths: np.ndarray, windows: list[WindowPlan]) -> Plan:
     """Join the windows (grids already offset to global microbatch ids) into a :class:`Plan` with its stats."""
     empty_grid = np.zeros((0, config.world_size, config.accumulate_grad_batches), dtype=np.int64)
-    all_members = np.concatenate([np.zeros(0, dtype=np.int64), *(w.members for w in windows)])
-    all_sizes = np.concatenate([np.zeros(0, dtype=np.int64), *(w.sizes for w in windows)])
-    grid = np.concatenate([empty_grid, *(w.grid for w in windows)])
+    all_members = _joined([w.members for w in windows], np.zeros(0, dtype=np.int64))
+    all_sizes = _joined([w.sizes for w in windows], np.zeros(0, dtype=np.int64))
+    grid = _joined([w.grid for w in windows], empty_grid)
     figures = {
-        key: np.concatenate([np.zeros(0, dtype=dtype), *(w.figures[key] for w in windows)])
-        for key, dtype in (("tokens", np.int64), ("loss_tokens", np.int64), ("computed", np.int64))
+        key: _joined([w.figures[key] for w in windows], np.zeros(0, dtype=np.int64))
+        for key in ("tokens", "loss_tokens", "computed")
     }
     imbalance_mean, imbalance_max = step_imbalance(figures["tokens"], grid)
     real, computed = int(lengths.sum()), int(figures["computed"].sum())
@@ -244,3 +244,10 @@ def _assemble(config: PlanConfig, epoch: int, lengths: np.ndarray, windows: list
         step_loss_tokens=figures["loss_tokens"][grid].sum(axis=(1, 2)),
         stats=stats,
     )
+
+
+def _joined(parts: list[np.ndarray], empty: np.ndarray) -> np.ndarray:
+    """``np.concatenate([empty, *parts])`` as ``int64``, without copying a single part (one window: the epoch)."""
+    if len(parts) == 1 and parts[0].dtype == np.int64:
+        return parts[0]
+    return np.concatenate([empty, *parts])
