@@ -142,6 +142,22 @@ def _refresh_range(tree: np.ndarray, p: int, first: int, last: int) -> None:
 def first_fit_runs(
     run_sizes: np.ndarray, run_counts: np.ndarray, capacity: int, bins: np.ndarray
 ) -> tuple[int, np.ndarray]:
+    """:func:`_first_fit_runs` with an ``int64`` tree of remaining room (any capacity)."""
+    return _first_fit_runs(run_sizes, run_counts, capacity, bins, np.zeros(0, np.int64))
+
+
+@_kernel
+def first_fit_runs_narrow(
+    run_sizes: np.ndarray, run_counts: np.ndarray, capacity: int, bins: np.ndarray
+) -> tuple[int, np.ndarray]:
+    """:func:`_first_fit_runs` with an ``int32`` tree (capacity below ``2**31``): half the memory traffic."""
+    return _first_fit_runs(run_sizes, run_counts, capacity, bins, np.zeros(0, np.int32))
+
+
+@_jitable
+def _first_fit_runs(
+    run_sizes: np.ndarray, run_counts: np.ndarray, capacity: int, bins: np.ndarray, room_like: np.ndarray
+) -> tuple[int, np.ndarray]:
     """First fit over runs of equal items (``run_counts[r]`` items of ``run_sizes[r]``, in that order).
 
     The same bins as :func:`first_fit` on the expanded items, in O(log b) per *placement* rather than per
@@ -150,7 +166,8 @@ def first_fit_runs(
     into each. A placement either ends its run or leaves its bin too full for the run's size, so
     decreasing sizes (first fit decreasing from a histogram) need a few placements per bin, not one per
     item. Returns the bin count and each bin's fill; when ``bins`` has one entry per item it receives
-    each item's bin (items in run order), when it is empty nothing is written (counting only).
+    each item's bin (items in run order), when it is empty nothing is written (counting only). The tree of
+    remaining room (and the fills) have ``room_like``'s dtype.
     """
     total = 0
     n = 0
@@ -159,7 +176,7 @@ def first_fit_runs(
         n += run_counts[r]
     assign = bins.shape[0] > 0
     p = _pow2_at_least(min(n, 2 * total // capacity + 2) + 1)
-    tree = np.full(2 * p, capacity, np.int64)
+    tree = np.full(2 * p, capacity, room_like.dtype)
     n_bins = 0
     item = 0
     for r in range(run_sizes.shape[0]):

@@ -150,7 +150,7 @@ class Packer:
             return 0
         if self.algorithm == "first_fit_decreasing":  # from the histogram: no sort, a few steps per bin
             run_sizes, run_counts = _decreasing_runs(sizes)
-            return int(_kernels.get_kernel("first_fit_runs")(run_sizes, run_counts, self.capacity, _NO_BINS)[0])
+            return _first_fit_runs(run_sizes, run_counts, self.capacity, _NO_BINS)[0]
         sizes = sizes.astype(np.int64, copy=False)
         return int(_ASSIGNERS[self.algorithm](sizes, self.capacity, self.seed)[1].max()) + 1
 
@@ -258,8 +258,17 @@ def _first_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> Assign
     histogram = _dense_histogram(sizes)
     run_sizes, run_counts = _decreasing_runs(sizes, histogram)
     bin_ids = np.empty(sizes.shape[0], np.int64)
-    _, fills = _kernels.get_kernel("first_fit_runs")(run_sizes, run_counts, capacity, bin_ids)
+    _, fills = _first_fit_runs(run_sizes, run_counts, capacity, bin_ids)
     return _decreasing(sizes, histogram), bin_ids, fills
+
+
+def _first_fit_runs(
+    run_sizes: np.ndarray, run_counts: np.ndarray, capacity: int, bins: np.ndarray
+) -> tuple[int, np.ndarray]:
+    """``_kernels.first_fit_runs``, on an ``int32`` room tree when the capacity fits one; ``int64`` fills."""
+    name = "first_fit_runs_narrow" if capacity < 1 << 31 else "first_fit_runs"
+    n_bins, fills = _kernels.get_kernel(name)(run_sizes, run_counts, capacity, bins)
+    return int(n_bins), fills.astype(np.int64, copy=False)
 
 
 def _first_fit_shuffle(sizes: np.ndarray, capacity: int, seed: int) -> Assignment:
