@@ -54,13 +54,9 @@ def bucketed_order(bucket: np.ndarray, draws: np.ndarray) -> np.ndarray:
     """
     if bucket.size == 0:
         return np.zeros(0, dtype=np.int64)
-    high = float(bucket.max())
-    spread = high - bucket
-    ticks = draws * float(1 << 53)
-    integral = np.array_equal(ticks, np.floor(ticks)) and float(ticks.max()) < float(1 << 53)
-    if not (integral and high - float(bucket.min()) < 1 << 10 and np.array_equal(spread, np.floor(spread))):
+    key, fits = _kernels.get_kernel("bucket_keys")(np.asarray(bucket, np.float64), np.asarray(draws, np.float64))
+    if not fits:
         return np.lexsort((draws, -bucket))
-    key = (spread.astype(np.int64) << 53) | ticks.astype(np.int64)
     order = np.argsort(key)
     ranked = key[order]
     if np.any(ranked[1:] == ranked[:-1]):

@@ -280,6 +280,31 @@ def gather(values: np.ndarray, index: np.ndarray) -> np.ndarray:
 
 
 @_kernel
+def bucket_keys(bucket: np.ndarray, draws: np.ndarray) -> tuple[np.ndarray, bool]:
+    """``(max(bucket) - bucket) << 53 | draws * 2**53`` as ``int64`` keys, and whether every value fits exactly.
+
+    Ascending keys order by decreasing bucket, then increasing draw. They fit when every bucket is an integer at
+    most 1023 below the largest and every draw a multiple of ``2**-53`` in ``[0, 1)`` (``Generator.random``'s);
+    otherwise the second value is ``False`` and the keys are not to be used.
+    """
+    n = bucket.shape[0]
+    key = np.empty(n, np.int64)
+    high = bucket[0] if n else 0.0
+    for k in range(n):
+        high = max(high, bucket[k])
+    scale = float(1 << 53)
+    for k in range(n):
+        spread = high - bucket[k]
+        ticks = draws[k] * scale
+        if not (0.0 <= spread < 1024.0 and spread == np.floor(spread) and 0.0 <= ticks < scale):
+            return key, False
+        if ticks != np.floor(ticks):
+            return key, False
+        key[k] = (np.int64(spread) << 53) | np.int64(ticks)
+    return key, True
+
+
+@_kernel
 def sort_slots(slots: np.ndarray, costs: np.ndarray, by_cost: bool) -> np.ndarray:
     """Each ``slots[s, r, :]`` sorted: by decreasing ``costs`` (ties keep their order) or by increasing id.
 
