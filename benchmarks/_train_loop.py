@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from lit_seqpack.model._padding import is_right_padded
+
 
 class ModeRun:
     """One mode's training state: its module, AdamW, training loader and counters.
@@ -24,7 +26,9 @@ class ModeRun:
 
     Forward + backward (+ the optimizer on a step's last microbatch) is timed, in wall-clock seconds and in CPU
     seconds of this process (``time.process_time``: on a shared machine the CPU time is what the work cost, the
-    wall time also holds the waits for a core). On CUDA the device is synchronised around it and the peak memory
+    wall time also holds the waits for a core). After the clock stops, each padded microbatch is checked for right
+    padding (the models then attend with no mask): ``masked_microbatches`` counts those that needed a mask. On CUDA
+    the device is synchronised around it and the peak memory
     above its start (activations, gradients, optimizer temporaries) is recorded. The first ``warmup`` microbatches
     (allocator and kernel warm-up, the mixin's one-time isolation probe) are not timed.
 
@@ -58,6 +62,7 @@ class ModeRun:
         self.microbatches = self.steps = self.real_tokens = self.computed_tokens = 0
         self.timed = {"microbatches": 0, "real": 0, "wall": 0.0, "cpu": 0.0}
         self.peak_tokens = self.peak_attn = self.peak_bytes = 0
+        self.padded_microbatches = self.masked_microbatches = 0  # masked: not right-padded, so attention needs a mask
 
     def _next_batch(self) -> dict[str, Any]:
         try:
@@ -101,6 +106,10 @@ class ModeRun:
                 self.timed[key] += value
         self.peak_tokens = max(self.peak_tokens, computed)
         self.peak_attn = max(self.peak_attn, attention_elements(batch))
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            self.padded_microbatches += 1
+            self.masked_microbatches += not is_right_padded(mask)
 
     def train_until(self, real_tokens: int) -> None:
         """Train whole optimizer steps until at least ``real_tokens`` real tokens were seen."""

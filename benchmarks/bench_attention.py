@@ -5,11 +5,13 @@ Part 1 times forward + backward of causal attention over one packed row of ``--t
 
 * every backend :func:`lit_seqpack.available_backends` lists for the device (``sdpa`` per document on CPU);
 * ``dense mask``: one SDPA call over the whole row with a ``[T, T]`` block-diagonal causal mask;
-* ``padded``: SDPA over the same documents padded to ``[docs, max_len]`` with a causal + key-padding mask.
+* ``padded``: SDPA over the same documents padded on the right to ``[docs, max_len]``, causal with no mask
+  (``is_causal``: exact for every real token, what the reference decoder runs for right-padded batches);
+* ``padded + mask``: the same with a dense causal + key-padding mask (what left padding needs).
 
 Part 2 times forward + backward of the reference decoder (``--preset``, default ``demo``: 4 layers, width 128,
 vocab 512) on the same samples collated packed (one row, varlen attention with the ``auto`` backend) and padded
-(``[docs, max_len]``), and reports real tokens per second.
+(``[docs, max_len]``, right padding: no mask), and reports real tokens per second.
 
 Usage::
 
@@ -84,9 +86,12 @@ def attention_cases(lengths: list[int], heads: int, head_dim: int, device: torch
     pad_mask = ((idx[:, None] >= idx[None, :]) & real[:, None, :]) | (idx[:, None] == idx[None, :])
 
     def padded() -> None:
+        F.scaled_dot_product_attention(qp, kp, vp, is_causal=True).sum().backward()
+
+    def padded_mask() -> None:
         F.scaled_dot_product_attention(qp, kp, vp, attn_mask=pad_mask[:, None]).sum().backward()
 
-    return cases | {"dense mask": dense, "padded": padded}
+    return cases | {"dense mask": dense, "padded": padded, "padded + mask": padded_mask}
 
 
 def bench_attention(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:

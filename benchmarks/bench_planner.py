@@ -1,13 +1,24 @@
-"""Benchmark the packers: bins against the lower bound, and speed against textbook pure-Python packers.
+"""Benchmark the planner: the packers against the lower bound and pure-Python packers, ``build_plan`` against a sort.
 
-For each length distribution (lognormal median 512 sigma 1, power law p(L) ~ L^-1.5, uniform; all
-on [16, 4096]), size and algorithm it prints a Markdown row: bins, theoretical minimum, efficiency,
-median seconds of ``--repeats`` calls of ``get_packer(...).pack`` (after a warm-up that compiles or
-loads the numba cache), and the time and bins of the pure-Python packer of ``_reference_packers.py``
-(run once, only up to ``--reference-max-size``; "n/a" above it, nothing is extrapolated).
+Two Markdown tables:
 
-    .venv/bin/python benchmarks/bench_planner.py            # 10k, 100k, 1M (reference up to 100k)
-    .venv/bin/python benchmarks/bench_planner.py --quick    # 10k and 100k, reference at 10k only
+1. **Packers.** For each length distribution (lognormal median 512 sigma 1, power law p(L) ~ L^-1.5, uniform; all
+   on [16, 4096]), size and algorithm: bins, theoretical minimum, efficiency, median seconds of ``--repeats``
+   calls of ``get_packer(...).pack`` (after a warm-up that compiles or loads the numba cache), and the time and
+   bins of the pure-Python packer of ``_reference_packers.py`` (run once, only up to ``--reference-max-size``;
+   "n/a" above it, nothing is extrapolated).
+2. **build_plan against one sort.** For each of ``--plan-sizes`` (lognormal lengths) and each mode (packing with
+   the default ``first_fit_decreasing``, dynamic, padded; ``--world`` ranks x ``--accumulate`` accumulation,
+   ``max_tokens`` 4096, padded ``batch_size`` 8): the median seconds of ``build_plan`` and its ratio to one stable
+   numpy argsort of the same lengths (``np.argsort(lengths, kind="stable")``, the floor any sort-based planner
+   pays). Sort and plans are interleaved in every repeat and the ratio is the median of the per-repeat ratios, so
+   load drift on a shared machine hits both alike. Then the growth of each from the smallest to the largest size.
+
+Run it with one thread (``OMP_NUM_THREADS=1``) on a quiet machine::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_planner.py                 # both tables
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_planner.py --only plan     # 1M and 10M, 5 repeats
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_planner.py --quick         # 10k and 100k, 1M plan only
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from _reference_packers import REFERENCE_PACKERS  # benchmarks/ is sys.path[0] w
 
 from lit_seqpack.planning import _kernels
 from lit_seqpack.planning.algorithms import PACKING_ALGORITHMS, get_packer
+from lit_seqpack.planning.plan import PlanConfig, build_plan
 from lit_seqpack.planning.stats import packing_stats
 
 LOW, HIGH = 16, 4096
@@ -79,6 +91,50 @@ def row(dist: str, lengths: np.ndarray, algorithm: str, args: argparse.Namespace
     )
 
 
+PLAN_MODES: dict[str, dict[str, Any]] = {
+    "packing": {"mode": "packing", "max_tokens": HIGH},
+    "dynamic": {"mode": "dynamic", "max_tokens": HIGH},
+    "padded": {"mode": "padded", "batch_size": 8},
+}
+
+
+def plan_against_sort(sizes: list[int], args: argparse.Namespace) -> None:
+    """Table 2: median ``build_plan`` seconds per mode and size, and the median per-repeat ratio to one sort."""
+    configs = {
+        name: PlanConfig(world_size=args.world, accumulate_grad_batches=args.accumulate, seed=args.seed, **spec)
+        for name, spec in PLAN_MODES.items()
+    }
+    print(f"\n## build_plan against one stable argsort of the lengths ({args.world} ranks x {args.accumulate} "
+          f"accumulation, lognormal, median of {args.plan_repeats} interleaved repeats)\n")  # fmt: skip
+    print("| n | mode | build_plan s | argsort s | x argsort |")
+    print("|---:|---|---:|---:|---:|")
+    medians: dict[tuple[str, int], float] = {}
+    for n in sizes:
+        lengths = lognormal(n, np.random.default_rng(args.seed))
+        for config in configs.values():
+            build_plan(lengths, config, epoch=0)  # warm-up: numba cache, allocator
+        times: dict[str, list[float]] = {name: [] for name in ("argsort", *configs)}
+        ratios: dict[str, list[float]] = {name: [] for name in configs}
+        for repeat in range(args.plan_repeats):
+            sort_s, _ = seconds(1, np.argsort, lengths, -1, "stable")
+            times["argsort"].append(sort_s)
+            for name, config in configs.items():
+                plan_s, _ = seconds(1, lambda c=config, e=repeat, x=lengths: build_plan(x, c, epoch=e))
+                times[name].append(plan_s)
+                ratios[name].append(plan_s / sort_s)
+        medians[("argsort", n)] = statistics.median(times["argsort"])
+        for name in configs:
+            medians[(name, n)] = statistics.median(times[name])
+            print(f"| {n:,} | {name} | {medians[(name, n)]:.3f} | {medians[('argsort', n)]:.3f} | "
+                  f"{statistics.median(ratios[name]):.2f}x |", flush=True)  # fmt: skip
+    if len(sizes) > 1:
+        small, large = sizes[0], sizes[-1]
+        growth = ", ".join(
+            f"{name} {medians[(name, large)] / medians[(name, small)]:.1f}x" for name in ("argsort", *configs)
+        )
+        print(f"\ngrowth from {small:,} to {large:,} samples ({large / small:.0f}x): {growth}")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated sequence counts")
@@ -89,9 +145,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--algorithms", default=",".join(PACKING_ALGORITHMS))
     parser.add_argument("--capacity", type=int, default=HIGH)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", choices=["packers", "plan"], default=None, help="one table only")
+    parser.add_argument("--plan-sizes", default="1000000,10000000", help="build_plan table: comma-separated sizes")
+    parser.add_argument("--plan-repeats", type=int, default=5, help="build_plan table: interleaved repeats")
+    parser.add_argument("--world", type=int, default=8, help="build_plan table: ranks")
+    parser.add_argument("--accumulate", type=int, default=4, help="build_plan table: accumulation")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.reference_max_size, args.repeats = "10000,100000", 10_000, 1
+        args.plan_sizes, args.plan_repeats = "1000000", 3
     return args
 
 
@@ -99,7 +161,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     algorithms = args.algorithms.split(",")
-    print(f"# python {platform.python_version()}, {os.cpu_count()} CPUs, numba compiled: {_kernels.numba_enabled()}")
+    print(f"# python {platform.python_version()}, numpy {np.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, numba compiled: {_kernels.numba_enabled()}")  # fmt: skip
+    if args.only != "packers":
+        plan_against_sort([int(s) for s in args.plan_sizes.split(",")], args)
+    if args.only == "plan":
+        return
+    print()
     start = time.perf_counter()
     warm = lognormal(2000, np.random.default_rng(0))
     for algorithm in algorithms:

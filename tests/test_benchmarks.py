@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
@@ -60,6 +61,10 @@ def _tables(lines: list[str]) -> list[list[list[str]]]:
 def test_bench_train_smoke_prints_tables_and_the_headline():
     lines = _run("bench_train.py", "--smoke")
     assert re.fullmatch(r"packed/padded real-token throughput: \d+\.\d\dx", lines[-1]), lines[-1]
+    assert re.fullmatch(r"packed/dynamic real-token throughput: \d+\.\d\dx", lines[-3]), lines[-3]
+    assert re.fullmatch(r"packed/dynamic .* by CPU time \(maskless dynamic\): \d+\.\d\dx", lines[-4]), lines[-4]
+    maskless = [re.search(r"needed a mask: (\d+) of (\d+)\.", line) for line in lines if "needed a mask" in line]
+    assert len(maskless) == 2 and all(m and m[1] == "0" and int(m[2]) > 0 for m in maskless), maskless
     tables = _tables(lines)
     assert len(tables) == 4  # throughput + loss, for each of the two profiles
     for throughput, losses in (tables[0:2], tables[2:4]):
@@ -67,10 +72,11 @@ def test_bench_train_smoke_prints_tables_and_the_headline():
         assert [row[0] for row in throughput[1:]] == MODES
         assert [row[0] for row in losses[1:]] == MODES
         by_mode = {row[0]: dict(zip(throughput[0], row, strict=True)) for row in throughput[1:]}
-        assert by_mode["padded"]["x padded"] == "1.00x"
+        assert by_mode["padded"]["x padded"] == "1.00x" and by_mode["dynamic"]["x dynamic (CPU)"] == "1.00x"
         for name in MODES:
             assert float(by_mode[name]["real tok/s"].replace(",", "")) > 0
-            assert re.fullmatch(r"\d+\.\d\dx", by_mode[name]["x padded (CPU)"])
+            for column in ("x padded (CPU)", "x dynamic", "x dynamic (CPU)"):
+                assert re.fullmatch(r"\d+\.\d\dx", by_mode[name][column])
         assert all(by_mode[name]["padding"] == "0.0%" for name in MODES if name.startswith("packing"))
         assert float(by_mode["padded"]["padding"].rstrip("%")) > 10  # the baseline pads, packing does not
         for row in losses[1:]:
@@ -78,12 +84,91 @@ def test_bench_train_smoke_prints_tables_and_the_headline():
     assert sum(line.startswith("target ") for line in lines) == 8
 
 
-def test_gpu_script_code_path_on_cpu():
-    lines = _run("gpu.py", "--device", "cpu", "--tiny")
+def test_bench_train_masked_rows_build_the_dense_mask(monkeypatch):
+    import torch
+    from bench_train import build_module, force_dense_mask
+
+    from lit_seqpack.data.batching.collate import PaddedCollator
+    from lit_seqpack.model.reference import ReferenceDecoder
+
+    built = []
+    dense = ReferenceDecoder._dense_mask
+    monkeypatch.setattr(ReferenceDecoder, "_dense_mask", staticmethod(lambda *a: built.append(1) or dense(*a)))
+    torch.manual_seed(0)
+    module = build_module("reference", preset="tiny", vocab_size=128, max_seq_len=64, lr=1e-3)
+    batch = PaddedCollator()([{"input_ids": torch.arange(1, n + 1)} for n in (5, 9, 3)])
+    maskless = module.training_step(batch, 0)
+    assert built == []
+    force_dense_mask(module)
+    masked = module.training_step(batch, 1)
+    assert built == [1]  # one mask a forward, shared by the layers
+    torch.testing.assert_close(masked, maskless)  # the same loss: right padding needs no mask
+
+
+def test_gpu_script_code_path_on_cpu(tmp_path):
+    out = tmp_path / "results" / "gpu.json"
+    lines = _run("gpu.py", "--device", "cpu", "--tiny", "--out", str(out))
     assert "optional packages imported by lit_seqpack's model, data and planning modules: none" in lines
     attention, training = _tables(lines)
-    assert {row[0] for row in attention[1:]} >= {"varlen sdpa", "dense mask", "padded"}
-    assert [row[0] for row in training[1:]] == ["padded", "dynamic", "packing sdpa"]
+    assert {row[0] for row in attention[1:]} >= {"varlen sdpa", "dense mask", "padded", "padded + mask"}
+    modes = ["padded", "dynamic", "packing sdpa", "no-padding bound"]
+    assert [row[0] for row in training[1:]] == modes
+    assert lines[-1].startswith("| no-padding bound")  # the training table is printed last
+    assert any("microbatches that needed a mask: 0)" in line for line in lines)
+    by_mode = {row[0]: dict(zip(training[0], row, strict=True)) for row in training[1:]}
+    assert all(float(by_mode[m]["real tok/s"].replace(",", "")) > 0 for m in modes)
+    assert [by_mode[m]["status"] for m in modes] == ["ok", "ok", "ok", "ok (attention: sdpa)"]
+    assert by_mode["padded"]["x padded"] == by_mode["no-padding bound"]["x bound"] == "1.00x"
+    assert by_mode["no-padding bound"]["padding"] == "0.0%" and by_mode["no-padding bound"]["held-out loss"] == "n/a"
+    report = json.loads(out.read_text())
+    assert [row["mode"] for row in report["training"]["rows"]] == modes
+    assert report["training"]["flops_per_real_token"] > 0 and report["training"]["peak_flops"] is None
+    assert {row["layout"] for row in report["attention"]} >= {"padded", "padded + mask"}
+
+
+def test_gpu_rounds_drop_a_failing_mode_and_keep_the_others():
+    from _gpu_rows import train_rounds
+
+    class Run:
+        def __init__(self, fails: bool) -> None:
+            self.fails, self.marks, self.module = fails, [], object()
+            self.optimizer = self.scheduler = object()
+
+        def train_until(self, mark: int) -> None:
+            if self.fails:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore details")
+            self.marks.append(mark)
+
+    runs = {"padded": Run(False), "packing flash_attn": Run(True), "dynamic": Run(False)}
+    failed, done = train_rounds(runs, total=300, rounds=3, deadline=float("inf"))
+    assert failed == {"packing flash_attn": "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    assert done == 3 and runs["padded"].marks == runs["dynamic"].marks == [100, 200, 300]
+    assert runs["packing flash_attn"].module is None  # released
+    assert train_rounds({"padded": Run(False)}, total=300, rounds=3, deadline=0.0) == ({}, 0)
+
+
+@pytest.mark.slow
+def test_gpu_tests_collect_without_hypothesis(monkeypatch):
+    """The GPU machine may lack hypothesis: a stub lets the files that import it be collected, and none errors."""
+    import importlib.util
+
+    import _gpu_rows
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "hypothesis" else find_spec(name, *a)
+    )
+    report = _gpu_rows.run_gpu_tests(ROOT, timeout=600)
+    assert report["returncode"] == 0, report["tail"]
+    assert re.search(r"\d+ (passed|skipped)", report["summary"]) and "error" not in report["summary"], report["summary"]
+
+
+def test_gpu_tests_are_found_by_their_marker():
+    from _gpu_rows import gpu_test_files
+
+    files = {path.relative_to(ROOT).as_posix() for path in gpu_test_files(ROOT)}
+    assert {"tests/model/test_attention.py", "tests/model/test_padding.py"} <= files
+    assert "tests/test_benchmarks.py" not in files
 
 
 def test_model_and_data_modules_import_no_config_packages():

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from lit_seqpack._checks import check_int
+from lit_seqpack.model._padding import is_right_padded
 
 ATTENTION_NAME = "lit_seqpack_varlen"
 """The name of lit_seqpack's attention function in transformers' ``AttentionInterface``."""
@@ -65,15 +66,9 @@ def hf_model_inputs(batch: Mapping[str, Any], *, backend: str = "auto") -> dict[
     elif batch.get("attention_mask") is not None:
         mask = batch["attention_mask"]
         inputs["attention_mask"] = mask
-        if mask.ndim == 2 and _is_right_padded(mask):
+        if mask.ndim == 2 and is_right_padded(mask):
             inputs[RIGHT_PADDED_KWARG] = True
     return inputs
-
-
-def _is_right_padded(mask: torch.Tensor) -> bool:
-    """Whether every row of a 2-D ``[B, L]`` padding mask is ones then zeros (one host sync)."""
-    keep = mask.bool()
-    return bool((keep[:, 1:] <= keep[:, :-1]).all()) if keep.shape[1] > 1 else True
 
 
 def attention_extras(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -9,8 +9,11 @@ LM goes through :mod:`lit_seqpack.model.hf` instead.
 Two batch formats, the batch contract's:
 
 * packed: ``input_ids [1, T]`` with ``cu_seqlens``: attention runs per document through ``varlen_attention``;
-* padded: ``input_ids [B, L]`` with an optional right-padding ``attention_mask``: one SDPA call with a causal and
-  padding mask (``is_causal`` when there is no mask).
+* padded: ``input_ids [B, L]`` with an optional ``attention_mask``: one SDPA call per layer. A batch padded on the
+  right (every row its real tokens, then padding: what the library's collators make) runs with ``is_causal`` and no
+  mask, exact for every real token (:func:`~lit_seqpack.model._padding.is_right_padded`); any other mask (left
+  padding, holes) becomes a dense causal and padding mask ``[B, 1, L, L]``. Logits at padding positions are not
+  defined (they differ between the two); labels are -100 there.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_seqpack._checks import check_choice, check_int
+from lit_seqpack.model._padding import is_right_padded
 from lit_seqpack.model.attention import varlen_attention
 
 __all__ = ["REFERENCE_PRESETS", "ReferenceConfig", "ReferenceDecoder"]
@@ -38,8 +42,17 @@ REFERENCE_PRESETS: dict[str, dict[str, int]] = {
         "n_embd": 768,
         "intermediate_size": 2048,
     },
+    "1b": {  # TinyLlama's shape, embeddings tied
+        "vocab_size": 32000,
+        "n_layer": 22,
+        "n_head": 32,
+        "n_kv_head": 4,
+        "n_embd": 2048,
+        "intermediate_size": 5632,
+    },
 }
-"""Named sizes: ``tiny`` for unit tests, ``demo`` for the CPU demo, ``100m`` (~100M parameters) for GPU runs."""
+"""Named sizes: ``tiny`` for unit tests, ``demo`` for the CPU demo, ``100m`` (~100M parameters) and ``1b`` (~1.03B,
+TinyLlama's shape with tied embeddings; ``benchmarks/gpu.py``) for GPU runs."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -231,7 +244,9 @@ class ReferenceDecoder(nn.Module):
             position_ids: ``[B, T]``; default ``0..T-1`` per row, or restarting at every ``cu_seqlens`` boundary.
             cu_seqlens: int32 document boundaries of a packed row (``B`` must be 1).
             max_seqlen: the longest document of the packed row (read from ``cu_seqlens`` if omitted: a sync).
-            attention_mask: ``[B, T]`` 1 for real tokens, 0 for padding (padded batches only).
+            attention_mask: ``[B, T]`` 1 for real tokens, 0 for padding (padded batches only). Right padding needs
+                no mask (causal attention is exact for the real tokens; checked once per call, one device read when
+                the mask is on an accelerator); any other layout is masked densely.
             attn_backend: :func:`~lit_seqpack.model.attention.varlen_attention` backend of packed rows.
         """
         if input_ids.dim() != 2:
@@ -253,7 +268,7 @@ class ReferenceDecoder(nn.Module):
                 starts = torch.repeat_interleave(cu_seqlens[:-1].long(), seqlens, output_size=length)
                 position_ids = (torch.arange(length, device=input_ids.device) - starts)[None]
         else:
-            attention["mask"] = None if attention_mask is None else self._padding_mask(attention_mask, batch, length)
+            attention["mask"] = self._padding_mask(attention_mask, batch, length)
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
         if position_ids.shape != input_ids.shape:
@@ -266,11 +281,20 @@ class ReferenceDecoder(nn.Module):
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight)
 
     @staticmethod
-    def _padding_mask(attention_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-        """``[B, 1, L, L]`` boolean mask: causal, real keys only, and every position may see itself (so a padding
-        row is never fully masked, which would make SDPA return NaN)."""
+    def _padding_mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+        """The SDPA mask of a padded batch: ``None`` (causal) without a mask or with right padding, else dense."""
+        if attention_mask is None:
+            return None
         if attention_mask.shape != (batch, length):
             raise ValueError(f"attention_mask must be [{batch}, {length}], got {tuple(attention_mask.shape)}")
+        if is_right_padded(attention_mask):
+            return None
+        return ReferenceDecoder._dense_mask(attention_mask, length)
+
+    @staticmethod
+    def _dense_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
+        """``[B, 1, L, L]`` boolean mask: causal, real keys only, and every position may see itself (so a padding
+        row is never fully masked, which would make SDPA return NaN)."""
         idx = torch.arange(length, device=attention_mask.device)
         causal = idx[:, None] >= idx[None, :]
         allowed = (causal & attention_mask.bool()[:, None, :]) | (idx[:, None] == idx[None, :])

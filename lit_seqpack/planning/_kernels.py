@@ -142,6 +142,22 @@ def _refresh_range(tree: np.ndarray, p: int, first: int, last: int) -> None:
 def first_fit_runs(
     run_sizes: np.ndarray, run_counts: np.ndarray, capacity: int, bins: np.ndarray
 ) -> tuple[int, np.ndarray]:
+    """:func:`_first_fit_runs` with an ``int64`` tree of remaining room (any capacity)."""
+    return _first_fit_runs(run_sizes, run_counts, capacity, bins, np.zeros(0, np.int64))
+
+
+@_kernel
+def first_fit_runs_narrow(
+    run_sizes: np.ndarray, run_counts: np.ndarray, capacity: int, bins: np.ndarray
+) -> tuple[int, np.ndarray]:
+    """:func:`_first_fit_runs` with an ``int32`` tree (capacity below ``2**31``): half the memory traffic."""
+    return _first_fit_runs(run_sizes, run_counts, capacity, bins, np.zeros(0, np.int32))
+
+
+@_jitable
+def _first_fit_runs(
+    run_sizes: np.ndarray, run_counts: np.ndarray, capacity: int, bins: np.ndarray, room_like: np.ndarray
+) -> tuple[int, np.ndarray]:
     """First fit over runs of equal items (``run_counts[r]`` items of ``run_sizes[r]``, in that order).
 
     The same bins as :func:`first_fit` on the expanded items, in O(log b) per *placement* rather than per
@@ -150,7 +166,8 @@ def first_fit_runs(
     into each. A placement either ends its run or leaves its bin too full for the run's size, so
     decreasing sizes (first fit decreasing from a histogram) need a few placements per bin, not one per
     item. Returns the bin count and each bin's fill; when ``bins`` has one entry per item it receives
-    each item's bin (items in run order), when it is empty nothing is written (counting only).
+    each item's bin (items in run order), when it is empty nothing is written (counting only). The tree of
+    remaining room (and the fills) have ``room_like``'s dtype.
     """
     total = 0
     n = 0
@@ -159,7 +176,7 @@ def first_fit_runs(
         n += run_counts[r]
     assign = bins.shape[0] > 0
     p = _pow2_at_least(min(n, 2 * total // capacity + 2) + 1)
-    tree = np.full(2 * p, capacity, np.int64)
+    tree = np.full(2 * p, capacity, room_like.dtype)
     n_bins = 0
     item = 0
     for r in range(run_sizes.shape[0]):
@@ -209,27 +226,120 @@ def first_fit_runs(
 
 @_kernel
 def segment_figures(
-    lengths: np.ndarray, loss_tokens: np.ndarray, members: np.ndarray, bounds: np.ndarray, a: float, b: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per segment ``members[bounds[m]:bounds[m + 1]]``: tokens, loss tokens, ``sum(a*L + b*L^2)``, longest.
+    window_lengths: np.ndarray,
+    loss_tokens: np.ndarray,
+    positions: np.ndarray,
+    local: np.ndarray,
+    bounds: np.ndarray,
+    a: float,
+    b: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per segment ``local[bounds[m]:bounds[m + 1]]`` of a window: tokens, loss tokens, ``sum(a*L + b*L^2)``, longest.
 
-    One pass over the members, no per-member temporaries; sums run in member order (the same floats
-    compiled or not).
+    Item ``j`` of the window has length ``window_lengths[j]`` and dataset index ``positions[j]`` (``j`` itself
+    when ``positions`` is empty); its loss tokens are ``loss_tokens[index]``, or ``max(length - 1, 0)`` when
+    ``loss_tokens`` is empty. Also returns the dataset index of every member. One pass over the members, no
+    per-member temporaries; sums run in member order (the same floats compiled or not).
     """
     count = bounds.shape[0] - 1
-    tokens = np.zeros(count, np.int64)
-    loss = np.zeros(count, np.int64)
-    cost = np.zeros(count, np.float64)
-    longest = np.zeros(count, np.int64)
+    identity = positions.shape[0] == 0
+    default_loss = loss_tokens.shape[0] == 0
+    members = np.empty(local.shape[0], np.int64)
+    tokens = np.empty(count, np.int64)
+    loss = np.empty(count, np.int64)
+    cost = np.empty(count, np.float64)
+    longest = np.empty(count, np.int64)
     for m in range(count):
+        total = np.int64(0)
+        targets = np.int64(0)
+        weight = 0.0
+        top = np.int64(0)
         for k in range(bounds[m], bounds[m + 1]):
-            i = members[k]
-            length = np.int64(lengths[i])
-            tokens[m] += length
-            loss[m] += np.int64(loss_tokens[i])
-            cost[m] += a * float(length) + b * (float(length) * float(length))
-            longest[m] = max(longest[m], length)
-    return tokens, loss, cost, longest
+            j = local[k]
+            i = np.int64(j) if identity else np.int64(positions[j])
+            members[k] = i
+            length = np.int64(window_lengths[j])
+            total += length
+            targets += max(length - 1, 0) if default_loss else np.int64(loss_tokens[i])
+            weight += a * float(length) + b * (float(length) * float(length))
+            top = max(top, length)
+        tokens[m] = total
+        loss[m] = targets
+        cost[m] = weight
+        longest[m] = top
+    return members, tokens, loss, cost, longest
+
+
+@_kernel
+def gather(values: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``values[index]``, any integer index dtype."""
+    out = np.empty(index.shape[0], values.dtype)
+    for k in range(index.shape[0]):
+        out[k] = values[index[k]]
+    return out
+
+
+@_kernel
+def bucket_keys(bucket: np.ndarray, draws: np.ndarray) -> tuple[np.ndarray, bool]:
+    """``(max(bucket) - bucket) << 53 | draws * 2**53`` as ``int64`` keys, and whether every value fits exactly.
+
+    Ascending keys order by decreasing bucket, then increasing draw. They fit when every bucket is an integer at
+    most 1023 below the largest and every draw a multiple of ``2**-53`` in ``[0, 1)`` (``Generator.random``'s);
+    otherwise the second value is ``False`` and the keys are not to be used.
+    """
+    n = bucket.shape[0]
+    key = np.empty(n, np.int64)
+    high = bucket[0] if n else 0.0
+    for k in range(n):
+        high = max(high, bucket[k])
+    scale = float(1 << 53)
+    for k in range(n):
+        spread = high - bucket[k]
+        ticks = draws[k] * scale
+        if not (0.0 <= spread < 1024.0 and spread == np.floor(spread) and 0.0 <= ticks < scale):
+            return key, False
+        if ticks != np.floor(ticks):
+            return key, False
+        key[k] = (np.int64(spread) << 53) | np.int64(ticks)
+    return key, True
+
+
+@_kernel
+def sort_slots(slots: np.ndarray, costs: np.ndarray, by_cost: bool) -> np.ndarray:
+    """Each ``slots[s, r, :]`` sorted: by decreasing ``costs`` (ties keep their order) or by increasing id.
+
+    An insertion sort per row (rows hold ``accumulate_grad_batches`` slots: a handful); returns a new array.
+    """
+    out = slots.copy()
+    for s in range(out.shape[0]):
+        for r in range(out.shape[1]):
+            for i in range(1, out.shape[2]):
+                item = out[s, r, i]
+                j = i
+                while j > 0 and ((costs[out[s, r, j - 1]] < costs[item]) if by_cost else (out[s, r, j - 1] > item)):
+                    out[s, r, j] = out[s, r, j - 1]
+                    j -= 1
+                out[s, r, j] = item
+    return out
+
+
+@_kernel
+def greedy_group_sizes(rows_at: np.ndarray) -> np.ndarray:
+    """Dynamic batching's groups: from position ``i`` a group takes ``rows_at[i]`` rows (fewer at the end).
+
+    ``rows_at[i] >= 1`` is how many rows fit the budget when row ``i`` is the group's longest. Returns the row
+    count of each group, in order.
+    """
+    n = rows_at.shape[0]
+    sizes = np.empty(n, np.int64)
+    count = 0
+    i = 0
+    while i < n:
+        take = min(rows_at[i], n - i)
+        sizes[count] = take
+        count += 1
+        i += take
+    return sizes[:count].copy()
 
 
 @_kernel

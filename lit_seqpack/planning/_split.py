@@ -11,6 +11,8 @@ import heapq
 
 import numpy as np
 
+from lit_seqpack.planning._sorting import largest
+
 __all__ = ["split_fullest", "split_fullest_flat"]
 
 
@@ -60,7 +62,7 @@ def split_fullest_flat(
     n_bins = ends.size
     counts = np.diff(ends, prepend=0)
     splittable = np.flatnonzero(counts >= 2)
-    candidates = np.sort(splittable[np.lexsort((splittable, -fills[splittable]))][: target - n_bins])
+    candidates = largest(fills, splittable, target - n_bins)  # only these can ever be split
     starts = ends - counts
     local = [flat[starts[i] : ends[i]].tolist() for i in candidates]
     split_fullest(local, sizes, fills[candidates], target - n_bins)

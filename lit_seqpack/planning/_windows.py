@@ -14,7 +14,8 @@ import numpy as np
 
 from lit_seqpack.planning import _kernels
 from lit_seqpack.planning._balance import assign_slots, order_within_bundles
-from lit_seqpack.planning.dynamic import dynamic_group_sizes, fixed_group_sizes, round_up
+from lit_seqpack.planning._sorting import decreasing_order, decreasing_runs, dense_histogram
+from lit_seqpack.planning.dynamic import dynamic_group_sizes, fixed_group_sizes, round_up, run_group_sizes
 
 if TYPE_CHECKING:
     from lit_seqpack.planning.config import PlanConfig
@@ -47,10 +48,9 @@ def as_counts(name: str, values: object, size: int | None = None) -> np.ndarray:
         raise ValueError(f"{name} must have one entry per sample ({size}), got {array.size}")
     if array.size and array.dtype.kind not in "iu":
         raise ValueError(f"{name} must be integers, got dtype {array.dtype}")
-    array = array.astype(np.int64)
-    negative = np.flatnonzero(array < 0)
-    if negative.size:
-        i = int(negative[0])
+    array = array.astype(np.int64, copy=False)  # read-only use: an int64 input is not copied
+    if array.size and int(array.min()) < 0:
+        i = int(np.flatnonzero(array < 0)[0])
         raise ValueError(f"{name}[{i}] = {int(array[i])} is negative")
     return array
 
@@ -130,23 +130,30 @@ def window_microbatches(
     Returns:
         ``(members, sizes)``: dataset indices in microbatch order and samples per microbatch.
     """
-    window_lengths = lengths if positions is None else lengths[positions]
+    local, sizes = _local_microbatches(_window_lengths(lengths, positions), config, seed)
+    return (local if positions is None else positions[local]), sizes
+
+
+def _window_lengths(lengths: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
+    """``lengths[positions]`` (compiled: numpy converts a ``uint32`` index array first), or ``lengths``."""
+    return lengths if positions is None else _kernels.get_kernel("gather")(lengths, positions)
+
+
+def _local_microbatches(window_lengths: np.ndarray, config: PlanConfig, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`window_microbatches` in positions of the window: ``(local, sizes)``."""
     multiple = config.slots_per_step
-    if positions is None:
-        positions = np.arange(window_lengths.size)
     if config.mode == "padded":
-        return positions, fixed_group_sizes(positions.size, config.batch_size, group_count_multiple=multiple)
+        local = np.arange(window_lengths.size)
+        return local, fixed_group_sizes(local.size, config.batch_size, group_count_multiple=multiple)
     if config.mode == "dynamic":
-        order = np.argsort(-window_lengths, kind="stable")
-        sizes = dynamic_group_sizes(
-            window_lengths[order],
-            config.max_tokens,
-            sequence_length_round=config.sequence_length_round,
-            group_count_multiple=multiple,
-        )
-        return positions[order], sizes
+        histogram = dense_histogram(window_lengths)
+        order = decreasing_order(window_lengths, histogram)  # np.argsort(-window_lengths, kind="stable")
+        knobs = {"sequence_length_round": config.sequence_length_round, "group_count_multiple": multiple}
+        if histogram is None:  # huge lengths: no counting sort
+            return order, dynamic_group_sizes(window_lengths[order], config.max_tokens, **knobs)
+        return order, run_group_sizes(*decreasing_runs(window_lengths, histogram), config.max_tokens, **knobs)
     flat, ends, fillers = _pack(window_lengths, config, seed)
-    return positions[flat], np.concatenate([np.diff(ends, prepend=0), np.zeros(fillers, dtype=np.int64)])
+    return flat, np.concatenate([np.diff(ends, prepend=0), np.zeros(fillers, dtype=np.int64)])
 
 
 def window_seeds(config: PlanConfig, epoch: int, w: int) -> np.random.SeedSequence:
@@ -191,35 +198,41 @@ class WindowPlan(NamedTuple):
 
 
 def plan_window(
-    lengths: np.ndarray, loss_tokens: np.ndarray, positions: np.ndarray | None, config: PlanConfig, epoch: int, w: int
+    lengths: np.ndarray,
+    loss_tokens: np.ndarray | None,
+    positions: np.ndarray | None,
+    config: PlanConfig,
+    epoch: int,
+    w: int,
 ) -> WindowPlan:
     """Plan window ``w`` of ``epoch``: microbatches, then their ``[steps, world_size, accumulate]`` grid.
 
     Args:
-        lengths: lengths of the whole dataset (``int64``), or of the window alone with ``positions=None``
+        lengths: lengths of the whole dataset (any integer dtype), or of the window alone with ``positions=None``
             (members are then positions in the window).
-        loss_tokens: loss tokens, indexed like ``lengths``.
+        loss_tokens: loss tokens, indexed like ``lengths``; ``None``: ``max(length - 1, 0)``.
         positions: indices into ``lengths`` of the window's samples, in order, or ``None``.
         config: the plan configuration.
         epoch: the epoch.
         w: the window's number in the epoch (seeds its packer and its balancing).
     """
     seeds = window_seeds(config, epoch, w)
-    members, sizes = window_microbatches(lengths, positions, config, int(seeds.generate_state(1)[0]))
-    figures = microbatch_figures(lengths, loss_tokens, members, sizes, config)
+    window_lengths = _window_lengths(lengths, positions)
+    local, sizes = _local_microbatches(window_lengths, config, int(seeds.generate_state(1)[0]))
+    members, figures = _figures(window_lengths, loss_tokens, positions, local, sizes, config)
     rng = np.random.default_rng(seeds) if config.shuffle else None
     grid = assign_slots(figures["cost"], config.world_size, config.accumulate_grad_batches, rng)
     return WindowPlan(members, sizes, order_within_bundles(grid, figures["cost"], config.microbatch_order), figures)
 
 
 def microbatch_figures(
-    lengths: np.ndarray, loss_tokens: np.ndarray, members: np.ndarray, sizes: np.ndarray, config: PlanConfig
+    lengths: np.ndarray, loss_tokens: np.ndarray | None, members: np.ndarray, sizes: np.ndarray, config: PlanConfig
 ) -> dict[str, np.ndarray]:
     """Per-microbatch ``tokens``, ``loss_tokens``, ``computed`` (after padding) and balancing ``cost``.
 
     Args:
         lengths: lengths of the whole dataset.
-        loss_tokens: loss tokens of each sample of the dataset.
+        loss_tokens: loss tokens of each sample of the dataset; ``None``: ``max(length - 1, 0)``.
         members: dataset indices in microbatch order.
         sizes: samples per microbatch.
         config: the plan configuration (mode, rounding, cost coefficients).
@@ -227,16 +240,39 @@ def microbatch_figures(
     Returns:
         A dict of arrays with one value per microbatch.
     """
+    return _figures(lengths, loss_tokens, None, members, sizes, config)[1]
+
+
+_NONE = np.zeros(0, dtype=np.int64)  # the kernel's "not given" (an empty array: one compiled signature)
+
+
+def _figures(
+    window_lengths: np.ndarray,
+    loss_tokens: np.ndarray | None,
+    positions: np.ndarray | None,
+    local: np.ndarray,
+    sizes: np.ndarray,
+    config: PlanConfig,
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Members (``positions[local]``, or ``local``) and the :func:`microbatch_figures`, in one compiled pass."""
     bounds = np.concatenate(([0], np.cumsum(sizes)))
     a, b, r = config.cost_linear, config.quadratic_cost, config.sequence_length_round
     kernel = _kernels.get_kernel("segment_figures")
-    tokens, loss, doc_cost, longest = kernel(lengths, loss_tokens, members, bounds, float(a), float(b))
+    members, tokens, loss, doc_cost, longest = kernel(
+        window_lengths,
+        _NONE if loss_tokens is None else loss_tokens,
+        _NONE if positions is None else positions,
+        local,
+        bounds,
+        float(a),
+        float(b),
+    )
     figures = {"tokens": tokens, "loss_tokens": loss}
     if config.mode == "packing":
         figures["cost"] = doc_cost
         figures["computed"] = round_up(tokens, r)
-        return figures
+        return members, figures
     padded = round_up(longest, r)
     figures["cost"] = sizes * (a * padded.astype(np.float64) + b * padded.astype(np.float64) ** 2)
     figures["computed"] = sizes * padded
-    return figures
+    return members, figures

@@ -46,6 +46,9 @@ import numpy as np
 
 from lit_seqpack._checks import check_int, check_optional_int, is_int
 from lit_seqpack.planning import _kernels
+from lit_seqpack.planning._sorting import decreasing_order as _decreasing
+from lit_seqpack.planning._sorting import decreasing_runs as _decreasing_runs
+from lit_seqpack.planning._sorting import dense_histogram as _dense_histogram
 from lit_seqpack.planning._split import split_fullest_flat
 
 __all__ = ["PACKING_ALGORITHMS", "Packer", "get_packer"]
@@ -147,7 +150,7 @@ class Packer:
             return 0
         if self.algorithm == "first_fit_decreasing":  # from the histogram: no sort, a few steps per bin
             run_sizes, run_counts = _decreasing_runs(sizes)
-            return int(_kernels.get_kernel("first_fit_runs")(run_sizes, run_counts, self.capacity, _NO_BINS)[0])
+            return _first_fit_runs(run_sizes, run_counts, self.capacity, _NO_BINS)[0]
         sizes = sizes.astype(np.int64, copy=False)
         return int(_ASSIGNERS[self.algorithm](sizes, self.capacity, self.seed)[1].max()) + 1
 
@@ -235,45 +238,7 @@ def _as_lists(flat: np.ndarray, ends: np.ndarray) -> list[list[int]]:
             gc.enable()
 
 
-def _dense_histogram(sizes: np.ndarray) -> np.ndarray | None:
-    """``bincount(sizes)`` when it is small next to the input (a counting sort pays), else ``None``."""
-    top = int(sizes.max()) if sizes.shape[0] else 0
-    if top >= _DENSE_HISTOGRAM_MAX or top > max(1 << 16, 4 * sizes.shape[0]):
-        return None
-    return np.bincount(sizes)
-
-
-def _decreasing(sizes: np.ndarray, histogram: np.ndarray | None = None) -> np.ndarray:
-    """Indices by decreasing size; equal sizes keep index order (a counting sort when the sizes are small).
-
-    Example:
-        >>> _decreasing(np.array([2, 5, 2, 0])).tolist()
-        [1, 0, 2, 3]
-    """
-    histogram = _dense_histogram(sizes) if histogram is None else histogram
-    if histogram is None:
-        return np.argsort(-sizes, kind="stable")
-    above = np.cumsum(histogram[::-1])[::-1] - histogram  # items larger than each size
-    return _kernels.get_kernel("decreasing_order")(sizes, above.astype(np.int64))
-
-
 _NO_BINS = np.zeros(0, np.int64)
-_DENSE_HISTOGRAM_MAX = 1 << 24  # sizes below this are counted with bincount, larger ones with unique
-
-
-def _decreasing_runs(sizes: np.ndarray, histogram: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct sizes in decreasing order and how many items have each (the runs of a decreasing sort).
-
-    Example:
-        >>> [a.tolist() for a in _decreasing_runs(np.array([2, 5, 2, 0]))]
-        [[5, 2, 0], [1, 2, 1]]
-    """
-    counts = _dense_histogram(sizes) if histogram is None else histogram
-    if counts is not None:
-        present = np.flatnonzero(counts)[::-1]
-        return present.astype(np.int64), counts[present].astype(np.int64)
-    values, counts = np.unique(sizes, return_counts=True)
-    return values[::-1].astype(np.int64), counts[::-1].astype(np.int64)
 
 
 # An assigner returns (processing order, bin of each position in that order, fill of each bin or None).
@@ -293,8 +258,17 @@ def _first_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> Assign
     histogram = _dense_histogram(sizes)
     run_sizes, run_counts = _decreasing_runs(sizes, histogram)
     bin_ids = np.empty(sizes.shape[0], np.int64)
-    _, fills = _kernels.get_kernel("first_fit_runs")(run_sizes, run_counts, capacity, bin_ids)
+    _, fills = _first_fit_runs(run_sizes, run_counts, capacity, bin_ids)
     return _decreasing(sizes, histogram), bin_ids, fills
+
+
+def _first_fit_runs(
+    run_sizes: np.ndarray, run_counts: np.ndarray, capacity: int, bins: np.ndarray
+) -> tuple[int, np.ndarray]:
+    """``_kernels.first_fit_runs``, on an ``int32`` room tree when the capacity fits one; ``int64`` fills."""
+    name = "first_fit_runs_narrow" if capacity < 1 << 31 else "first_fit_runs"
+    n_bins, fills = _kernels.get_kernel(name)(run_sizes, run_counts, capacity, bins)
+    return int(n_bins), fills.astype(np.int64, copy=False)
 
 
 def _first_fit_shuffle(sizes: np.ndarray, capacity: int, seed: int) -> Assignment:

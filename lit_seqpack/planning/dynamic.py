@@ -22,8 +22,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from lit_seqpack._checks import round_up  # re-exported: the planner's modules import it from here
+from lit_seqpack.planning import _kernels
+from lit_seqpack.planning._sorting import largest
 
-__all__ = ["dynamic_group_sizes", "dynamic_groups", "fixed_group_sizes", "round_up"]
+__all__ = ["dynamic_group_sizes", "dynamic_groups", "fixed_group_sizes", "round_up", "run_group_sizes"]
 
 
 def dynamic_group_sizes(
@@ -59,38 +61,58 @@ def dynamic_group_sizes(
         raise ValueError(f"a length rounded up to {int(padded[0])} exceeds max_tokens={max_tokens}")
     # rows allowed when a group starts at position i; 0-length rows cost nothing but still take a row
     rows_at = max_tokens // np.maximum(padded, 1)
-    sizes: list[int] = []
-    i, n = 0, int(padded.size)
-    while i < n:
-        take = min(int(rows_at[i]), n - i)
-        sizes.append(take)
-        i += take
-    return np.asarray(_split_to_multiple(sizes, group_count_multiple), dtype=np.int64)
+    sizes = _kernels.get_kernel("greedy_group_sizes")(rows_at)
+    return _split_to_multiple(sizes, group_count_multiple)
 
 
-def _split_to_multiple(sizes: list[int], multiple: int) -> list[int]:
+def run_group_sizes(
+    run_lengths: np.ndarray,
+    run_counts: np.ndarray,
+    max_tokens: int,
+    *,
+    sequence_length_round: int = 1,
+    group_count_multiple: int = 1,
+) -> np.ndarray:
+    """:func:`dynamic_group_sizes` of ``np.repeat(run_lengths, run_counts)``, from the runs of equal lengths.
+
+    One division per distinct length instead of one per row (the planner has the runs from its counting sort).
+    ``run_lengths`` must be decreasing and fit the budget after rounding (not checked here).
+
+    Example:
+        >>> run_group_sizes(np.array([900, 400, 120]), np.array([2, 3, 2]), 2048).tolist()
+        [2, 5]
+    """
+    rows = max_tokens // np.maximum(round_up(np.asarray(run_lengths, dtype=np.int64), sequence_length_round), 1)
+    sizes = _kernels.get_kernel("greedy_group_sizes")(np.repeat(rows, run_counts))
+    return _split_to_multiple(sizes, group_count_multiple)
+
+
+def _split_to_multiple(sizes: np.ndarray, multiple: int) -> np.ndarray:
     """Split the largest groups into near-equal parts until ``len`` is a multiple; pad with empty groups.
 
-    Parts of a group stay adjacent, so every part is still a run of the sorted order and fits the budget.
+    Parts of a group stay adjacent, so every part is still a run of the sorted order and fits the budget. Each
+    split goes to the group whose largest part is the largest (ties: the first group), so the ``missing`` splits
+    all fall on the ``missing`` largest groups: only those enter the heap (``missing < multiple``), and the
+    others are copied as they are.
     """
-    missing = (-len(sizes)) % multiple
+    missing = (-sizes.size) % multiple
     if missing == 0:
         return sizes
-    parts = [1] * len(sizes)
-    # max-heap on the largest part of each group that can still be split
-    heap = [(-s, g) for g, s in enumerate(sizes) if s >= 2]
+    parts = {int(g): 1 for g in largest(sizes, np.flatnonzero(sizes >= 2), missing)}
+    heap = [(-int(sizes[g]), g) for g in parts]  # max-heap on the largest part of each group that can be split
     heapq.heapify(heap)
     while missing and heap:
         _, g = heapq.heappop(heap)
         parts[g] += 1
         missing -= 1
         if parts[g] < sizes[g]:
-            heapq.heappush(heap, (-sizes[g] // parts[g], g))  # minus the largest part
-    out: list[int] = []
-    for s, p in zip(sizes, parts, strict=True):
-        base, extra = divmod(s, p)
-        out.extend([base + 1] * extra + [base] * (p - extra))
-    return out + [0] * missing
+            heapq.heappush(heap, (-int(sizes[g]) // parts[g], g))  # minus the largest part
+    pieces, previous = [], 0
+    for g in sorted(parts):
+        base, extra = divmod(int(sizes[g]), parts[g])
+        pieces += [sizes[previous:g], np.array([base + 1] * extra + [base] * (parts[g] - extra), dtype=np.int64)]
+        previous = g + 1
+    return np.concatenate([*pieces, sizes[previous:], np.zeros(missing, dtype=np.int64)])
 
 
 def dynamic_groups(

@@ -128,7 +128,7 @@ class LazyPlan:
         """Window ``w``'s members, bounds, ``[steps, ranks, slots]`` grid, step and microbatch loss tokens."""
         positions = self._order.positions(w)
         lengths = self._lengths[positions].astype(np.int64)
-        loss = np.maximum(lengths - 1, 0) if self._loss is None else self._loss[positions].astype(np.int64)
+        loss = None if self._loss is None else self._loss[positions].astype(np.int64)  # None: length - 1
         planned = plan_window(lengths, loss, None, self.config, self.epoch, w)
         del lengths, loss
         loss_per_microbatch = planned.figures["loss_tokens"]

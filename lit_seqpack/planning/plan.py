@@ -28,7 +28,7 @@ import numpy as np
 from lit_seqpack._checks import check_int
 from lit_seqpack.planning._balance import step_imbalance
 from lit_seqpack.planning._order import WindowOrder, auto_window
-from lit_seqpack.planning._windows import as_counts, check_budget, microbatch_figures, plan_window
+from lit_seqpack.planning._windows import WindowPlan, as_counts, check_budget, plan_window
 from lit_seqpack.planning.config import MICROBATCH_ORDERS, MODES, PlanConfig
 
 __all__ = [
@@ -191,9 +191,8 @@ def build_plan(
     """
     check_int("epoch", epoch, minimum=0)
     lengths = as_counts("lengths", lengths)
-    if loss_tokens is None:
-        loss = np.maximum(lengths - 1, 0)
-    else:
+    loss = None  # max(length - 1, 0), computed where the figures are
+    if loss_tokens is not None:
         loss = as_counts("loss_tokens", loss_tokens, lengths.size)
         above = np.flatnonzero(loss > lengths)
         if above.size:
@@ -203,31 +202,24 @@ def build_plan(
     n = lengths.size
     window = config.window or auto_window(config, n, int(lengths.sum()))
     order = WindowOrder(n, config, epoch, window, WindowOrder.partition_for(n, config, window))
-    members, sizes, slots, offset = [], [], [], 0
+    windows, offset = [], 0
     for w in range(order.num_windows):
         planned = plan_window(lengths, loss, order.positions(w), config, epoch, w)
-        slots.append(planned.grid + offset)
-        members.append(planned.members)
-        sizes.append(planned.sizes)
+        windows.append(planned._replace(grid=planned.grid + offset))
         offset += planned.sizes.size
-    return _assemble(config, epoch, lengths, loss, members, sizes, slots)
+    return _assemble(config, epoch, lengths, windows)
 
 
-def _assemble(
-    config: PlanConfig,
-    epoch: int,
-    lengths: np.ndarray,
-    loss: np.ndarray,
-    members: list[np.ndarray],
-    sizes: list[np.ndarray],
-    slots: list[np.ndarray],
-) -> Plan:
-    """Join the windows into a :class:`Plan` and compute its :class:`PlanStats`."""
+def _assemble(config: PlanConfig, epoch: int, lengths: np.ndarray, windows: list[WindowPlan]) -> Plan:
+    """Join the windows (grids already offset to global microbatch ids) into a :class:`Plan` with its stats."""
     empty_grid = np.zeros((0, config.world_size, config.accumulate_grad_batches), dtype=np.int64)
-    all_members = np.concatenate([np.zeros(0, dtype=np.int64), *members])
-    all_sizes = np.concatenate([np.zeros(0, dtype=np.int64), *sizes])
-    grid = np.concatenate([empty_grid, *slots])
-    figures = microbatch_figures(lengths, loss, all_members, all_sizes, config)
+    all_members = _joined([w.members for w in windows], np.zeros(0, dtype=np.int64))
+    all_sizes = _joined([w.sizes for w in windows], np.zeros(0, dtype=np.int64))
+    grid = _joined([w.grid for w in windows], empty_grid)
+    figures = {
+        key: _joined([w.figures[key] for w in windows], np.zeros(0, dtype=np.int64))
+        for key in ("tokens", "loss_tokens", "computed")
+    }
     imbalance_mean, imbalance_max = step_imbalance(figures["tokens"], grid)
     real, computed = int(lengths.sum()), int(figures["computed"].sum())
     budget = config.max_tokens or int(figures["computed"].max(initial=0))
@@ -252,3 +244,10 @@ def _assemble(
         step_loss_tokens=figures["loss_tokens"][grid].sum(axis=(1, 2)),
         stats=stats,
     )
+
+
+def _joined(parts: list[np.ndarray], empty: np.ndarray) -> np.ndarray:
+    """``np.concatenate([empty, *parts])`` as ``int64``, without copying a single part (one window: the epoch)."""
+    if len(parts) == 1 and parts[0].dtype == np.int64:
+        return parts[0]
+    return np.concatenate([empty, *parts])
