@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from lit_seqpack import PackedBatchSampler, SeqPackDataModule
 from lit_seqpack._hashing import content_digest, sampled_indices
+from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 
 WORLD = 2
 LENGTHS = np.random.default_rng(11).integers(2, 60, 200).tolist()
@@ -24,7 +25,9 @@ def _dataset(shift: int = 0) -> list[dict[str, list[int]]]:
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         outcome: dict[str, str] = {}
         for case, shift in (("equal", 0), ("different", rank)):
@@ -48,7 +51,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_different_tokens_with_equal_lengths_fail_on_every_rank(tmp_path):
     mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
     for rank in range(WORLD):

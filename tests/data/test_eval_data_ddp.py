@@ -13,6 +13,7 @@ import torch
 
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.data.sources import TokenizedSource
+from tests._limits import TEST_TIMEOUT_S
 
 WORLD, MAX_TOKENS, EVAL_MAX_TOKENS, NUM_VAL, FIRST_ID = 2, 64, 256, 37, 1000
 
@@ -46,7 +47,7 @@ def _write(path: Path, count: int, seed: int, first_id: int | None = None) -> st
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_every_val_sample_once_over_two_ranks_within_eval_max_tokens(tmp_path):
     data = SeqPackDataModule(
         source=TokenizedSource(

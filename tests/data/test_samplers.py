@@ -19,6 +19,7 @@ from lit_seqpack import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSamp
 from lit_seqpack.batch import Microbatch
 from lit_seqpack.data import PlannedDataset
 from lit_seqpack.planning import PlanConfig, build_plan
+from tests._limits import TEST_TIMEOUT_S
 
 SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
 
@@ -333,7 +334,7 @@ def _trainer(root, **kwargs) -> L.Trainer:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_lightning_resumes_exactly_from_mid_epoch_and_end_of_epoch_checkpoints(tmp_path):
     lengths = np.random.default_rng(8).integers(1, 100, 90).tolist()
     batches_per_epoch = len(PackedBatchSampler(lengths, max_tokens=128, accumulate_grad_batches=2, seed=1))

@@ -17,13 +17,16 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from lit_seqpack import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
 from lit_seqpack.batch import Microbatch
 from lit_seqpack.data import PlannedDataset
+from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 
 WORLD = 2
 LENGTHS = np.random.default_rng(7).integers(1, 200, 120).tolist()
 
 
 def _gloo_worker(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         outcome: dict[str, object] = {}
         samplers = {
@@ -53,7 +56,7 @@ def _gloo_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_samplers_under_torch_distributed(tmp_path):
     mp.spawn(_gloo_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
     for rank in range(WORLD):
@@ -96,7 +99,7 @@ class RecordingModule(L.LightningModule):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_lightning_ddp_fit_sees_every_sample_once_per_epoch(tmp_path):
     accumulate, epochs = 2, 2
     trainer = L.Trainer(
