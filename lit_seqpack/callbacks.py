@@ -72,7 +72,7 @@ def _is_replica(trainer: Trainer, batch: Any) -> bool:
         context_parallel_size=int(batch.get("context_parallel_size", 1)),
         tensor_parallel_size=int(batch["tensor_parallel_size"]),
     )
-    return layout.coordinates(trainer.global_rank)[2] != 0
+    return layout.coordinates(trainer.global_rank).tensor_parallel_rank != 0
 
 
 def _synchronize(device: torch.device) -> None:

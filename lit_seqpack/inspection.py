@@ -27,7 +27,7 @@ import numpy as np
 
 from lit_seqpack._checks import check_optional_int, round_up
 from lit_seqpack._imports import require
-from lit_seqpack.planning.algorithms import PACKING_ALGORITHMS
+from lit_seqpack.planning import algorithms
 from lit_seqpack.planning.plan import Plan, PlanConfig, PlanStats, as_counts, build_plan
 
 __all__ = ["PlanComparison", "compare_plans", "default_padded_batch_size", "format_table", "plot_inspection"]
@@ -78,7 +78,7 @@ def default_padded_batch_size(lengths: Sequence[int] | np.ndarray, max_tokens: i
 
 def _variants(base: PlanConfig, padded_batch_size: int) -> list[PlanConfig]:
     """Every packing algorithm, dynamic and padded, from a packing ``base`` without an algorithm."""
-    rows = [dataclasses.replace(base, algorithm=a) for a in PACKING_ALGORITHMS]
+    rows = [dataclasses.replace(base, algorithm=a) for a in algorithms.ALGORITHMS]
     rows.append(dataclasses.replace(base, mode="dynamic"))
     rows.append(dataclasses.replace(base, mode="padded", max_tokens=None, batch_size=padded_batch_size))
     return rows
@@ -124,7 +124,8 @@ def compare_plans(
         epoch: the epoch to plan.
 
     Returns:
-        Five packing rows (``PACKING_ALGORITHMS`` order), then dynamic, then padded.
+        One packing row per record of :data:`~lit_seqpack.planning.algorithms.ALGORITHMS` (in its order), then
+            dynamic, then padded.
 
     Raises:
         ValueError: no ``max_tokens``, or a bad ``padded_batch_size`` / ``pad_to_multiple_of`` (named).
@@ -157,7 +158,7 @@ def _compare_one(
     start = time.perf_counter()
     plan = build_plan(lengths, variant, epoch=epoch, loss_tokens=loss_tokens)
     seconds = time.perf_counter() - start
-    same_algorithm = variant.algorithm == (configured.algorithm or "first_fit_decreasing")
+    same_algorithm = variant.algorithm == algorithms.packing_algorithm(configured.algorithm).name
     return PlanComparison(
         config=variant,
         stats=plan.stats,

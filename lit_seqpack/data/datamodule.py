@@ -25,6 +25,7 @@ from lit_seqpack.data.sources.base import IndexedSource, resolve_source
 from lit_seqpack.data.sources.streams import StreamSource
 from lit_seqpack.data.streaming.pipeline import StreamPipeline
 from lit_seqpack.parallel import DataParallelLayout
+from lit_seqpack.planning.algorithms import DEFAULT_ALGORITHM
 from lit_seqpack.planning.config import PlanConfig
 
 __all__ = ["SeqPackDataModule", "Source"]
@@ -69,7 +70,7 @@ class SeqPackDataModule(LightningDataModule):
         mode: Mode = "packing",
         max_tokens: int | Literal["auto"] | None = "auto",
         eval_max_tokens: int | None = None,
-        algorithm: str = "first_fit_decreasing",
+        algorithm: str = DEFAULT_ALGORITHM,
         window: int | None = None,
         sequence_length_round: int = 1,
         pad_to_multiple_of: int = 1,

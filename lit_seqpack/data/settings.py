@@ -21,6 +21,7 @@ from lit_seqpack.data.batching.fields import check_fields
 from lit_seqpack.data.batching.loss_weights import check_loss_weight_field
 from lit_seqpack.data.batching.overlong import OVERLONG_POLICIES
 from lit_seqpack.parallel import DataParallelLayout, ParallelLayout
+from lit_seqpack.planning.algorithms import DEFAULT_ALGORITHM
 from lit_seqpack.planning.config import PlanConfig
 
 __all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_STREAM_WINDOW", "MODES", "BatchingSettings", "Collator", "Mode"]
@@ -56,8 +57,8 @@ class BatchingSettings:
     eval_max_tokens: int | None = None
     """Token budget of validation and test microbatches (packing and dynamic; ``None``: ``max_tokens``). Without
     gradients 2-4x more tokens fit; documents keep the training budget."""
-    algorithm: str = "first_fit_decreasing"
-    """Packing algorithm (``lit_seqpack.PACKING_ALGORITHMS``; packing only)."""
+    algorithm: str = DEFAULT_ALGORITHM
+    """Packing algorithm, a name in :data:`~lit_seqpack.planning.algorithms.ALGORITHMS` (packing only)."""
     window: int | None = None
     """Consecutive samples planned together: of the shuffled epoch for indexed data (``None``: the whole epoch, the
     fullest rows), of the look-ahead buffer for a stream (``None``: 1000; memory holds one window per loader

@@ -8,13 +8,14 @@ each one starts, and attention never crosses a boundary::
 
     causal mask  a: a a a   b: b b b b b   c: c c   p: p p   (lower triangle inside each block)
 
-Backends (``backend=`` of :func:`varlen_attention`):
+Backends (``backend=`` of :func:`varlen_attention`) are one :class:`AttentionBackend` record each in
+:data:`ATTENTION_BACKENDS` (what each needs, what it honours, where to go when it cannot run);
+:func:`available_backends`, ``"auto"``, the error messages and the README's table (:func:`backend_table`) read them:
 
-* ``"flash_attn"``: ``flash_attn.flash_attn_varlen_func`` (CUDA, float16/bfloat16, ``pip install
-  'lit-seqpack[flash-attn]'``).
-* ``"torch_varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.9, CUDA only, float16/bfloat16). Its
-  signature changed between releases (``is_causal=`` first, ``window_size=(-1, 0)`` later); it is adapted at
-  call time by inspecting the installed function.
+* ``"flash_attn"``: ``flash_attn.flash_attn_varlen_func``.
+* ``"torch_varlen"``: ``torch.nn.attention.varlen.varlen_attn``. Its signature changed between releases
+  (``is_causal=`` first, ``window_size=(-1, 0)`` later); it is adapted at call time by inspecting the installed
+  function.
 * ``"sdpa"``: exact ``F.scaled_dot_product_attention`` per document over ``torch.split`` views. Runs anywhere;
   the CPU path. (Slicing ``x[s:e]`` per document is 10-50x slower in backward than ``split``.)
 
@@ -35,7 +36,9 @@ import contextlib
 import contextvars
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -46,10 +49,13 @@ from lit_seqpack.model._attention_math import dense_varlen, sdpa_varlen
 from lit_seqpack.model._attention_reference import reference_flash_attn_varlen_func, reference_varlen_attention
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "BACKENDS",
+    "AttentionBackend",
     "BackendUnavailableError",
     "autocast_inputs",
     "available_backends",
+    "backend_table",
     "override_backend",
     "reference_flash_attn_varlen_func",
     "reference_varlen_attention",
@@ -58,10 +64,6 @@ __all__ = [
     "varlen_attention",
 ]
 
-BACKENDS: tuple[str, ...] = ("flash_attn", "torch_varlen", "sdpa")
-"""Backend names, in the order ``"auto"`` tries them."""
-
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 _OVERRIDES: dict[str, Callable[..., torch.Tensor]] = {}
 _FORCED: list[str] = []
 _ROUTES_ACTIVE = [0]  # open route_varlen_attention blocks: a plain global that torch.compile guards on
@@ -90,7 +92,93 @@ def _load_torch_varlen() -> tuple[Callable[..., torch.Tensor] | None, str | None
     return varlen_attn, None
 
 
-_LOADERS = {"flash_attn": _load_flash_attn, "torch_varlen": _load_torch_varlen}
+Loader = Callable[[], tuple[Callable[..., torch.Tensor] | None, str | None]]
+"""Imports a kernel: ``(kernel, None)``, or ``(None, why it cannot)``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionBackend:
+    """One attention backend: ``"auto"``, :func:`available_backends`, the errors and :func:`backend_table` read it.
+
+    Args:
+        name: the ``backend=`` value.
+        requires: what must be installed, in words (for the table).
+        devices: device types it runs on (empty: any).
+        dtypes: tensor dtypes it takes (empty: any).
+        load: imports its kernel (``None``: plain torch, nothing to load).
+        honours: what it computes exactly beyond ``softmax_scale`` and grouped-query heads (``causal``,
+            ``window``, ``softcap``, ``sinks``); ``"auto"`` skips it for the others and an explicit request raises.
+        fallback: the backend to use where it cannot run (``None``: it runs anywhere).
+    """
+
+    name: str
+    requires: str
+    devices: tuple[str, ...] = ()
+    dtypes: tuple[torch.dtype, ...] = ()
+    load: Loader | None = None
+    honours: frozenset[str]
+    fallback: str | None = None
+
+
+_HALF = (torch.float16, torch.bfloat16)
+ATTENTION_BACKENDS: Mapping[str, AttentionBackend] = MappingProxyType(
+    {
+        record.name: record
+        for record in (
+            AttentionBackend(
+                name="flash_attn",
+                requires="flash-attn >= 2.6 built against your torch (``pip install 'lit-seqpack[flash-attn]'``)",
+                devices=("cuda",),
+                dtypes=_HALF,
+                load=_load_flash_attn,
+                honours=frozenset({"causal", "window", "softcap"}),
+                fallback="sdpa",
+            ),
+            AttentionBackend(
+                name="torch_varlen",
+                requires="torch >= 2.9 (``torch.nn.attention.varlen``; the window needs torch >= 2.11)",
+                devices=("cuda",),
+                dtypes=_HALF,
+                load=_load_torch_varlen,
+                honours=frozenset({"causal", "window"}),
+                fallback="sdpa",
+            ),
+            AttentionBackend(
+                name="sdpa",
+                requires="torch (``F.scaled_dot_product_attention``)",
+                honours=frozenset({"causal", "window", "softcap", "sinks"}),
+            ),
+        )
+    }
+)
+"""Every attention backend's record, in the order ``"auto"`` tries them."""
+BACKENDS: tuple[str, ...] = tuple(ATTENTION_BACKENDS)
+"""Backend names, in the order ``"auto"`` tries them."""
+
+
+def backend_table() -> str:
+    """The attention backends as a Markdown table (the README's, kept equal to it by a test).
+
+    Example:
+        >>> backend_table().splitlines()[0]
+        '| backend | runs on | needs | honours | elsewhere |'
+    """
+    rows = ["| backend | runs on | needs | honours | elsewhere |", "|---|---|---|---|---|"]
+    for r in ATTENTION_BACKENDS.values():
+        where = ", ".join(filter(None, [" / ".join(d.upper() for d in r.devices), _dtype_names(r.dtypes, " / ")]))
+        honours = ", ".join(f"`{f}`" for f in _FEATURE_ORDER if f in r.honours)
+        requires = r.requires.replace("``", "`")
+        rows.append(
+            f"| `{r.name}` | {where or 'any'} | {requires} | {honours} | {f'`{r.fallback}`' if r.fallback else '-'} |"
+        )
+    return "\n".join(rows)
+
+
+_FEATURE_ORDER = ("causal", "window", "softcap", "sinks")
+
+
+def _dtype_names(dtypes: tuple[torch.dtype, ...], sep: str) -> str:
+    return sep.join(str(t).removeprefix("torch.") for t in dtypes)
 
 
 def _unavailable_reason(
@@ -101,17 +189,20 @@ def _unavailable_reason(
     The kernel's import is only attempted for CUDA tensors, or with ``explain`` (an explicit request that already
     failed), so that CPU code never imports flash-attn.
     """
-    if name == "sdpa" or name in _OVERRIDES:
+    record = ATTENTION_BACKENDS[name]
+    if record.load is None or name in _OVERRIDES:
         return None
     reasons = []
-    if device.type != "cuda":
-        reasons.append(f"the {name} kernel runs on CUDA tensors only (got device {device.type!r})")
-    if dtype is not None and dtype not in _HALF_DTYPES:
-        reasons.append(f"the {name} kernel needs float16 or bfloat16 tensors (got {dtype})")
+    if record.devices and device.type not in record.devices:
+        where = " or ".join(d.upper() for d in record.devices)
+        reasons.append(f"the {name} kernel runs on {where} tensors only (got device {device.type!r})")
+    if record.dtypes and dtype is not None and dtype not in record.dtypes:
+        reasons.append(f"the {name} kernel needs {_dtype_names(record.dtypes, ' or ')} tensors (got {dtype})")
     if not reasons or explain:
-        load_error = _LOADERS[name]()[1]
+        load_error = record.load()[1]
         reasons += [load_error] if load_error else []
-    return "; ".join([*reasons, "backend='sdpa' runs anywhere"]) if reasons else None
+    fallback = [f"backend={record.fallback!r} runs anywhere"] if record.fallback else []
+    return "; ".join([*reasons, *fallback]) if reasons else None
 
 
 def available_backends(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> list[str]:
@@ -127,26 +218,19 @@ def available_backends(device: torch.device | str | None = None, dtype: torch.dt
     return [name for name in BACKENDS if _unavailable_reason(name, device, dtype) is None]
 
 
-_FEATURES: dict[str, frozenset[str]] = {
-    "flash_attn": frozenset({"window", "softcap"}),
-    "torch_varlen": frozenset({"window"}),
-    "sdpa": frozenset({"window", "softcap", "sinks"}),
-}
-"""What each backend can honour beyond plain (causal) attention."""
-
-
 def _resolve(backend: str, device: torch.device, dtype: torch.dtype, features: frozenset[str] = frozenset()) -> str:
     if backend == "auto" and _FORCED:
         backend = _FORCED[-1]
     if backend == "auto":
-        usable = (name for name in BACKENDS if features <= _FEATURES[name])
+        usable = (name for name, record in ATTENTION_BACKENDS.items() if features <= record.honours)
         return next(name for name in usable if _unavailable_reason(name, device, dtype) is None)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
-    missing = sorted(features - _FEATURES[backend])
+    missing = sorted(features - ATTENTION_BACKENDS[backend].honours)
     if missing:
+        able = " or ".join(f"backend={n!r}" for n, r in ATTENTION_BACKENDS.items() if features <= r.honours)
         raise BackendUnavailableError(
-            f"attention backend {backend!r} cannot honour {', '.join(missing)}; backend='sdpa' computes it exactly"
+            f"attention backend {backend!r} cannot honour {', '.join(missing)}; {able} computes it exactly"
         )
     if _unavailable_reason(backend, device, dtype) is not None:
         reason = _unavailable_reason(backend, device, dtype, explain=True)
@@ -175,8 +259,9 @@ def override_backend(name: str, kernel: Callable[..., torch.Tensor]) -> Iterator
     :func:`varlen_attention`'s arguments onto the kernel is exercised unchanged, e.g. on CPU with
     :func:`reference_flash_attn_varlen_func`.
     """
-    if name not in _LOADERS:
-        raise ValueError(f"only kernel backends {tuple(_LOADERS)} can be overridden, got {name!r}")
+    kernels = tuple(n for n, record in ATTENTION_BACKENDS.items() if record.load is not None)
+    if name not in kernels:
+        raise ValueError(f"only kernel backends {kernels} can be overridden, got {name!r}")
     previous = _OVERRIDES.get(name)
     _OVERRIDES[name] = kernel
     try:
@@ -253,7 +338,7 @@ def _sdpa_backend(
 
 
 def _kernel(name: str) -> Callable[..., torch.Tensor]:
-    return _OVERRIDES.get(name) or _LOADERS[name]()[0]  # type: ignore[return-value]
+    return _OVERRIDES.get(name) or ATTENTION_BACKENDS[name].load()[0]  # type: ignore[misc,return-value]
 
 
 def varlen_attention(
@@ -288,8 +373,8 @@ def varlen_attention(
         sinks: ``[heads]`` float sink logits, one extra softmax column per query head that no value reads
             (GPT-OSS ``s_aux``).
         backend: ``"auto"`` or one of :data:`BACKENDS`. ``"auto"`` skips backends that cannot honour the
-            requested ``window``/``softcap``/``sinks`` (flash_attn: window and softcap; torch_varlen: window;
-            sdpa: all three); an explicit backend that cannot raises.
+            requested ``window``/``softcap``/``sinks`` (``AttentionBackend.honours``); an explicit backend that
+            cannot raises.
 
     Under autocast, ``q``/``k``/``v`` are first cast to the autocast dtype (see :func:`autocast_inputs`).
 

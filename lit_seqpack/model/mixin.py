@@ -281,20 +281,20 @@ def check_batch_layout(
     mesh = strategy_mesh(strategy)
     if mesh is not None:
         layout = mesh_layout(mesh)
-        actual = (layout.data_parallel_size, layout.context_parallel_size, layout.tensor_parallel_size)
-        if (dp, cp, tp) != actual:
+        if (dp, cp, tp) != (layout.data_parallel_size, layout.context_parallel_size, layout.tensor_parallel_size):
             raise ValueError(
                 f"the batch was planned for data x context x tensor parallel = {dp} x {cp} x {tp} ranks but the "
-                f"strategy's device mesh is {actual[0]} x {actual[1]} x {actual[2]}; the exact loss would scale the "
+                f"strategy's device mesh is {layout.data_parallel_size} x {layout.context_parallel_size} x "
+                f"{layout.tensor_parallel_size}; the exact loss would scale the "
                 "gradient by the wrong factor. Give SeqPackDataModule the mesh's tensor_parallel_size and "
                 "context_parallel_size (its data-parallel size is read from the mesh)"
             )
-    planned = (dp * cp * tp, planned_accumulate)
-    actual_world = (world_size, planned_accumulate if accumulate_grad_batches is None else accumulate_grad_batches)
-    if planned != actual_world:
+    planned_world = dp * cp * tp
+    actual_accumulate = planned_accumulate if accumulate_grad_batches is None else accumulate_grad_batches
+    if (planned_world, planned_accumulate) != (world_size, actual_accumulate):
         raise ValueError(
-            f"the batch was planned for world_size={planned[0]}, accumulate_grad_batches={planned[1]} but the "
-            f"trainer runs world_size={actual_world[0]}, accumulate_grad_batches={actual_world[1]}; the exact loss "
+            f"the batch was planned for world_size={planned_world}, accumulate_grad_batches={planned_accumulate} but "
+            f"the trainer runs world_size={world_size}, accumulate_grad_batches={actual_accumulate}; the exact loss "
             "would scale the gradient by the wrong factor. Build the plan (PlanConfig / the lit_seqpack batch "
             "sampler) with the trainer's values. Batches without plan metadata (a plain DataLoader) declare 1 and 1;"
             " for those, override seqpack_loss to return step_units=None (a local mean). With context or tensor "

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from lit_seqpack._checks import check_int
 
-__all__ = ["DataParallelLayout", "ParallelLayout"]
+__all__ = ["DataParallelLayout", "ParallelLayout", "RankCoordinates"]
 
 
 class DataParallelLayout(NamedTuple):
@@ -31,6 +31,19 @@ class DataParallelLayout(NamedTuple):
     """This process's data-parallel rank."""
     accumulate_grad_batches: int = 1
     """Microbatches per rank per optimizer step."""
+
+
+class RankCoordinates(NamedTuple):
+    """Where one global rank sits: its data-, context- and tensor-parallel rank (:meth:`ParallelLayout.coordinates`).
+
+    Example:
+        >>> RankCoordinates(data_parallel_rank=1, context_parallel_rank=0, tensor_parallel_rank=1).tensor_parallel_rank
+        1
+    """
+
+    data_parallel_rank: int
+    context_parallel_rank: int
+    tensor_parallel_rank: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,7 +68,7 @@ class ParallelLayout:
         >>> layout = ParallelLayout(context_parallel_size=2, tensor_parallel_size=2)
         >>> layout.document_multiple(pad_to_multiple_of=3), layout.row_multiple(sequence_length_round=8)
         (24, 8)
-        >>> layout.coordinates(global_rank=6), layout.data_parallel_size(world_size=8)
+        >>> tuple(layout.coordinates(global_rank=6)), layout.data_parallel_size(world_size=8)
         ((1, 1, 0), 2)
     """
 
@@ -93,11 +106,11 @@ class ParallelLayout:
             )
         return world // self.model_parallel_size
 
-    def coordinates(self, global_rank: int) -> tuple[int, int, int]:
-        """``(dp_rank, cp_rank, tp_rank)`` of a global rank."""
+    def coordinates(self, global_rank: int) -> RankCoordinates:
+        """The data-, context- and tensor-parallel rank of a global rank."""
         rank = check_int("global_rank", global_rank, minimum=0)
         tp, cp = self.tensor_parallel_size, self.context_parallel_size
-        return rank // (cp * tp), (rank // tp) % cp, rank % tp
+        return RankCoordinates(rank // (cp * tp), (rank // tp) % cp, rank % tp)
 
     def context_parallel_groups(self, world_size: int) -> list[list[int]]:
         """The global ranks of every CP group, each listed by CP rank (for ``new_subgroups_by_enumeration``)."""

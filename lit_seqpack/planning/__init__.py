@@ -9,7 +9,10 @@ from __future__ import annotations
 from lit_seqpack._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
+    "ALGORITHMS": "lit_seqpack.planning.algorithms",
+    "DEFAULT_ALGORITHM": "lit_seqpack.planning.algorithms",
     "PACKING_ALGORITHMS": "lit_seqpack.planning.algorithms",
+    "PackingAlgorithm": "lit_seqpack.planning.algorithms",
     "Packer": "lit_seqpack.planning.algorithms",
     "get_packer": "lit_seqpack.planning.algorithms",
     "PackingStats": "lit_seqpack.planning.stats",
@@ -22,9 +25,12 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "ALGORITHMS",
+    "DEFAULT_ALGORITHM",
     "PACKING_ALGORITHMS",
     "LazyPlan",
     "Packer",
+    "PackingAlgorithm",
     "PackingStats",
     "Plan",
     "PlanConfig",

@@ -15,16 +15,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lit_seqpack.planning._windows import DEFAULT_ALGORITHM
 from lit_seqpack.planning.dynamic import dynamic_group_sizes, round_up
 
 if TYPE_CHECKING:
     from lit_seqpack.planning.rollout_config import RolloutPlanConfig
 
 __all__ = ["rank_microbatches"]
-
-_DECREASING = ("first_fit_decreasing", "best_fit_decreasing", "modified_first_fit_decreasing")
-"""Packers that fill a single bin longest first (stable): a share that fits one row skips the packer."""
 
 
 def rank_microbatches(
@@ -73,18 +69,18 @@ def _packed(
     samples: np.ndarray, item_sizes: np.ndarray | None, lengths: np.ndarray, config: RolloutPlanConfig, target: int
 ) -> list[list[int]]:
     """Packer bins of single samples, or of whole items (``item_sizes``) each packed as one length."""
-    from lit_seqpack.planning.algorithms import get_packer
+    from lit_seqpack.planning.algorithms import get_packer, packing_algorithm
 
     if item_sizes is None:
         sizes = lengths[samples]
     else:
         starts = np.concatenate(([0], np.cumsum(item_sizes)[:-1]))
         sizes = np.add.reduceat(lengths[samples], starts)
-    algorithm = config.algorithm or DEFAULT_ALGORITHM
-    if target <= 1 and algorithm in _DECREASING and int(sizes.sum()) <= config.max_tokens:
+    algorithm = packing_algorithm(config.algorithm)  # a sort-based packer fills a single bin longest first
+    if target <= 1 and algorithm.sort_based and int(sizes.sum()) <= config.max_tokens:
         flat, ends = np.argsort(-sizes, kind="stable"), np.array([sizes.size])  # one bin, as the packer fills it
     else:
-        packer = get_packer(algorithm, config.max_tokens, min_bin_count=min(target, sizes.size))
+        packer = get_packer(algorithm.name, config.max_tokens, min_bin_count=min(target, sizes.size))
         flat, ends = packer.pack_flat(sizes)
     if item_sizes is None:
         return _split(samples[flat], ends)

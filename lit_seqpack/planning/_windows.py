@@ -31,8 +31,6 @@ __all__ = [
     "window_steps",
 ]
 
-DEFAULT_ALGORITHM = "first_fit_decreasing"
-
 
 def as_counts(name: str, values: object, size: int | None = None) -> np.ndarray:
     """``values`` as a 1-D ``int64`` array of non-negative integers (``ValueError`` names the first bad one).
@@ -101,9 +99,9 @@ def _pack(window_lengths: np.ndarray, config: PlanConfig, seed: int) -> tuple[np
     samples than slots every sample gets its own microbatch and empty fillers complete the step. Either
     way the window makes ``round_up(bins of the algorithm, slots_per_step)`` microbatches.
     """
-    from lit_seqpack.planning.algorithms import get_packer
+    from lit_seqpack.planning.algorithms import get_packer, packing_algorithm
 
-    algorithm, capacity, multiple = config.algorithm or DEFAULT_ALGORITHM, config.max_tokens, config.slots_per_step
+    algorithm, capacity, multiple = packing_algorithm(config.algorithm).name, config.max_tokens, config.slots_per_step
     n = int(window_lengths.size)
     bound = min(n, 2 * int(window_lengths.sum()) // capacity + 1)
     if round_up(bound, multiple) <= n:
@@ -181,9 +179,9 @@ def window_steps(window_lengths: np.ndarray, config: PlanConfig, seed: int) -> i
             group_count_multiple=multiple,
         )
         return int(sizes.size) // multiple
-    from lit_seqpack.planning.algorithms import get_packer
+    from lit_seqpack.planning.algorithms import get_packer, packing_algorithm
 
-    packer = get_packer(config.algorithm or DEFAULT_ALGORITHM, config.max_tokens, seed=seed)
+    packer = get_packer(packing_algorithm(config.algorithm).name, config.max_tokens, seed=seed)
     return round_up(packer.count_bins(window_lengths), multiple) // multiple
 
 

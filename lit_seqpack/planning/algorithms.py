@@ -3,17 +3,10 @@
 ``get_packer(algorithm, capacity, ...).pack(lengths)`` returns bins as lists of indices into
 ``lengths``; every index appears exactly once and no bin holds more than ``capacity`` tokens.
 
-Algorithms (``PACKING_ALGORITHMS``, names are case-insensitive):
-
-- ``concatenative``: input order; a new bin whenever the next sequence does not fit (next fit).
-- ``first_fit_decreasing``: longest first, each into the lowest-numbered bin with room.
-- ``first_fit_shuffle``: first fit in a random order drawn from ``numpy.random.default_rng(seed)``;
-  the global ``random``/``numpy.random`` state is never read or changed.
-- ``modified_first_fit_decreasing``: Johnson & Garey (1985). Large items (> C/2) open one bin each,
-  then mediums (> C/3), pairs of smalls (> C/6), a greedy fill with anything that fits, and first fit
-  decreasing for the leftovers.
-- ``best_fit_decreasing``: longest first, each into the fullest bin that still has room (ties: the
-  bin that reached that fill last).
+Every algorithm is one :class:`PackingAlgorithm` record in ``ALGORITHMS`` (its name, its assigner, whether
+it is sort based, a one-line description, whether it is the default); ``PACKING_ALGORITHMS``,
+``DEFAULT_ALGORITHM``, the error messages, the inspection table and the list at the end of this docstring
+are read from the records. Names are case-insensitive. A new algorithm is one assigner plus one record.
 
 "Decreasing" orders are stable (equal lengths keep index order) and the first fit / best fit searches
 use segment trees (O(n log n) in total), compiled with numba (see ``_kernels`` for the pure-Python
@@ -39,8 +32,9 @@ fullest bin never gets fuller. Bins are never empty, so a count above the number
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -51,15 +45,16 @@ from lit_seqpack.planning._sorting import decreasing_runs as _decreasing_runs
 from lit_seqpack.planning._sorting import dense_histogram as _dense_histogram
 from lit_seqpack.planning._split import split_fullest_flat
 
-__all__ = ["PACKING_ALGORITHMS", "Packer", "get_packer"]
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_ALGORITHM",
+    "PACKING_ALGORITHMS",
+    "Packer",
+    "PackingAlgorithm",
+    "get_packer",
+    "packing_algorithm",
+]
 
-PACKING_ALGORITHMS: tuple[str, ...] = (
-    "concatenative",
-    "first_fit_decreasing",
-    "first_fit_shuffle",
-    "modified_first_fit_decreasing",
-    "best_fit_decreasing",
-)
 # Best fit keeps O(capacity) memory up to this capacity, then switches to an O(n) structure.
 DENSE_BEST_FIT_MAX_CAPACITY = 1 << 22
 
@@ -69,7 +64,7 @@ class Packer:
     """A configured packing algorithm; build it with :func:`get_packer`.
 
     Args:
-        algorithm: one of :data:`PACKING_ALGORITHMS` (case-insensitive; stored lower-case).
+        algorithm: a name in :data:`ALGORITHMS` (case-insensitive; stored lower-case).
         capacity: the most tokens a bin may hold (>= 1).
         min_bin_count: produce at least this many bins (>= 0), splitting bins if needed.
         bin_count_multiple: make the bin count a multiple of this (>= 1).
@@ -84,9 +79,7 @@ class Packer:
 
     def __post_init__(self) -> None:
         name = self.algorithm.strip().lower() if isinstance(self.algorithm, str) else self.algorithm
-        if name not in PACKING_ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {', '.join(PACKING_ALGORITHMS)}; got {self.algorithm!r}")
-        object.__setattr__(self, "algorithm", name)
+        object.__setattr__(self, "algorithm", packing_algorithm(name).name)
         object.__setattr__(self, "capacity", check_int("capacity", self.capacity, minimum=1))
         object.__setattr__(self, "min_bin_count", check_optional_int("min_bin_count", self.min_bin_count, minimum=0))
         multiple = check_optional_int("bin_count_multiple", self.bin_count_multiple, minimum=1)
@@ -126,7 +119,7 @@ class Packer:
         if sizes.shape[0] == 0:
             self._check_reachable(0, 0)
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        order, bin_ids, fills = _ASSIGNERS[self.algorithm](sizes, self.capacity, self.seed)
+        order, bin_ids, fills = ALGORITHMS[self.algorithm].assign(sizes, self.capacity, self.seed)
         n_bins = int(bin_ids.max()) + 1
         flat, ends = _kernels.get_kernel("group_by_bin")(order, bin_ids, n_bins)
         target = self.target_bin_count(n_bins)
@@ -152,7 +145,7 @@ class Packer:
             run_sizes, run_counts = _decreasing_runs(sizes)
             return _first_fit_runs(run_sizes, run_counts, self.capacity, _NO_BINS)[0]
         sizes = sizes.astype(np.int64, copy=False)
-        return int(_ASSIGNERS[self.algorithm](sizes, self.capacity, self.seed)[1].max()) + 1
+        return int(ALGORITHMS[self.algorithm].assign(sizes, self.capacity, self.seed)[1].max()) + 1
 
     def target_bin_count(self, n_bins: int) -> int:
         """The final bin count when the algorithm made ``n_bins`` bins (see the module docstring)."""
@@ -291,10 +284,104 @@ def _modified_first_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) 
     return order, bin_ids, None
 
 
-_ASSIGNERS = {
-    "concatenative": _concatenative,
-    "first_fit_decreasing": _first_fit_decreasing,
-    "first_fit_shuffle": _first_fit_shuffle,
-    "modified_first_fit_decreasing": _modified_first_fit_decreasing,
-    "best_fit_decreasing": _best_fit_decreasing,
-}
+Assigner = Callable[[np.ndarray, int, int], Assignment]
+"""``assign(sizes, capacity, seed)``: the :data:`Assignment` of ``int64`` sizes, each in ``[0, capacity]``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackingAlgorithm:
+    """One packing algorithm: every table, docstring, default and error of the package reads its facts here.
+
+    Args:
+        name: the name users write (lower-case).
+        assign: the assigner (see :data:`Assigner`): the processing order, the bin of each position in that
+            order, and the fill of each bin (or ``None``).
+        sort_based: processes the sequences longest first in a stable sort. Then the bin count does not depend
+            on the input order (a plan counts a window in any order), and a single bin lists its sequences
+            longest first (a rollout share that fits one row skips the packer).
+        description: one line for docstrings and tables.
+        default: the algorithm used when none is named (exactly one record has it).
+    """
+
+    name: str
+    assign: Assigner
+    sort_based: bool
+    description: str
+    default: bool = False
+
+
+_RECORDS = (
+    PackingAlgorithm(
+        name="concatenative",
+        assign=_concatenative,
+        sort_based=False,
+        description="input order; a new bin whenever the next sequence does not fit (next fit).",
+    ),
+    PackingAlgorithm(
+        name="first_fit_decreasing",
+        assign=_first_fit_decreasing,
+        sort_based=True,
+        description="longest first, each into the lowest-numbered bin with room.",
+        default=True,
+    ),
+    PackingAlgorithm(
+        name="first_fit_shuffle",
+        assign=_first_fit_shuffle,
+        sort_based=False,
+        description="first fit in a random order drawn from ``numpy.random.default_rng(seed)`` (the global "
+        "``random``/``numpy.random`` state is never read or changed).",
+    ),
+    PackingAlgorithm(
+        name="modified_first_fit_decreasing",
+        assign=_modified_first_fit_decreasing,
+        sort_based=True,
+        description="Johnson & Garey (1985): large items (> C/2) open one bin each, then mediums (> C/3), pairs "
+        "of smalls (> C/6), a greedy fill with anything that fits, and first fit decreasing for the leftovers.",
+    ),
+    PackingAlgorithm(
+        name="best_fit_decreasing",
+        assign=_best_fit_decreasing,
+        sort_based=True,
+        description="longest first, each into the fullest bin that still has room (ties: the bin that reached "
+        "that fill last).",
+    ),
+)
+
+
+def _registry(records: Sequence[PackingAlgorithm]) -> Mapping[str, PackingAlgorithm]:
+    """Records by name, checked: distinct lower-case names and exactly one default."""
+    names = [record.name for record in records]
+    if len(set(names)) != len(names) or any(name != name.strip().lower() for name in names):
+        raise ValueError(f"packing algorithm names must be distinct and lower-case, got {names}")
+    defaults = [record.name for record in records if record.default]
+    if len(defaults) != 1:
+        raise ValueError(f"exactly one packing algorithm must be the default, got {defaults}")
+    return MappingProxyType({record.name: record for record in records})
+
+
+ALGORITHMS: Mapping[str, PackingAlgorithm] = _registry(_RECORDS)
+"""Every packing algorithm's record, by name."""
+PACKING_ALGORITHMS: tuple[str, ...] = tuple(ALGORITHMS)
+"""The names of :data:`ALGORITHMS`."""
+DEFAULT_ALGORITHM: str = next(record.name for record in _RECORDS if record.default)
+"""The algorithm used when none is named."""
+
+
+def packing_algorithm(name: str | None = None) -> PackingAlgorithm:
+    """The record of ``name`` (``None``: the default); an unknown name raises a ``ValueError`` listing the names.
+
+    Example:
+        >>> packing_algorithm().name, packing_algorithm("concatenative").sort_based
+        ('first_fit_decreasing', False)
+    """
+    if name is None:
+        return next(record for record in ALGORITHMS.values() if record.default)
+    record = ALGORITHMS.get(name) if isinstance(name, str) else None
+    if record is None:
+        raise ValueError(f"algorithm must be one of {tuple(ALGORITHMS)}, got {name!r}")
+    return record
+
+
+if __doc__:  # None under python -OO
+    _LISTED = "\n".join(f"- ``{record.name}``: {record.description}" for record in _RECORDS)
+    __doc__ = f"{__doc__.rstrip()}\n\nAlgorithms (the default is ``{DEFAULT_ALGORITHM}``):\n\n{_LISTED}\n"

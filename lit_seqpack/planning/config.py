@@ -31,8 +31,8 @@ class PlanConfig:
         max_tokens: token budget of a microbatch (packing: the row length after rounding; dynamic:
             ``rows x round_up(longest, sequence_length_round)``). Required for packing and dynamic,
             must be ``None`` for padded.
-        algorithm: packing algorithm (see ``PACKING_ALGORITHMS``); only for packing, where ``None``
-            means ``"first_fit_decreasing"``.
+        algorithm: packing algorithm (a name in :data:`~lit_seqpack.planning.algorithms.ALGORITHMS`); only
+            for packing, where ``None`` means :data:`~lit_seqpack.planning.algorithms.DEFAULT_ALGORITHM`.
         window: consecutive shuffled samples planned together; window ``i`` trains entirely before
             window ``i + 1``. ``None``: the whole epoch (the most efficient; sort-based packers then give
             the same microbatch count every epoch) up to ``max(2**22, 128 steps)`` samples; larger data is
@@ -95,12 +95,11 @@ class PlanConfig:
 
     def _check_mode_settings(self) -> None:
         if self.algorithm is not None:
-            from lit_seqpack.planning.algorithms import PACKING_ALGORITHMS
+            from lit_seqpack.planning.algorithms import packing_algorithm
 
             if self.mode != "packing":
                 raise ValueError(f"algorithm={self.algorithm!r} only applies to mode='packing', not {self.mode!r}")
-            if self.algorithm not in PACKING_ALGORITHMS:
-                raise ValueError(f"algorithm must be one of {PACKING_ALGORITHMS}, got {self.algorithm!r}")
+            packing_algorithm(self.algorithm)
         if self.mode == "padded":
             if self.max_tokens is not None:
                 raise ValueError(f"max_tokens={self.max_tokens!r} does not apply to mode='padded' (use batch_size)")

@@ -32,12 +32,11 @@ from lit_seqpack.planning._windows import (
     window_seeds,
     window_steps,
 )
+from lit_seqpack.planning.algorithms import packing_algorithm
 from lit_seqpack.planning.config import PlanConfig
 from lit_seqpack.planning.plan import PlannedMicrobatch
 
-__all__ = ["SORT_BASED_ALGORITHMS", "LazyPlan"]
-
-SORT_BASED_ALGORITHMS = frozenset({"first_fit_decreasing", "best_fit_decreasing", "modified_first_fit_decreasing"})
+__all__ = ["LazyPlan"]
 
 
 class LazyPlan:
@@ -87,7 +86,7 @@ class LazyPlan:
     def _count(self, known: np.ndarray | None) -> np.ndarray:
         """Steps of every chunk (window ``w`` trains chunk ``order.chunk(w)``)."""
         config, order = self.config, self._order
-        sort_based = config.mode != "packing" or (config.algorithm or "first_fit_decreasing") in SORT_BASED_ALGORITHMS
+        sort_based = config.mode != "packing" or packing_algorithm(config.algorithm).sort_based
         if sort_based and order.counts_are_epoch_independent and known is not None and known.size == order.num_windows:
             return known
         steps = np.zeros(order.num_windows, dtype=np.int64)

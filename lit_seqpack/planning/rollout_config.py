@@ -21,8 +21,8 @@ class RolloutPlanConfig:
     Args:
         max_tokens: the token budget of a microbatch (packing: tokens of the row; dynamic: ``rows x padded length``).
         mode: ``"packing"`` or ``"dynamic"``.
-        algorithm: the packer of :data:`~lit_seqpack.planning.algorithms.PACKING_ALGORITHMS` (packing only;
-            default ``first_fit_decreasing``).
+        algorithm: the packer, a name in :data:`~lit_seqpack.planning.algorithms.ALGORITHMS` (packing only;
+            ``None``: :data:`~lit_seqpack.planning.algorithms.DEFAULT_ALGORITHM`).
         world_size: data-parallel ranks.
         samples_per_step: samples of one optimizer step over all ranks; the rollout size must be a multiple.
         steps_per_rollout: instead, the exact number of optimizer steps (near-equal sample counts).
@@ -66,12 +66,11 @@ class RolloutPlanConfig:
                 "not both"
             )
         if self.algorithm is not None:
-            from lit_seqpack.planning.algorithms import PACKING_ALGORITHMS
+            from lit_seqpack.planning.algorithms import packing_algorithm
 
-            if self.mode != "packing" or self.algorithm not in PACKING_ALGORITHMS:
-                raise ValueError(
-                    f"algorithm must be one of {PACKING_ALGORITHMS} in mode 'packing', got {self.algorithm!r}"
-                )
+            if self.mode != "packing":
+                raise ValueError(f"algorithm={self.algorithm!r} is only read in mode 'packing', not {self.mode!r}")
+            packing_algorithm(self.algorithm)
         if self.max_tokens % self.sequence_length_round:
             raise ValueError(
                 f"max_tokens={self.max_tokens} must be a multiple of sequence_length_round={self.sequence_length_round}"

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from lit_seqpack.planning.rollout import RolloutPlan
 
-__all__ = ["check_same_rollout", "gather_per_sample", "resolve_world"]
+__all__ = ["DataParallelWorld", "check_same_rollout", "gather_per_sample", "resolve_world"]
 
 _DIFFERENT_ROLLOUTS = (
     "the ranks planned different rollouts (their Rollout.fingerprint() differ: {digests}): every rank must hold the "
@@ -18,9 +18,22 @@ _DIFFERENT_ROLLOUTS = (
 )
 
 
-def resolve_world(trainer: Any = None) -> tuple[int, int]:
-    """``(data-parallel size, data-parallel rank)``: the trainer's (its device mesh first), ``torch.distributed``'s,
-    or ``(1, 0)``."""
+class DataParallelWorld(NamedTuple):
+    """The data-parallel ranks and this process's rank among them.
+
+    Example:
+        >>> DataParallelWorld(world_size=4, rank=1).world_size
+        4
+    """
+
+    world_size: int = 1
+    """Data-parallel ranks."""
+    rank: int = 0
+    """This process's data-parallel rank."""
+
+
+def resolve_world(trainer: Any = None) -> DataParallelWorld:
+    """The data-parallel world: the trainer's (its device mesh first), ``torch.distributed``'s, or one rank."""
     if trainer is not None:
         from lit_seqpack.parallel import mesh_layout, strategy_mesh
 
@@ -32,13 +45,13 @@ def resolve_world(trainer: Any = None) -> tuple[int, int]:
                     "RolloutPlanner supports data parallelism only; the device mesh has context x tensor parallel "
                     f"= {layout.context_parallel_size} x {layout.tensor_parallel_size}"
                 )
-            return layout.data_parallel_size, layout.data_parallel_rank
-        return int(trainer.world_size), int(trainer.global_rank)
+            return DataParallelWorld(layout.data_parallel_size, layout.data_parallel_rank)
+        return DataParallelWorld(int(trainer.world_size), int(trainer.global_rank))
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
+        return DataParallelWorld(dist.get_world_size(), dist.get_rank())
+    return DataParallelWorld()
 
 
 def gather_per_sample(

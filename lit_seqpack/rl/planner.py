@@ -50,7 +50,7 @@ import torch
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.planning.rollout import RolloutPlan, RolloutPlanConfig, plan_rollout
 from lit_seqpack.rl._batches import collator_fields, loss_mass, plan_batches
-from lit_seqpack.rl._world import check_same_rollout, gather_per_sample, resolve_world
+from lit_seqpack.rl._world import DataParallelWorld, check_same_rollout, gather_per_sample, resolve_world
 from lit_seqpack.rl.rollout import Rollout
 from lit_seqpack.rl.unpack import unpack
 
@@ -132,7 +132,8 @@ class RolloutPlanner:
             )
         if check_rollout is not None and not isinstance(check_rollout, bool):
             raise ValueError(f"check_rollout must be None, True or False, got {check_rollout!r}")
-        self._world, self._trainer = (world_size, rank) if world_size is not None else None, trainer
+        self._world = DataParallelWorld(world_size, rank) if world_size is not None else None
+        self._trainer = trainer
         self.loss_weight_field, self.check_rollout = loss_weight_field, check_rollout
         common = {
             "mode": mode,
@@ -165,8 +166,8 @@ class RolloutPlanner:
 
     # --------------------------------------------------------------------------------------------- plans
     @property
-    def world(self) -> tuple[int, int]:
-        """``(world_size, rank)`` of data parallelism, resolved now (explicit, trainer, torch.distributed, or 1)."""
+    def world(self) -> DataParallelWorld:
+        """``world_size`` and ``rank`` of data parallelism, resolved now (explicit, trainer, torch.distributed or 1)."""
         return self._world if self._world is not None else resolve_world(self._trainer)
 
     def plan(self, rollout: Rollout) -> RolloutPlan:
@@ -183,7 +184,7 @@ class RolloutPlanner:
         reference log-probs, training, several epochs) reuses it; a new rollout drops the previous one's plans."""
         if not isinstance(rollout, Rollout):
             raise TypeError(f"expected a lit_seqpack.rl.Rollout, got {type(rollout).__name__}")
-        config = dataclasses.replace(config, world_size=self.world[0])
+        config = dataclasses.replace(config, world_size=self.world.world_size)
         if self._planned is not rollout.identity:
             self._plans, self._planned = {}, rollout.identity
         key = (budget, config.world_size)
@@ -254,7 +255,7 @@ class RolloutPlanner:
         return out
 
     def _check_same_rollout(self, rollout: Rollout) -> None:
-        world_size = self.world[0]
+        world_size = self.world.world_size
         if self.check_rollout is False or world_size == 1:
             return
         import torch.distributed as dist

@@ -140,8 +140,9 @@ def test_layout_multiples_ranks_and_groups():
     groups = layout.context_parallel_groups(8)
     assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
     for group in groups:  # a CP group: one dp rank, one tp rank, CP ranks in order
-        assert [layout.coordinates(r)[1] for r in group] == [0, 1]
-        assert len({layout.coordinates(r)[::2] for r in group}) == 1
+        coordinates = [layout.coordinates(r) for r in group]
+        assert [c.context_parallel_rank for c in coordinates] == [0, 1]
+        assert len({(c.data_parallel_rank, c.tensor_parallel_rank) for c in coordinates}) == 1
     with pytest.raises(ValueError, match="world_size=6 is not a multiple"):
         layout.data_parallel_size(6)
     with pytest.raises(ValueError, match="tensor_parallel_size"):

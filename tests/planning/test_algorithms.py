@@ -165,7 +165,9 @@ def test_empty_input(algorithm):
 
 def test_algorithm_names_are_case_insensitive_and_validated():
     assert get_packer("  Best_Fit_Decreasing", 4).algorithm == "best_fit_decreasing"
-    with pytest.raises(ValueError, match="concatenative, first_fit_decreasing, .*best_fit_decreasing; got 'ffd'"):
+    with pytest.raises(
+        ValueError, match=r"one of \('concatenative', 'first_fit_decreasing', .*'best_fit_decreasing'\), got 'ffd'"
+    ):
         get_packer("ffd", 4)
 
 

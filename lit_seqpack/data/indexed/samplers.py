@@ -35,6 +35,7 @@ from typing import Literal
 import numpy as np
 
 from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler, distributed, resolve_replicas
+from lit_seqpack.planning.algorithms import DEFAULT_ALGORITHM
 from lit_seqpack.planning.config import PlanConfig
 
 __all__ = ["DynamicBatchSampler", "PackedBatchSampler", "PaddedBatchSampler", "PlannedBatchSampler"]
@@ -51,7 +52,7 @@ class PackedBatchSampler(PlannedBatchSampler):
         seed: seed of the shuffles; the same on every rank.
         accumulate_grad_batches: microbatches per rank per optimizer step (the Trainer's value).
         shuffle: reshuffle every epoch (through ``set_epoch``, which Lightning calls).
-        algorithm: packing algorithm (``lit_seqpack.PACKING_ALGORITHMS``).
+        algorithm: packing algorithm (a name in :data:`~lit_seqpack.planning.algorithms.ALGORITHMS`).
         window: consecutive shuffled samples planned together (``None``: the whole epoch).
         sequence_length_round: the collator pads the row to a multiple of this.
         microbatch_order: ``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`).
@@ -80,7 +81,7 @@ class PackedBatchSampler(PlannedBatchSampler):
         seed: int = 0,
         accumulate_grad_batches: int = 1,
         shuffle: bool = True,
-        algorithm: str = "first_fit_decreasing",
+        algorithm: str = DEFAULT_ALGORITHM,
         window: int | None = None,
         sequence_length_round: int = 1,
         microbatch_order: str = "largest_first",

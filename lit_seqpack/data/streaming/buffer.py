@@ -24,7 +24,7 @@ import numpy as np
 
 from lit_seqpack.data.batching._samples import sample_loss_tokens
 from lit_seqpack.data.batching.overlong import OverlongReport
-from lit_seqpack.planning.algorithms import get_packer
+from lit_seqpack.planning.algorithms import get_packer, packing_algorithm
 from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan
 
 __all__ = ["CARRY_FILL", "OverlongCounter", "StreamWindow", "carried_over", "stream_windows"]
@@ -176,7 +176,7 @@ def carried_over(planned: np.ndarray, eligible: np.ndarray, config: PlanConfig, 
         [3]
     """
     capacity = int(config.max_tokens)
-    flat, ends = get_packer(config.algorithm or "first_fit_decreasing", capacity).pack_flat(planned)
+    flat, ends = get_packer(packing_algorithm(config.algorithm).name, capacity).pack_flat(planned)
     if limit < 1 or ends.size == 0:
         return np.zeros(0, dtype=np.int64)
     starts = np.concatenate(([0], ends[:-1]))
