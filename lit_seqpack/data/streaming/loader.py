@@ -53,6 +53,8 @@ class StreamingDataLoader(DataLoader):
             epoch and batch counter); ``None``: the loader's own position.
         report_to: called with the over-long report whenever a new window arrives (the DataModule keeps it in
             its ``overlong_report``); a summary is also logged at the end of each epoch with over-long samples.
+        on_batch: called in the main process as each batch is drawn, before it is returned (the DataModule moves a
+            restored training loop back to an optimizer step's start there).
         **kwargs: other ``DataLoader`` arguments (``pin_memory``, ``prefetch_factor``, ...).
     """
 
@@ -63,6 +65,7 @@ class StreamingDataLoader(DataLoader):
         num_workers: int = 0,
         start_source: StartSource | None = None,
         report_to: Callable[[OverlongReport], None] | None = None,
+        on_batch: Callable[[], None] | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("persistent_workers"):
@@ -71,7 +74,7 @@ class StreamingDataLoader(DataLoader):
                 "resume or a new epoch would replay the old one; leave persistent_workers=False with a stream"
             )
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
-        self.start_source, self.report_to = start_source, report_to
+        self.start_source, self.report_to, self.on_batch = start_source, report_to, on_batch
         self._epoch, self._yielded = 0, 0
         self._windows: deque[dict[str, Any]] = deque(maxlen=KEPT_WINDOWS)
         self._overlong: dict[str, Any] | None = None
@@ -92,6 +95,8 @@ class StreamingDataLoader(DataLoader):
             self._check(facts)
             self._record(facts)
             yielded += 1
+            if self.on_batch is not None:
+                self.on_batch()
             yield batch
         check_ranks_agree(stream_end(start.epoch, self._checked))  # a rank with more windows meets this end here
         if not yielded and start.microbatch == 0:
