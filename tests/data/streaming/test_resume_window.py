@@ -8,14 +8,19 @@ which makes Lightning fetch the stream's first batch before it restores the loop
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
+import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 
 from lit_seqpack import ReferenceLM
-from tests._limits import TEST_TIMEOUT_S
+from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 from tests.reliability import _stream_train_script as script
 
 ACCUMULATE = 2
@@ -36,7 +41,13 @@ class FailAt(L.Callback):
 
 
 def _fit(
-    out: Path, schedule: str, callbacks: list[L.Callback], ckpt: Path | None = None, *, max_epochs: int = 1
+    out: Path,
+    schedule: str,
+    callbacks: list[L.Callback],
+    ckpt: Path | None = None,
+    *,
+    max_epochs: int = 1,
+    devices: int = 1,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0, verbose=False)
@@ -46,7 +57,8 @@ def _fit(
     )  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=devices,
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT) if devices > 1 else "auto",
         max_epochs=max_epochs,
         accumulate_grad_batches=ACCUMULATE,
         use_distributed_sampler=False,
@@ -59,8 +71,8 @@ def _fit(
     trainer.fit(model, datamodule=script.make_datamodule(num_workers=1), ckpt_path=ckpt)
 
 
-def _records(out: Path) -> list[str]:
-    return (out / "rank0.jsonl").read_text().splitlines()
+def _records(out: Path, rank: int = 0) -> list[str]:
+    return (out / f"rank{rank}.jsonl").read_text().splitlines()
 
 
 def _batch_idx(record: str) -> int:
@@ -96,3 +108,33 @@ def test_a_checkpoint_written_at_the_end_of_an_epoch_resumes_at_the_next_epochs_
     _fit(tmp_path / "first", schedule, [ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
     _fit(tmp_path / "resumed", schedule, [], ckpt=tmp_path / "ckpt" / "last.ckpt", max_epochs=2)
     assert expected and _records(tmp_path / "resumed") == expected
+
+
+def _ddp_worker(rank: int, port: int, root: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"})
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "OMP_NUM_THREADS": "1"})
+    torch.set_num_threads(1)
+    run = Path(root)
+    _fit(run / "reference", "cosine", [], devices=2)
+    saver = OnExceptionCheckpoint(run / "ckpt")
+    try:
+        _fit(run / "failed", "cosine", [saver, FailAt(7)], devices=2)
+    except RuntimeError as err:
+        assert "simulated failure" in str(err), err
+    _fit(run / "resumed", "cosine", [], ckpt=Path(saver.ckpt_path), devices=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_two_ddp_ranks_resume_an_exception_checkpoint_inside_a_window_from_the_start_of_its_step(
+    tmp_path: Path,
+) -> None:
+    """The cosine schedule fetches each rank's first batch before the restore, as in the streaming crash tests."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        expected, resumed = _records(tmp_path / "reference", rank), _records(tmp_path / "resumed", rank)
+        assert _batch_idx(resumed[0]) == 6, rank
+        assert [r for r in expected if _batch_idx(r) < 6] + resumed == expected, rank
