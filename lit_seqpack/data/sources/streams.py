@@ -39,6 +39,7 @@ __all__ = [
     "StreamReader",
     "StreamSource",
     "SyntheticStream",
+    "describe_stream",
 ]
 
 Sample = Mapping[str, Any]
@@ -58,6 +59,26 @@ class StreamSource(Protocol):
     """What the streaming loader reads: ``open(None)`` starts at the beginning, ``open(p)`` at a saved position."""
 
     def open(self, position: Any = None) -> StreamReader: ...
+
+
+def describe_stream(source: Any) -> str:
+    """A stream named for an error: its class, and its files where it reads files (children for a mixture).
+
+    Example:
+        >>> describe_stream(GeneratorStream(lambda: iter(())))
+        'GeneratorStream(<lambda>)'
+    """
+    name = type(source).__name__
+    files = getattr(source, "files", None)
+    if isinstance(files, list) and files:
+        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        return f"{name}({shown})"
+    if isinstance(source, MixtureStream):
+        return f"{name}({', '.join(describe_stream(child) for child in source.sources)})"
+    factory = getattr(source, "factory", None)
+    if factory is not None:
+        return f"{name}({getattr(factory, '__qualname__', type(factory).__name__)})"
+    return name
 
 
 def _expand(paths: str | Sequence[str], suffixes: tuple[str, ...], setting: str) -> list[str]:

@@ -134,6 +134,7 @@ class StreamWindow:
         plan: the window's plan for every rank.
         overlong_before: the over-long counts of the stream before this window (:meth:`OverlongCounter.state`).
         overlong_after: the counts up to the end of this window.
+        samples_read: the stream samples read up to the end of this window (what a rank compares at the stream's end).
     """
 
     index: int
@@ -147,6 +148,7 @@ class StreamWindow:
     plan: Plan
     overlong_before: dict[str, Any] | None = None
     overlong_after: dict[str, Any] | None = None
+    samples_read: int = 0
 
 
 def _round_up(lengths: np.ndarray, multiple: int) -> np.ndarray:
@@ -276,6 +278,7 @@ def stream_windows(
             plan=plan,
             overlong_before=before,
             overlong_after=None if counter is None else counter.state(),
+            samples_read=number,
         )
         window, microbatch, step = window + 1, microbatch + plan.microbatches_per_rank, step + plan.num_steps
 

@@ -7,7 +7,8 @@ worker ``k`` collates the rank's microbatches ``k, k + W, ...`` (counted from th
 DataLoader's round robin over its workers returns in order. Each worker therefore holds one window.
 
 Every batch carries, under :data:`STREAM_KEY`, where it comes from (its window's start position in the stream and
-its microbatch number, and with a window's first batch the window's digest for the cross-rank check);
+its microbatch number, and with a window's first batch the window's digest for the cross-rank check, which every
+rank compares at every window);
 :class:`~lit_seqpack.data.streaming.loader.StreamingDataLoader` takes that key out before the batch reaches the model,
 keeps the few facts a resume needs and compares the digests across ranks in the main process.
 """
@@ -76,7 +77,8 @@ class StreamingDataset(IterableDataset):
         vocab_size: the ids the model embeds (``None``: unchecked); a batch holding a larger id (a stream is never
             scanned up front) raises naming the stream samples and the vocabulary.
         check_samples: samples of each window whose tokens go into its cross-rank digest (sent with the window's
-            record; :mod:`~lit_seqpack.data.streaming.rank_check`); 0: no digest, no check.
+            record; :mod:`~lit_seqpack.data.streaming.rank_check`); 0: no content digest (the window's numbers are
+            still compared across ranks, so streams of other lengths never hang).
         seed: picks those samples.
         token_fields: the declared per-token fields, cut with the tokens by ``overlong="truncate"``.
     """
@@ -170,11 +172,9 @@ class StreamingDataset(IterableDataset):
             "microbatch": number,
             "record": record,
             "overlong_after": window.overlong_after,
-            "digest": self._digest(window) if record is not None else None,
+            "digest": self._digest(window) if record is not None else None,  # the content check's part if on
         }
         return batch
 
-    def _digest(self, window: StreamWindow) -> WindowDigest | None:
-        if not self.check_samples:
-            return None
+    def _digest(self, window: StreamWindow) -> WindowDigest:
         return window_digest(window, epoch=self.start.epoch, samples=self.check_samples, seed=self.seed)

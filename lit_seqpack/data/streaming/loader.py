@@ -8,9 +8,12 @@ train, plans that window again (plans are deterministic) and skips the microbatc
 workers and a prefetch of ``P``, the loader is at most ``W x P`` batches ahead of the training loop, and Lightning
 one more; :data:`KEPT_WINDOWS` windows (each at least one microbatch) cover that lead for the defaults.
 
-Under ``torch.distributed`` the loader also compares each checked window's digest across ranks in the main process
-(:mod:`~lit_seqpack.data.streaming.rank_check`): at the first batch of every iteration and at the first batch of every
-window numbered a multiple of :data:`~lit_seqpack.data.streaming.rank_check.CHECK_EVERY`.
+Under ``torch.distributed`` the loader also compares each window's digest across ranks in the main process
+(:mod:`~lit_seqpack.data.streaming.rank_check`) at the first batch of every window, and the end of the stream when the
+iteration runs out, so streams that differ anywhere (the tail included) raise on every rank instead of hanging. An
+iteration from the stream's start that yields no microbatch (an empty stream, or every sample dropped) raises on
+every rank, naming the stream: an empty epoch would otherwise train nothing silently, or loop forever under
+``max_steps``.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from lit_seqpack.data.batching.overlong import OverlongReport
+from lit_seqpack.data.sources.streams import describe_stream
 from lit_seqpack.data.streaming.buffer import OverlongCounter
 from lit_seqpack.data.streaming.dataset import STREAM_KEY, StreamingDataset, StreamStart
-from lit_seqpack.data.streaming.rank_check import CHECK_EVERY, check_ranks_agree
+from lit_seqpack.data.streaming.rank_check import WindowDigest, check_ranks_agree, stream_end
 
 __all__ = ["KEPT_WINDOWS", "StreamingDataLoader"]
 
@@ -49,6 +53,8 @@ class StreamingDataLoader(DataLoader):
             epoch and batch counter); ``None``: the loader's own position.
         report_to: called with the over-long report whenever a new window arrives (the DataModule keeps it in
             its ``overlong_report``); a summary is also logged at the end of each epoch with over-long samples.
+        on_batch: called in the main process as each batch is drawn, before it is returned (the DataModule moves a
+            restored training loop back to an optimizer step's start there).
         **kwargs: other ``DataLoader`` arguments (``pin_memory``, ``prefetch_factor``, ...).
     """
 
@@ -59,6 +65,7 @@ class StreamingDataLoader(DataLoader):
         num_workers: int = 0,
         start_source: StartSource | None = None,
         report_to: Callable[[OverlongReport], None] | None = None,
+        on_batch: Callable[[], None] | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("persistent_workers"):
@@ -67,12 +74,12 @@ class StreamingDataLoader(DataLoader):
                 "resume or a new epoch would replay the old one; leave persistent_workers=False with a stream"
             )
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
-        self.start_source, self.report_to = start_source, report_to
+        self.start_source, self.report_to, self.on_batch = start_source, report_to, on_batch
         self._epoch, self._yielded = 0, 0
         self._windows: deque[dict[str, Any]] = deque(maxlen=KEPT_WINDOWS)
         self._overlong: dict[str, Any] | None = None
         self._saved: dict[str, Any] | None = None
-        self._checked: tuple[int, int] | None = None  # (epoch, window) last compared across ranks
+        self._checked: WindowDigest | None = None  # the window last compared across ranks this iteration
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict[str, Any]]:  # type: ignore[override]
@@ -80,13 +87,24 @@ class StreamingDataLoader(DataLoader):
 
     def _batches(self) -> Iterator[dict[str, Any]]:
         """Starts the real iterator at the first ``next()``, so a state loaded after ``iter()`` is still used."""
-        self.dataset.start = self._start()
+        start = self.dataset.start = self._start()
         self._checked = None
+        yielded = 0
         for batch in super().__iter__():
             facts = batch.pop(STREAM_KEY)
             self._check(facts)
             self._record(facts)
+            yielded += 1
+            if self.on_batch is not None:
+                self.on_batch()
             yield batch
+        check_ranks_agree(stream_end(start.epoch, self._checked))  # a rank with more windows meets this end here
+        if not yielded and start.microbatch == 0:
+            raise ValueError(
+                f"the stream {describe_stream(self.dataset.source)} gave no microbatch in epoch {start.epoch}: it is "
+                "empty (or overlong='drop' dropped every sample); an empty epoch would train nothing, or loop "
+                "forever under max_steps: check the stream's paths and contents"
+            )
         report = self.overlong_report
         if report is not None and report.num_overlong:
             log.warning("lit_seqpack: stream epoch %d: %s", self._epoch, report.summary())
@@ -114,17 +132,16 @@ class StreamingDataLoader(DataLoader):
         return StreamStart(epoch=epoch, window=self._windows[-1], microbatch=position)
 
     def _check(self, facts: dict[str, Any]) -> None:
-        """Compare the window's digest across ranks at the iteration's first batch and every checked window's.
+        """Compare the window's digest across ranks at its first batch (every worker sends it: compared once).
 
-        Every rank runs the same sequence of checks (one per checked window, in order), so a rank never waits for a
-        collective that another rank skips.
+        Every rank runs the same sequence of checks (one per window with a microbatch, then the stream's end), so a
+        rank never waits for a collective that another rank skips before the first difference, which raises on all.
         """
         digest = facts.get("digest")
-        if digest is None or (digest.epoch, digest.window) == self._checked:
+        if digest is None or (self._checked is not None and digest.window == self._checked.window):
             return
-        if self._checked is None or digest.window % CHECK_EVERY == 0:
-            self._checked = (digest.epoch, digest.window)
-            check_ranks_agree(digest)
+        self._checked = digest
+        check_ranks_agree(digest)
 
     def _record(self, facts: dict[str, Any]) -> None:
         record = facts["record"]

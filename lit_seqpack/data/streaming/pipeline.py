@@ -22,6 +22,7 @@ from lit_seqpack.data.sources.streams import StreamSource
 from lit_seqpack.data.streaming.buffer import OverlongCounter, stream_windows
 from lit_seqpack.data.streaming.dataset import StreamingDataset
 from lit_seqpack.data.streaming.loader import StreamingDataLoader
+from lit_seqpack.data.streaming.resume import RestoredLoopRewind, rewind_restored_loop
 from lit_seqpack.parallel import DataParallelLayout
 
 __all__ = ["STREAM_STATE", "StreamPipeline"]
@@ -62,6 +63,7 @@ class StreamPipeline:
         self.eval_overlong_reports: dict[str, OverlongReport | None] = {}
         self._loader: StreamingDataLoader | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._rewind: RestoredLoopRewind | None = None
 
     # ------------------------------------------------------------------ data
     @property
@@ -132,6 +134,7 @@ class StreamPipeline:
             num_workers=settings.num_workers,
             start_source=self._training_start,
             report_to=lambda report: setattr(self, "overlong_report", report),
+            on_batch=self._on_batch,
         )
         if self._pending_state is not None:
             loader.load_state_dict(self._pending_state)
@@ -155,22 +158,29 @@ class StreamPipeline:
         Lightning fetches the first batch of a loader without a length as soon as it builds it, which a schedule
         reading ``trainer.estimated_stepping_batches`` does before the loop counters are restored from the
         checkpoint. The checkpoint's own record of the Trainer's counters (``resume_at``, written by
-        :meth:`state_dict`) is then the truth; once the counters are restored they are checked against the loader's
-        position as in the indexed pipeline.
+        :meth:`state_dict`) is then the truth, and the counters are moved back once restored
+        (:class:`RestoredLoopRewind`). A checkpoint written inside a gradient-accumulation window
+        (``OnExceptionCheckpoint``, a requeue) resumes at the start of its optimizer step, as in the indexed
+        pipeline: it holds no partial gradient (:func:`rewind_restored_loop`).
         """
         trainer, accumulate = self.trainer, self.layout.accumulate_grad_batches
-        training = getattr(trainer, "training", False)
-        if training and saved is not None and not trainer.fit_loop.restarting and saved.get("resume_at") is not None:
-            epoch, position = saved["resume_at"]
-            if position % accumulate:
-                raise RuntimeError(
-                    f"cannot resume the stream exactly: the checkpoint was written inside a gradient-accumulation "
-                    f"window (epoch {epoch}, microbatch {position}, accumulate_grad_batches={accumulate}); resume "
-                    "from a checkpoint written at an optimizer-step boundary (ModelCheckpoint(every_n_train_steps=...))"
-                )
-            return int(epoch), int(position)
+        self._rewind = None
+        if not getattr(trainer, "training", False):
+            return training_start(trainer, epoch, start, None, accumulate)
+        if trainer.fit_loop.restarting:
+            return rewind_restored_loop(trainer.fit_loop, saved, accumulate)
+        if saved is not None and saved.get("resume_at") is not None:  # the counters are not restored yet
+            epoch, position = int(saved["resume_at"][0]), int(saved["resume_at"][1])
+            self._rewind = RestoredLoopRewind(position % accumulate) if position % accumulate else None
+            return epoch, position - position % accumulate
         point = None if saved is None else (saved["epoch"], saved["yielded"])
         return training_start(trainer, epoch, start, point, accumulate)
+
+    def _on_batch(self) -> None:
+        """Move the restored loop back at the first batch it draws itself (see :meth:`_training_start`)."""
+        rewind = self._rewind
+        if rewind is not None and rewind.at_batch(self.trainer.fit_loop):
+            self._rewind = None
 
     def _model_vocab(self) -> int | None:
         """The vocabulary of the Trainer's model (``None`` without one), after checking that it embeds the pad id."""
@@ -190,9 +200,11 @@ class StreamPipeline:
             loader = state["loader"] = self._loader.state_dict()
             trainer = self.trainer
             if getattr(trainer, "training", False):  # where the Trainer's counters will resume (_training_start)
-                epoch = trainer.fit_loop.epoch_progress.current.processed
-                position = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-                loader["resume_at"] = [loader["epoch"], 0] if loader["epoch"] > epoch else [epoch, position]
+                epochs = trainer.fit_loop.epoch_progress.current
+                epoch, position = epochs.processed, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+                # written in the epoch-end hooks (processed, not completed): Lightning resumes at the next epoch's start
+                ended = epochs.processed > epochs.completed
+                loader["resume_at"] = [loader["epoch"], 0] if loader["epoch"] > epoch or ended else [epoch, position]
         return {STREAM_STATE: state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -16,14 +16,16 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from lightning.pytorch.strategies import DDPStrategy
 
 from lit_seqpack import ReferenceLM, SeqPackDataModule
 from lit_seqpack.data.sources import GeneratorStream
 from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset, rank_check
 from lit_seqpack.data.streaming import loader as loader_module
 from lit_seqpack.data.streaming.buffer import stream_windows
-from lit_seqpack.data.streaming.rank_check import CHECK_EVERY, window_digest
+from lit_seqpack.data.streaming.rank_check import window_digest
 from lit_seqpack.planning.plan import PlanConfig
+from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 
 WORLD, VOCAB, MAX_TOKENS, BUFFER, NUM_SAMPLES = 2, 64, 128, 10, 120
 
@@ -72,14 +74,18 @@ def test_the_window_digest_tells_lengths_and_tokens_apart() -> None:
     assert digest(same).window == 0 and digest(same, epoch=3).epoch == 3
 
 
-def test_batches_carry_a_digest_only_when_the_check_is_on() -> None:
+def test_batches_carry_a_content_digest_only_when_the_check_is_on() -> None:
     def loader_facts(check_samples: int) -> list[Any]:
         return [batch["_stream"]["digest"] for batch in _dataset(_stream(), check_samples=check_samples)]
 
     on, off = loader_facts(4), loader_facts(0)
-    assert all(d is None for d in off) and len(off) == len(on)
-    windows = [d.window for d in on if d is not None]
-    assert windows == sorted(set(windows)) and len(windows) > CHECK_EVERY  # one digest a window, with its record
+    assert len(off) == len(on)
+    off, on = [d for d in off if d is not None], [d for d in on if d is not None]
+    assert all(d.lengths is None and d.tokens is None for d in off)  # the window's numbers still travel
+    assert [dataclasses.replace(d, lengths=None, tokens=None) for d in on] == off
+    windows = [d.window for d in on]
+    assert windows == list(range(len(_windows(_stream()))))  # one digest a window, with its record
+    assert [d.samples_read for d in on][-1] == NUM_SAMPLES
 
 
 def _fit(stream: GeneratorStream, **settings: Any) -> str:
@@ -92,7 +98,7 @@ def _fit(stream: GeneratorStream, **settings: Any) -> str:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD,
-        strategy="ddp",
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT),
         max_steps=2,
         use_distributed_sampler=False,
         logger=False,
@@ -136,8 +142,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _first_window_holding(sample: int) -> int:
+    return next(w.index for w in _windows(_stream()) if w.samples_read > sample)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_ranks_reading_different_streams_fail_on_every_rank_and_equal_streams_train(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     for rank in range(WORLD):
@@ -147,7 +157,7 @@ def test_ranks_reading_different_streams_fail_on_every_rank_and_equal_streams_tr
         assert f"rank {rank} reads a different stream than ranks [{1 - rank}]" in outcome["different"]
         assert "window 0 of epoch 0" in outcome["different"]
         assert "agree but the tokens of the sampled samples do not" in outcome["different"]
-        assert f"window {CHECK_EVERY} of epoch 0" in outcome["later"]
+        assert f"window {_first_window_holding(70)} of epoch 0" in outcome["later"]  # every window is compared
 
 
 def _loader(num_workers: int, check_samples: int = 4) -> StreamingDataLoader:
@@ -155,37 +165,35 @@ def _loader(num_workers: int, check_samples: int = 4) -> StreamingDataLoader:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_the_loader_checks_the_first_window_of_each_iteration_and_every_8th(monkeypatch, num_workers: int) -> None:
-    checked: list[tuple[int, int]] = []
+def test_the_loader_checks_every_window_and_the_stream_end(monkeypatch, num_workers: int) -> None:
+    checked: list[tuple[int, int, bool]] = []
 
     def record(digest: Any) -> None:
-        checked.append((digest.epoch, digest.window))
+        checked.append((digest.epoch, digest.window, digest.ended))
 
     monkeypatch.setattr(loader_module, "check_ranks_agree", record)
     loader = _loader(num_workers)
     for _ in loader:
         pass
-    windows = loader.dataset.windows()
-    last = sum(1 for _ in windows) - 1
-    assert checked == [(0, w) for w in range(0, last + 1, CHECK_EVERY)]  # 1 + floor(last / 8) gathers
+    count = len(_windows(_stream()))
+    assert checked == [(0, w, False) for w in range(count)] + [(0, count, True)]  # one gather a window, one at the end
     checked.clear()
     batches = iter(loader)  # epoch 1, stopped after 13 microbatches and resumed in another loader
     for _ in range(13):
         next(batches)
-    assert checked == [(1, 0)]
     state = loader.state_dict()
     resumed_at = max(w["window"] for w in state["windows"] if w["first_microbatch"] <= state["yielded"])
-    assert 0 < resumed_at < CHECK_EVERY
+    assert checked == [(1, w, False) for w in range(resumed_at + 1)]
     checked.clear()
     resumed = _loader(num_workers)
     resumed.load_state_dict(state)
     for _ in resumed:
         pass
-    assert checked == [(1, resumed_at)] + [(1, w) for w in range(CHECK_EVERY, last + 1, CHECK_EVERY)]
+    assert checked == [(1, w, False) for w in range(resumed_at, count)] + [(1, count, True)]
     checked.clear()
-    for _ in _loader(num_workers, check_samples=0):
+    for _ in _loader(num_workers, check_samples=0):  # the content check off: the windows' numbers are still compared
         pass
-    assert checked == []
+    assert checked == [(0, w, False) for w in range(count)] + [(0, count, True)]
 
 
 def test_the_error_names_what_differs(monkeypatch) -> None:
@@ -197,7 +205,16 @@ def test_the_error_names_what_differs(monkeypatch) -> None:
         (dataclasses.replace(mine), None),
         (dataclasses.replace(mine, tokens="c"), "the lengths of window 8 of epoch 0 .from stream sample 77. agree"),
         (dataclasses.replace(mine, lengths="c"), "the lengths of the samples of window 8 of epoch 0 .* differ"),
-        (dataclasses.replace(mine, window=9), r"the ranks are at different windows .* \[\(0, 8, 77\), \(0, 9, 77\)\]"),
+        (
+            dataclasses.replace(mine, window=9),
+            r"the ranks are at different points of their streams .*"
+            r"rank 0: window 8 of epoch 0; rank 1: window 9 of epoch 0\)",
+        ),
+        (
+            dataclasses.replace(mine, samples_read=90, ended=True),
+            r"the ranks are at .*rank 0: window 8 of epoch 0; "
+            r"rank 1: its stream ended after 8 windows of epoch 0, 90 samples read",
+        ),
     ):
 
         def gather(everyone: list, digest: Any, other: Any = other) -> None:
