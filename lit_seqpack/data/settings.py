@@ -102,7 +102,7 @@ class BatchingSettings:
     data-parallel."""
     content_check_samples: int = 8
     """Under ``torch.distributed``, the tokens of this many samples (the same on every rank) are hashed and compared
-    across ranks with the plan (indexed) or with each checked window (stream), so ranks that read different data
+    across ranks with the plan (indexed) or with every window (stream), so ranks that read different data
     fail loudly on every rank; 0 compares the lengths only (indexed) or turns the stream check off."""
     token_fields: dict[str, int | float] | None = None
     """Extra per-token fields carried in every batch, each mapped to its pad value (e.g. ``{"advantages": 0.0}``):

@@ -125,15 +125,17 @@ def outside_training(model: Any) -> Iterator[None]:
     Inside the block compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``: a compiled model,
     ``model.compile()`` or ``torch.compile``, runs its Python code, so the probe's hooks and shapes never reach a
     compiled graph: no graph break, no guard failure, no extra graph; the graphs compiled for training are reused
-    unchanged afterwards) and every parameter is frozen (so no parameter gradient, and no hook on one such as DDP's
-    reducer or FSDP's, is reached by the probe's backward passes, whichever way they are taken). On exit the
+    unchanged afterwards) and every leaf parameter is frozen (so no parameter gradient, and no hook on one such as DDP's
+    reducer or FSDP2's, is reached by the probe's backward passes, whichever way they are taken). On exit the
     parameters' ``requires_grad``, the buffers and the RNG states (CPU and the model's CUDA devices) are restored.
     """
     if not isinstance(model, torch.nn.Module):
         with _eager():
             yield
         return
-    params = [p for p in model.parameters() if p.requires_grad]
+    # only leaves can be frozen: FSDP1's parameters are views of its flat parameter (their probe gradients reach the
+    # flat parameter's hooks as they did before this block froze anything, and the probe's pass is discarded there)
+    params = [p for p in model.parameters() if p.requires_grad and p.is_leaf]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
