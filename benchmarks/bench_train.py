@@ -114,17 +114,17 @@ def force_dense_mask(module: torch.nn.Module) -> None:
     The right-padding check is replaced, for this module's training steps only, by one that always answers no,
     so ``ReferenceDecoder`` builds its ``[B, 1, L, L]`` mask and ``hf_model_inputs`` keeps HF's padding mask.
     """
-    from lit_seqpack.model import hf, reference
+    from lit_seqpack.model import _hf_packed, reference
 
     step = module.training_step
 
     def training_step(batch, index):
-        saved = reference.is_right_padded, hf.is_right_padded
-        reference.is_right_padded = hf.is_right_padded = lambda mask: False
+        saved = reference.is_right_padded, _hf_packed.is_right_padded
+        reference.is_right_padded = _hf_packed.is_right_padded = lambda mask: False
         try:
             return step(batch, index)
         finally:
-            reference.is_right_padded, hf.is_right_padded = saved
+            reference.is_right_padded, _hf_packed.is_right_padded = saved
 
     module.training_step = training_step
 
