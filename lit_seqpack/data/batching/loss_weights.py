@@ -31,7 +31,6 @@ from lit_seqpack.batch import IGNORE_INDEX, Microbatch
 
 __all__ = [
     "StepWeightedBatchSampler",
-    "check_datamodule_weight_field",
     "check_loss_weight_field",
     "dataset_loss_weights",
     "loss_weight_scalars",
@@ -54,30 +53,6 @@ def check_loss_weight_field(field: str | None, token_fields: Mapping[str, float 
             f"loss_weight_field={field!r} must be 'loss_mask' or one of the declared token_fields "
             f"{sorted(token_fields)}: declare the weights with token_fields={{{field!r}: 0.0}}"
         )
-
-
-def check_datamodule_weight_field(
-    field: str | None, token_fields: Mapping[str, float | int], *, file_source: str | None = None
-) -> None:
-    """:func:`check_loss_weight_field` for ``SeqPackDataModule``; ``"loss_mask"`` weights only from a ``dataset``.
-
-    Args:
-        field: the ``loss_weight_field`` setting.
-        token_fields: the declared token fields.
-        file_source: the pre-tokenised file source the data is read from (``"jsonl"``, ``"parquet"``,
-            ``"hf_disk"``), or ``None``.
-
-    Raises:
-        ValueError: ``loss_weight_field="loss_mask"`` with a file source (its reader turns ``loss_mask`` into
-            labels at load time, so weights would be lost), or a field that is not a declared token field.
-    """
-    if field == "loss_mask" and file_source is not None:
-        raise ValueError(
-            f"loss_weight_field='loss_mask' is not supported with source={file_source!r}: the file reader turns "
-            "loss_mask into labels when it loads the data, so its weights would be lost. Store the weights in a "
-            "field of their own and declare it (token_fields={'weights': 0.0}, loss_weight_field='weights')"
-        )
-    check_loss_weight_field(field, token_fields)
 
 
 def dataset_loss_weights(dataset: Sequence[Mapping[str, Any]], field: str) -> np.ndarray:
