@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import LightningDataModule, Trainer
 
 from lit_seqpack.model.lm import ReferenceLM
 from lit_seqpack.model.loss import LossOutput
@@ -95,3 +95,18 @@ def prefixed(gradients: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 __all__ = ["AutomaticPolicy", "ManualPolicy", "RolloutBatches", "one_item_loader", "prefixed"]
+
+
+def cpu_trainer(**kwargs: Any) -> Trainer:
+    """A quiet one-step fp32 CPU Trainer (no logger, checkpoint, progress bar or summary)."""
+    return Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="32-true",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )

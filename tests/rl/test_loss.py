@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 
 from lit_seqpack.rl import RolloutPlanner, loss_output, scale_step_loss, step_loss, token_logprobs
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
-from tests.rl._policies import AutomaticPolicy, ManualPolicy, one_item_loader, prefixed
+from tests.rl._policies import AutomaticPolicy, ManualPolicy, cpu_trainer, one_item_loader, prefixed
 from tests.rl._rollouts import (
     make_policy,
     make_rollout,
@@ -20,20 +19,6 @@ from tests.rl._rollouts import (
 )
 
 NORMALIZE = ["token", "sequence", "group"]
-
-
-def trainer(**kwargs) -> Trainer:
-    return Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="32-true",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
 
 
 def policy_rollout(seed: int = 0):
@@ -53,7 +38,7 @@ def test_automatic_step_equals_the_big_padded_batch(normalize: str, mode: str) -
     assert len(batches) == 6 and len({b["num_loss_tokens"] for b in batches}) > 1
     expected = padded_reference_gradients(module, rollout, [list(range(len(rollout)))], normalize)
     capture = GradientCapture()
-    trainer(accumulate_grad_batches=6, callbacks=[capture]).fit(
+    cpu_trainer(accumulate_grad_batches=6, callbacks=[capture]).fit(
         module, torch.utils.data.DataLoader(batches, batch_size=None)
     )
     assert_gradients_match(capture.grads, prefixed(expected), rtol=1e-5)
@@ -70,7 +55,7 @@ def test_manual_steps_equal_the_big_padded_batch_of_each_step(normalize: str, mo
     assert plan.num_steps == 2 and plan.accumulate_grad_batches > 1
     first_step = [i for step, _, mb in plan.rank_microbatches(0) if step == 0 for i in mb]
     expected = padded_reference_gradients(module, rollout, [sorted(first_step)], normalize)
-    trainer().fit(module, one_item_loader())
+    cpu_trainer().fit(module, one_item_loader())
     assert len(module.step_gradients) == 2  # the rollout's exact number of optimizer steps
     assert_gradients_match(module.step_gradients[0], prefixed(expected), rtol=1e-5)
 
@@ -148,7 +133,7 @@ def test_weighted_automatic_step_equals_the_big_padded_batch(normalize: str, mod
     with pytest.raises(AssertionError):  # the weights change the gradient: the comparison below can fail
         assert_gradients_match(unweighted, expected, rtol=1e-3)
     capture = GradientCapture()
-    trainer(accumulate_grad_batches=6, callbacks=[capture]).fit(
+    cpu_trainer(accumulate_grad_batches=6, callbacks=[capture]).fit(
         module, torch.utils.data.DataLoader(batches, batch_size=None)
     )
     assert_gradients_match(capture.grads, prefixed(expected), rtol=1e-5)
@@ -164,6 +149,6 @@ def test_weighted_manual_steps_equal_the_big_padded_batch_of_each_step(mode: str
     assert plan.num_steps == 2 and plan.accumulate_grad_batches > 1
     first_step = [i for step, _, mb in plan.rank_microbatches(0) if step == 0 for i in mb]
     expected = padded_reference_gradients(module, rollout, [sorted(first_step)], "token", "weights")
-    trainer().fit(module, one_item_loader())
+    cpu_trainer().fit(module, one_item_loader())
     assert len(module.step_gradients) == 2
     assert_gradients_match(module.step_gradients[0], prefixed(expected), rtol=1e-5)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 
 from lit_seqpack.rl import (
     RolloutPlanner,
@@ -23,7 +22,7 @@ from lit_seqpack.rl import (
 from tests._limits import TEST_TIMEOUT_S
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
 from tests.rl._objectives import ObjectivePolicy, padded_objective_gradients, with_objective_fields
-from tests.rl._policies import RolloutBatches, prefixed
+from tests.rl._policies import RolloutBatches, cpu_trainer, prefixed
 from tests.rl._rollouts import make_policy, make_rollout, with_policy_fields, without_loss
 from tests.rl.test_ddp import _ddp_trainer as ddp_trainer
 
@@ -109,20 +108,6 @@ def test_the_sequence_log_ratio_of_a_packed_batch_is_each_samples_own(mode: str)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def _trainer(**kwargs) -> Trainer:
-    return Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="32-true",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
-
-
 def objective_rollout(seed: int = 0):
     reference = make_policy("reference", seed=seed)
     rollout = with_policy_fields(reference, make_rollout(count=12, seed=seed, group_size=3), seed=seed)
@@ -146,7 +131,7 @@ def test_a_loss_with_every_objective_equals_the_big_padded_batch(normalize: str,
     batches = list(planner.train_microbatches(rollout))
     expected = padded_objective_gradients(module, rollout, list(range(len(rollout))), normalize, gspo=gspo)
     capture = GradientCapture()
-    _trainer(accumulate_grad_batches=6, callbacks=[capture]).fit(
+    cpu_trainer(accumulate_grad_batches=6, callbacks=[capture]).fit(
         module, torch.utils.data.DataLoader(batches, batch_size=None)
     )
     assert_gradients_match(capture.grads, prefixed(expected), rtol=1e-5)

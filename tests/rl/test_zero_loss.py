@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 
 from lit_seqpack.rl import Rollout, RolloutPlanner
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
-from tests.rl._policies import AutomaticPolicy, ManualPolicy, one_item_loader, prefixed
+from tests.rl._policies import AutomaticPolicy, ManualPolicy, cpu_trainer, one_item_loader, prefixed
 from tests.rl._rollouts import (
     make_policy,
     make_rollout,
@@ -23,20 +22,6 @@ from tests.rl._rollouts import (
 NORMALIZE = ["token", "sequence", "group"]
 SILENT = [0, 1, 2, 7]  # group 0 (samples 0-2) has no loss at all; sample 7 of group 2 has none
 KWARGS = {"train_max_tokens": 48, "steps_per_rollout": 2, "world_size": 2}
-
-
-def trainer(**kwargs) -> Trainer:
-    return Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="32-true",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
 
 
 def silent_rollout(seed: int = 0, silent: list[int] = SILENT) -> Rollout:
@@ -72,7 +57,7 @@ def test_samples_without_loss_are_left_out_of_every_mean(normalize: str, mode: s
     everything = [list(range(len(rollout)))]
     expected = padded_reference_gradients(module, rollout, everything, normalize)
     capture = GradientCapture()
-    trainer(accumulate_grad_batches=6, callbacks=[capture]).fit(
+    cpu_trainer(accumulate_grad_batches=6, callbacks=[capture]).fit(
         module, torch.utils.data.DataLoader(batches, batch_size=None)
     )
     assert_gradients_match(capture.grads, prefixed(expected), rtol=1e-5)
@@ -94,7 +79,7 @@ def test_samples_with_all_zero_weights_are_left_out_of_every_mean(normalize: str
     first_step = sorted(i for step, _, mb in plan.rank_microbatches(0) if step == 0 for i in mb)
     assert set(SILENT) & set(first_step)
     expected = padded_reference_gradients(module, rollout, [first_step], normalize, "weights")
-    trainer().fit(module, one_item_loader())
+    cpu_trainer().fit(module, one_item_loader())
     assert_gradients_match(module.step_gradients[0], prefixed(expected), rtol=1e-5)
 
 
@@ -106,7 +91,7 @@ def test_a_step_where_nothing_has_a_loss_has_a_zero_gradient(normalize: str, opt
     torch.manual_seed(3)
     if optimization == "manual":
         module = ManualPolicy(normalize, rollout, kwargs)
-        trainer().fit(module, one_item_loader())
+        cpu_trainer().fit(module, one_item_loader())
         first, second = module.step_gradients[0], module.step_gradients[1]
     else:
         module = AutomaticPolicy(normalize)
@@ -114,7 +99,7 @@ def test_a_step_where_nothing_has_a_loss_has_a_zero_gradient(normalize: str, opt
             RolloutPlanner(**kwargs, accumulate_grad_batches=4, world_size=1, rank=0).train_microbatches(rollout)
         )
         capture = GradientCapture()
-        trainer(accumulate_grad_batches=4, callbacks=[capture]).fit(
+        cpu_trainer(accumulate_grad_batches=4, callbacks=[capture]).fit(
             module, torch.utils.data.DataLoader(batches[:4], batch_size=None)
         )
         first, second = capture.grads, None
