@@ -279,3 +279,27 @@ def test_a_plan_that_miscounts_loss_tokens_is_refused_not_silently_rescaled():
     exact = PackedBatchSampler(lengths, max_tokens=16, shuffle=False, loss_tokens=[2] * 4)
     batch = PackedCollator()(PlannedDataset(samples).__getitems__(next(iter(exact))))
     assert batch["num_loss_tokens"] == 4 and batch["step_loss_tokens"] == 4
+
+
+@pytest.mark.parametrize("mode", ["packing", "dynamic"])
+def test_samples_longer_than_planned_are_refused_naming_them(mode):
+    """A dataset whose samples grow after planning (a prompt that grows per epoch, a stale cache) would pack rows far
+    above max_tokens without an error: the collator compares each microbatch with the plan's budget."""
+    from lit_seqpack.data import DynamicBatchSampler, PackedBatchSampler, PlannedDataset
+
+    samples = [{"input_ids": list(range(1, 9))} for _ in range(6)]
+    planned_lengths = [4] * 6  # what the planner was told: stale by a factor 2
+    if mode == "packing":
+        sampler, collate = PackedBatchSampler(planned_lengths, max_tokens=16), PackedCollator()
+    else:
+        sampler, collate = DynamicBatchSampler(planned_lengths, max_tokens=16), PaddedCollator()
+    planned = PlannedDataset(samples)
+    with pytest.raises(
+        ValueError, match=r"takes 32 token slots but the plan's budget is max_tokens=16 .*dataset index"
+    ):
+        for indices in sampler:
+            collate(planned.__getitems__(indices))
+    sampler_class = PackedBatchSampler if mode == "packing" else DynamicBatchSampler
+    honest = sampler_class([8] * 6, max_tokens=16)
+    for indices in honest:  # the same samples, planned on their real lengths, collate under the budget
+        assert collate(planned.__getitems__(indices))["input_ids"].numel() <= 16

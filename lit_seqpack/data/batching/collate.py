@@ -30,10 +30,33 @@ from lit_seqpack.data.batching._collate_fields import (
     token_pads,
     weight_scalars,
 )
-from lit_seqpack.data.batching._samples import read_samples
+from lit_seqpack.data.batching._samples import read_samples, sample_name
 from lit_seqpack.data.batching.fields import FieldValues, pad_token_field, scatter_tokens
 
 __all__ = ["IGNORE_INDEX", "PackedCollator", "PaddedCollator"]
+
+
+def check_planned_budget(samples: Sequence[Any], docs: Sequence[torch.Tensor], slots: int, meta: Any) -> None:
+    """Refuse a microbatch that takes more token slots than the plan's budget: its samples grew after planning.
+
+    The plan packs by the lengths it was given; samples that are longer when they are read (a dataset whose samples
+    change between epochs, a file re-tokenised behind the same object, a stale lengths cache) would otherwise make
+    rows far above ``max_tokens`` without an error, and an out-of-memory error far from its cause on a GPU.
+
+    Raises:
+        ValueError: naming the budget, the slots and the longest samples with their dataset indices.
+    """
+    budget = None if meta is None else meta.max_tokens
+    if budget is None or slots <= budget:
+        return
+    longest = sorted(range(len(docs)), key=lambda i: -len(docs[i]))[:3]
+    named = ", ".join(f"{sample_name(samples, i)}: {len(docs[i])} tokens" for i in longest)
+    raise ValueError(
+        f"this microbatch takes {slots} token slots but the plan's budget is max_tokens={budget} (longest: {named}): "
+        "its samples are longer than the lengths it was planned with. Samples that change between epochs "
+        "(augmentation, a file re-tokenised behind the same dataset) or a stale lengths cache (clear cache_dir) "
+        "cause this; plan on the lengths the samples really have"
+    )
 
 
 def _scalars(
@@ -147,6 +170,9 @@ class PackedCollator:
             empty = torch.empty(0, dtype=torch.int64)
             return self._layout([], empty, empty, empty_collator_fields(self), meta, length)
         docs, ids, labels = read_samples(samples, weighted_mask=self.loss_weight_field == "loss_mask")
+        multiple = self.pad_document_to_multiple_of or 1
+        body = sum(-(-len(doc) // multiple) * multiple for doc in docs)
+        check_planned_budget(samples, docs, round_up(body, self.pad_to_multiple_of), meta)
         return self._layout(docs, ids, labels, read_collator_fields(self, samples, docs, labels), meta, None)
 
     def _layout(
@@ -254,6 +280,7 @@ class PaddedCollator:
         fields = read_collator_fields(self, samples, docs, labels)
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         rows, width = len(docs), round_up(int(lengths.max()), self.pad_to_multiple_of)
+        check_planned_budget(samples, docs, rows * width, meta)
         real = np.arange(width) < lengths[:, None]
         where = real.reshape(-1)  # row-major order matches the concatenation
         out_labels = scatter_tokens(labels, IGNORE_INDEX, (rows, width), where)
