@@ -254,3 +254,12 @@ def test_validate_or_test_from_a_checkpoint_of_another_layout_is_allowed():
     dm.trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"))
     with pytest.raises(ValueError, match="world_size: checkpoint 2 vs now 1"):
         dm.load_state_dict(state)
+
+
+def test_a_training_split_without_any_loss_token_is_refused_at_setup():
+    """Every label -100: training would run at loss 0 while weight decay moves the weights, silently."""
+    masked = [{"input_ids": [1, 2, 3, 4], "labels": [-100] * 4} for _ in range(8)]
+    with pytest.raises(ValueError, match=r"the training split \(8 samples of DatasetSource\) has no loss token"):
+        SeqPackDataModule(source=masked, max_tokens=16).setup("fit")
+    one = [*masked, {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}]  # a single trained sample is enough
+    SeqPackDataModule(source=one, max_tokens=16).setup("fit")

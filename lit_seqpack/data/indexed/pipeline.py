@@ -160,7 +160,19 @@ class IndexedPipeline:
         )
         if not self.splits:
             self._make_splits()
+            self._check_trainable()
         self.is_set_up = True
+
+    def _check_trainable(self) -> None:
+        """Refuse a training split without a single loss token: it would train at loss 0 while weight decay moves."""
+        train = self.splits["train"]
+        if len(train.lengths) and int(train.loss_tokens.sum()) == 0:
+            raise ValueError(
+                f"the training split ({len(train.lengths)} samples of {type(self.source).__name__}) has no loss "
+                "token: every label is -100 (or every loss_mask 0) after the first token of each sample, so training "
+                "would run at loss 0 while weight decay still moves the weights. Check the labels / loss_mask of the "
+                "data (a chat template whose assistant turns were not found, a prompt mask that covers everything)"
+            )
 
     def _make_splits(self) -> None:
         """Validate the training data, apply the over-long policy and hold out the evaluation splits."""
