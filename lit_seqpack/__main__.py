@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from lit_seqpack._checks import check_int
+from lit_seqpack.config_resolvers import register_resolvers
 
 __all__ = ["build_inspect_parser", "inspect_command", "main"]
 
@@ -155,6 +156,7 @@ def inspect_command(argv: Sequence[str]) -> str:
     """
     from lit_seqpack.inspection import compare_plans, format_table, plot_inspection
 
+    register_resolvers(list(argv))
     parser = build_inspect_parser()
     cfg = parser.parse_args(list(argv))
     trainer = cfg.trainer or {}

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
+from lit_seqpack._checks import check_int
 from lit_seqpack.metrics.counts import TokenKind, check_token_kind
 from lit_seqpack.metrics.tracker import PackingTracker, RunTotals
 from lit_seqpack.parallel import ParallelLayout, mesh_layout, strategy_mesh
@@ -83,8 +85,32 @@ def _synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def loss_line(loss_key: str, first: Sequence[float], last: Sequence[float], logged: int) -> str | None:
+    """The summary's loss line: the mean of the first and of the last logged values, and how many they are.
+
+    Args:
+        loss_key: the loss's key.
+        first: the first logged values (at most ``loss_window``).
+        last: the last logged values (at most ``loss_window``).
+        logged: how many values were logged in all.
+
+    Example:
+        >>> loss_line("train/loss", [4.0, 3.0], [2.5, 1.5], logged=10)
+        'train/loss         3.5000 -> 2.0000 (mean of the first and of the last 2 of 10 logged steps)'
+        >>> loss_line("train/loss", [], [], logged=0) is None
+        True
+    """
+    if not first or not last:
+        return None
+    head, tail = sum(first) / len(first), sum(last) / len(last)
+    return (
+        f"{loss_key:<18} {head:.4f} -> {tail:.4f} (mean of the first and of the last {len(last)} of {logged} "
+        "logged steps)"
+    )
+
+
 @rank_zero_only
-def _log_summary(totals: RunTotals, losses: tuple[float | None, float | None], loss_key: str) -> None:
+def _log_summary(totals: RunTotals, loss: str | None) -> None:
     v = totals.values()
     lines = [
         "PackingMonitor summary (training, all ranks):",
@@ -97,9 +123,8 @@ def _log_summary(totals: RunTotals, losses: tuple[float | None, float | None], l
         f"bin balance {v['bin_balance']:.4f})",
         f"  rank imbalance     {v['rank_imbalance']:.4f} mean, {v['rank_imbalance_max']:.4f} max",
     ]
-    first, last = losses
-    if first is not None and last is not None:
-        lines.append(f"  {loss_key:<18} {first:.4f} -> {last:.4f}")
+    if loss is not None:
+        lines.append(f"  {loss}")
     rank_zero_info("\n".join(lines))
 
 
@@ -115,7 +140,8 @@ class PackingMonitor(Callback):
     ``rank_imbalance_max`` (rates and ratios over the window) and ``real_tokens``, ``padding_tokens``
     (cumulative). Tokens/s and the padding ratio also go to the progress bar. Validation and test log the
     same keys under ``val/`` and ``test/`` once per epoch. At the end of fit rank 0 logs a summary of the
-    whole run (and the first and last value of ``loss_key`` if the module logged it).
+    whole run and, if the module logged ``loss_key``, its smoothed first and last values: the mean of the values
+    logged at the first and at the last ``loss_window`` logging steps (one microbatch's loss is noise).
 
     Why computed values and not Metric objects: Lightning logs a Metric object's per-step value from its
     rank-local ``forward`` cache, which is neither a window nor all ranks. The values logged here are
@@ -127,13 +153,16 @@ class PackingMonitor(Callback):
     Timing: the training clock starts at the first batch and pauses during validation; the device is
     synchronised (CUDA/MPS only) at each log step, around validation and at the end of an evaluation epoch,
     never in between, so the window's tokens/s includes data loading, optimizer and logging time.
-    Stateful: the run totals (as of the last log step) are saved in checkpoints and restored on resume.
+    Stateful: a checkpoint saves the run totals of every optimizer step trained so far (also those since the last
+    log step: saving is then a collective over the ranks, as Lightning's ``save_checkpoint`` already is) and the
+    logged losses of the summary, so a resumed run ends with the totals of an uninterrupted one.
 
     Args:
         prog_bar: put ``train/tokens_per_sec`` and ``train/padding_ratio`` in the progress bar.
         summary: log the end-of-fit summary on rank 0.
         imbalance_tokens: which tokens the rank imbalance balances (``"real"`` or ``"computed"``).
         loss_key: the key under which the LightningModule logs its training loss.
+        loss_window: logging steps averaged into the summary's first and last loss.
         clock: seconds of a monotonic clock (``time.perf_counter``); replace it to time deterministically.
     """
 
@@ -144,10 +173,12 @@ class PackingMonitor(Callback):
         summary: bool = True,
         imbalance_tokens: TokenKind = "real",
         loss_key: str = "train/loss",
+        loss_window: int = 5,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if not callable(clock):
             raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
+        self.loss_window = check_int("loss_window", loss_window, minimum=1)
         self.prog_bar = prog_bar
         self.summary = summary
         self.imbalance_tokens = check_token_kind(imbalance_tokens)
@@ -157,7 +188,7 @@ class PackingMonitor(Callback):
         self._device = torch.device("cpu")
         self._step_at_batch_start = 0
         self._paused_for_val = False
-        self._loss_first: torch.Tensor | float | None = None
+        self._losses = _LoggedLosses(self.loss_window)
         self.last_summary: dict[str, float] | None = None
 
     @property
@@ -169,11 +200,11 @@ class PackingMonitor(Callback):
         _synchronize(self._device)
         return self.trackers[stage].flush(elapsed=self._watches[stage].lap())
 
-    def _read_loss(self, trainer: Trainer) -> torch.Tensor | None:
+    def _read_loss(self, trainer: Trainer) -> float | None:
         metrics = trainer.callback_metrics
         for key in (f"{self.loss_key}_step", self.loss_key):
             if key in metrics:
-                return metrics[key].detach().clone()
+                return float(metrics[key])
         return None
 
     @override
@@ -184,7 +215,7 @@ class PackingMonitor(Callback):
         if stage == "fit":
             self.trackers["train"].reset()
             self._watches["train"].reset()
-            self._loss_first = None
+            self._losses = _LoggedLosses(self.loss_window)
             self._paused_for_val = False
 
     @override
@@ -200,10 +231,11 @@ class PackingMonitor(Callback):
         self.trackers["train"].update(batch, step_end=stepped, replica=_is_replica(trainer, batch))
         # the same condition under which Lightning writes step metrics (LearningRateMonitor uses it too)
         logging_step = stepped and (trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
-        if self._loss_first is None and (batch_idx == 0 or logging_step):  # first batch, else first log step
-            self._loss_first = self._read_loss(trainer)
         if not logging_step:
             return
+        loss = self._read_loss(trainer)
+        if loss is not None:
+            self._losses.add(loss)
         values = self._flush("train")
         for key, value in values.items():
             pl_module.log(
@@ -294,18 +326,45 @@ class PackingMonitor(Callback):
         self._watches["train"].reset()
         self.last_summary = tracker.totals.values()
         if self.summary:
-            last = self._read_loss(trainer)
-            first = None if self._loss_first is None else float(self._loss_first)
-            _log_summary(tracker.totals, (first, None if last is None else float(last)), self.loss_key)
+            losses = self._losses
+            _log_summary(tracker.totals, loss_line(self.loss_key, losses.first, losses.last, losses.count))
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "totals": self.trackers["train"].totals.state_dict(),
-            "loss_first": None if self._loss_first is None else float(self._loss_first),
-        }
+        """The run totals of every whole optimizer step so far and the logged losses (a collective over ranks)."""
+        tracker = self.trackers["train"]
+        _synchronize(self._device)
+        tracker.add_elapsed(self._watches["train"].lap())  # the open window's time so far
+        return {"totals": tracker.snapshot().state_dict(), "losses": self._losses.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.trackers["train"].totals = RunTotals.from_state_dict(state_dict["totals"])
-        self._loss_first = state_dict.get("loss_first")
+        self._losses = _LoggedLosses.from_state_dict(self.loss_window, state_dict.get("losses"))
+
+
+class _LoggedLosses:
+    """The first and the last ``window`` values of the loss at logging steps, and how many were logged."""
+
+    def __init__(self, window: int) -> None:
+        self.first: list[float] = []
+        self.last: deque[float] = deque(maxlen=window)
+        self.count = 0
+
+    def add(self, value: float) -> None:
+        if len(self.first) < self.last.maxlen:
+            self.first.append(value)
+        self.last.append(value)
+        self.count += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first": list(self.first), "last": list(self.last), "count": self.count}
+
+    @classmethod
+    def from_state_dict(cls, window: int, state: Mapping[str, Any] | None) -> _LoggedLosses:
+        losses = cls(window)
+        if state is not None:  # checkpoints of lit_seqpack <= 0.1 saved no losses
+            losses.first = [float(v) for v in state["first"]][:window]
+            losses.last.extend(float(v) for v in state["last"])
+            losses.count = int(state["count"])
+        return losses

@@ -38,6 +38,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_seqpack._checks import check_int
+from lit_seqpack.config_resolvers import config_files, register_resolvers
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.data.sources._vocab import vocab_hint
 from lit_seqpack.model.vocab import model_vocab_size
@@ -159,6 +160,7 @@ class SeqPackCLI(LightningCLI):
         """
         from omegaconf.errors import InterpolationResolutionError
 
+        register_resolvers(sys.argv[1:] if args is None else args)
         try:
             super().parse_arguments(parser, args)
         except InterpolationResolutionError as err:
@@ -255,7 +257,7 @@ def explain_interpolation_error(err: Exception, args: Any) -> str:
         return message
     missing = match.group(1)
     parent, _, leaf = missing.rpartition(".")
-    for path in _config_files(args):
+    for path in config_files(args):
         section: Any = _load_yaml(path)
         for part in parent.split(".") if parent else []:
             section = section.get(part) if isinstance(section, Mapping) else None
@@ -269,18 +271,6 @@ def explain_interpolation_error(err: Exception, args: Any) -> str:
                     f"{parent + '.' if parent else ''}{close[0]}, not {leaf}: is {close[0]!r} a typo of {leaf!r}?"
                 )
     return f"{message}; set {missing} in the config (or fix the name in the ${{...}})"
-
-
-def _config_files(args: Any) -> list[str]:
-    if not isinstance(args, (list, tuple)):
-        return []
-    files = []
-    for i, arg in enumerate(args):
-        if arg in ("--config", "-c") and i + 1 < len(args):
-            files.append(str(args[i + 1]))
-        elif isinstance(arg, str) and arg.startswith("--config="):
-            files.append(arg.split("=", 1)[1])
-    return files
 
 
 def _load_yaml(path: str) -> Any:

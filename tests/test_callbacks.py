@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
@@ -192,7 +192,7 @@ def read_rows(trainer: Trainer, key: str) -> list[dict[str, float]]:
 
 def test_packed_run_logs_exact_values_progress_bar_and_summary(tmp_path, caplog):
     clock = FakeClock()
-    monitor = PackingMonitor(clock=clock)
+    monitor = PackingMonitor(clock=clock, loss_window=1)
     fit, model = trainer(tmp_path, monitor), TinyModule(clock)
     with caplog.at_level(logging.INFO):
         fit.fit(model, loader(PACKED))
@@ -218,7 +218,8 @@ def test_packed_run_logs_exact_values_progress_bar_and_summary(tmp_path, caplog)
     text = summary[0]
     assert "real tokens        80" in text and "padding tokens     32" in text and "28.57%" in text
     assert "20.0 real, 28.0 computed over 4.00 s" in text and "packing efficiency 0.6250" in text
-    assert f"train/loss         {model.losses[0]:.4f} -> {model.losses[-1]:.4f}" in text
+    # the loss of the first and of the last logging step (batches 3 and 7), not of the first microbatch
+    assert f"train/loss         {model.losses[3]:.4f} -> {model.losses[7]:.4f} (mean of the first and of the " in text
     # over the run: ceil(80 / 16) = 5 bins would hold the 80 real tokens, 8 were trained
     assert monitor.last_summary["packing_efficiency"] == pytest.approx(5 / 8)
 
@@ -292,6 +293,48 @@ def test_totals_survive_a_resume(tmp_path):
     summary = resumed_monitor.last_summary
     assert summary["real_tokens"] == 40 + real and summary["padding_tokens"] == 16 + padding
     assert summary["tokens_per_sec"] == pytest.approx((40 + real) / 4.0)
+
+
+def _packed_fit(tmp_path: Path, max_steps: int, ckpt_path: Path | None = None) -> PackingMonitor:
+    """A tiny ReferenceLM on SeqPackDataModule (exact mid-epoch resume), 2 microbatches a step, logs every 3 steps."""
+    from lit_seqpack import ReferenceLM, SeqPackDataModule
+    from lit_seqpack.data.sources import SyntheticInstructionDataset
+
+    source = SyntheticInstructionDataset(num_samples=160, vocab_size=40, median_length=20, max_length=60)
+    data = SeqPackDataModule(source=source, max_tokens=64, seed=0)
+    seed_everything(0)
+    size = {"n_layer": 1, "n_head": 2, "n_kv_head": 1, "n_embd": 16, "intermediate_size": 32, "max_seq_len": 64}
+    model = ReferenceLM(vocab_size=40, lr_schedule="constant", **size)  # the same steps whatever max_steps
+    monitor = PackingMonitor(loss_window=2)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_last=True)
+    fit = trainer(
+        tmp_path,
+        monitor,
+        max_steps=max_steps,
+        log_every_n_steps=3,
+        accumulate_grad_batches=2,
+        callbacks=[monitor, checkpoint],
+        enable_checkpointing=True,
+        enable_progress_bar=False,
+        use_distributed_sampler=False,
+    )
+    fit.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    return monitor
+
+
+_TIME_KEYS = ("tokens_per_sec", "computed_tokens_per_sec")
+
+
+def test_a_resumed_run_ends_with_the_totals_and_losses_of_an_uninterrupted_one(tmp_path):
+    """The checkpoint at step 5 lies between the log steps 3 and 6: the totals include steps 4 and 5."""
+    whole = _packed_fit(tmp_path / "whole", max_steps=9)
+    _packed_fit(tmp_path / "first", max_steps=5)
+    resumed = _packed_fit(tmp_path / "resumed", max_steps=9, ckpt_path=tmp_path / "first" / "ckpt" / "last.ckpt")
+    expected = {k: v for k, v in whole.last_summary.items() if k not in _TIME_KEYS}
+    assert {k: v for k, v in resumed.last_summary.items() if k not in _TIME_KEYS} == expected
+    assert expected["real_tokens"] > 0
+    assert resumed._losses.state_dict() == whole._losses.state_dict()  # the logged losses at steps 3, 6 and 9
+    assert whole._losses.count == 3
 
 
 def test_bad_settings_raise():

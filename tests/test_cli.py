@@ -117,8 +117,8 @@ def test_demo_config_trains_logs_checkpoints_and_resumes_mid_epoch_exactly(tmp_p
     bar = capsys.readouterr().out  # Lightning's TQDM bar writes to stdout
     assert "train/tokens_per_sec=" in bar and "train/padding_ratio=" in bar
     assert "PackingMonitor summary" in caplog.text and "train/loss" in caplog.text
-    last = tmp_path / "outputs" / "demo" / "checkpoints" / "last.ckpt"
-    assert last.is_file() and (tmp_path / "outputs" / "demo" / "version_0" / "metrics.csv").is_file()
+    last = tmp_path / "outputs" / "demo_tiny" / "checkpoints" / "last.ckpt"  # the config file's name
+    assert last.is_file() and (tmp_path / "outputs" / "demo_tiny" / "version_0" / "metrics.csv").is_file()
 
     # resume from the file: the rest of the epoch, each remaining sample exactly once, in the planned order
     resumed, after = _fit(config, "--ckpt_path", str(last), "--trainer.max_steps", "-1")
@@ -128,13 +128,20 @@ def test_demo_config_trains_logs_checkpoints_and_resumes_mid_epoch_exactly(tmp_p
     assert sorted(seen) == list(range(train_size))
 
 
-def test_resume_by_name_last_through_main(tmp_path, monkeypatch):
+def test_resume_by_name_last_finds_this_configs_own_checkpoint(tmp_path, monkeypatch):
+    """Two copies of one config in one folder keep apart: ``--ckpt_path last`` resumes each from its own run."""
     monkeypatch.chdir(tmp_path)
     config = tiny_demo(tmp_path, max_steps=4)
+    other = tmp_path / "other_run.yaml"
+    other.write_text(config.read_text())
     main(["fit", "--config", str(config)])
-    main(["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "6"])
-    state = torch.load(tmp_path / "outputs/demo/checkpoints/last.ckpt", weights_only=False, map_location="cpu")
-    assert state["global_step"] == 6
+    main(["fit", "--config", str(other), "--trainer.max_steps", "2"])
+    resumed = SeqPackCLI(args=["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "6"])
+    last = tmp_path / "outputs" / "demo_tiny" / "checkpoints" / "last.ckpt"
+    assert Path(resumed.trainer.ckpt_path) == last
+    assert torch.load(last, weights_only=False, map_location="cpu")["global_step"] == 6
+    other_last = tmp_path / "outputs" / "other_run" / "checkpoints" / "last.ckpt"
+    assert torch.load(other_last, weights_only=False, map_location="cpu")["global_step"] == 2
 
 
 def test_validate_subcommand_logs_the_loss(tmp_path, monkeypatch):
@@ -201,10 +208,12 @@ def test_hf_checkpoint_written_by_the_cli_resumes_and_loads(tmp_path, monkeypatc
     config["data"].update(max_tokens=256)
     config["data"]["source"]["init_args"].update(TINY_DATA)
     config["trainer"].update(max_steps=2, logger=False)
+    (checkpoint,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("ModelCheckpoint")]
+    checkpoint["init_args"]["every_n_train_steps"] = 2
     path = tmp_path / "hf.yaml"
     path.write_text(yaml.safe_dump(config))
-    first = SeqPackCLI(args=["fit", "--config", str(path), "--trainer.callbacks+=ModelCheckpoint"])
-    ckpt = Path(first.trainer.checkpoint_callback.best_model_path)
+    SeqPackCLI(args=["fit", "--config", str(path)])
+    ckpt = tmp_path / "outputs" / "hf" / "checkpoints" / "last.ckpt"  # where `lit-seqpack export` reads it
     resumed = SeqPackCLI(args=["fit", "--config", str(path), "--ckpt_path", str(ckpt), "--trainer.max_steps", "3"])
     assert resumed.trainer.global_step == 3
     loaded = HFCausalLM.load_from_checkpoint(ckpt)
@@ -299,11 +308,11 @@ def test_a_users_own_dataset_class_trains_from_a_yaml_class_path(tmp_path):
     path.write_text(yaml.safe_dump(config))
     result = _run(["fit", "--config", str(path)], cwd=tmp_path, path=(package,))
     assert result.returncode == 0, result.stderr[-3000:]
-    metrics = next((tmp_path / "outputs" / "demo").glob("version_*/metrics.csv")).read_text()
+    metrics = next((tmp_path / "outputs" / "own").glob("version_*/metrics.csv")).read_text()
     assert "val/loss" in metrics and "train/loss" in metrics
-    saved = yaml.safe_load(next((tmp_path / "outputs" / "demo").glob("version_*/config.yaml")).read_text())
+    saved = yaml.safe_load(next((tmp_path / "outputs" / "own").glob("version_*/config.yaml")).read_text())
     assert saved["data"]["source"]["class_path"] == "my_data.CountingDataset"
-    hparams = yaml.safe_load(next((tmp_path / "outputs" / "demo").glob("version_*/hparams.yaml")).read_text())
+    hparams = yaml.safe_load(next((tmp_path / "outputs" / "own").glob("version_*/hparams.yaml")).read_text())
     assert hparams["vocab_size"] == 18  # linked to the data's vocabulary: its largest id (17) + 1
 
 

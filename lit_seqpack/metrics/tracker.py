@@ -1,10 +1,12 @@
 """Windows and run totals of the packing metrics: the bookkeeping behind :class:`~lit_seqpack.PackingMonitor`.
 
-Lightning-free so it can be tested alone and reused in a custom loop. Each microbatch updates the window
-metrics (no device sync); :meth:`PackingTracker.flush` (a collective: every rank must call it) reduces the
-window over ranks, returns its values, folds its reduced sums into :class:`RunTotals` and starts a new
-window. Run totals are therefore identical on every rank and exact across windows, which is what a
-checkpoint needs (it is written by rank 0 and loaded by all).
+Lightning-free so it can be tested alone and reused in a custom loop. The microbatches of an optimizer step update
+the window metrics when the step closes (no device sync), so a window only ever holds whole steps;
+:meth:`PackingTracker.flush` (a collective: every rank must call it) reduces the window over ranks, returns its
+values, folds its reduced sums into :class:`RunTotals` and starts a new window. Run totals are therefore identical
+on every rank and exact across windows; :meth:`PackingTracker.snapshot` (a collective too) adds the open window to
+them without closing it, which is what a checkpoint needs (written by rank 0, loaded by all; a checkpoint taken
+inside an accumulation window leaves out that step's microbatches, which the resumed run trains again).
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ class PackingTracker:
         self.packing = PackingEfficiency()
         self.imbalance = RankImbalance(tokens=imbalance_tokens)
         self.totals = RunTotals()
-        self._open_step: BatchCounts | None = None
+        self._open_step: list[tuple[BatchCounts, bool]] = []
 
     @property
     def metrics(self) -> tuple[Metric, ...]:
@@ -146,6 +148,8 @@ class PackingTracker:
     ) -> BatchCounts:
         """Add one microbatch; ``step_end`` closes the optimizer step it belongs to. Returns its counts.
 
+        The window metrics see the microbatch when its step closes (:meth:`end_step`).
+
         Args:
             batch: the microbatch (or its counts).
             step_end: the microbatch closes its optimizer step.
@@ -153,36 +157,45 @@ class PackingTracker:
                 it enters the rank balance only, so that token sums over ranks count every row once.
         """
         counts = batch_counts(batch)
-        if not replica:
-            self.padding.update(counts)
-            self.throughput.update(counts)
-            self.packing.update(counts)
-        self._open_step = counts if self._open_step is None else self._open_step + counts
+        self._open_step.append((counts, replica))
         if step_end:
             self.end_step()
         return counts
 
     def end_step(self) -> None:
-        """Close the open optimizer step, if any microbatch was added since the last one."""
-        if self._open_step is not None:
-            self.imbalance.update(self._open_step)
-            self._open_step = None
+        """Close the open optimizer step, if any microbatch was added since the last one: the window counts it."""
+        if not self._open_step:
+            return
+        step = None
+        for counts, replica in self._open_step:
+            if not replica:
+                self.padding.update(counts)
+                self.throughput.update(counts)
+                self.packing.update(counts)
+            step = counts if step is None else step + counts
+        self.imbalance.update(step)
+        self._open_step = []
 
-    def flush(self, elapsed: float) -> dict[str, float]:
-        """Close the window (a collective): reduce it over ranks, fold it into the totals, start a new one.
+    def add_elapsed(self, seconds: float) -> None:
+        """Add seconds this rank spent in the open window (what :meth:`flush` adds too)."""
+        self.throughput.update(elapsed=seconds)
 
-        Args:
-            elapsed: seconds this rank spent in the window (the slowest rank's counts).
+    def snapshot(self) -> RunTotals:
+        """The run totals with the open window's whole steps added, the window left open (a collective).
 
-        Returns:
-            The window's rates and ratios, with ``real_tokens`` and ``padding_tokens`` cumulative (run totals).
+        What a checkpoint saves: a run restored from it continues the totals exactly where this one stands.
         """
-        self.throughput.update(elapsed=elapsed)
+        totals = RunTotals(**self.totals.state_dict())
+        totals.add(self._window())
+        return totals
+
+    def _window(self) -> RunTotals:
+        """The open window reduced over ranks (a collective), as totals."""
         padding = _reduced_state(self.padding)
         packing = _reduced_state(self.packing)
         imbalance = _reduced_state(self.imbalance)
         per_step = imbalance_per_step(imbalance["step_tokens"], imbalance["step_ranks"])
-        window = RunTotals(
+        return RunTotals(
             real_tokens=int(padding["real_tokens"]),
             padding_tokens=int(padding["padding_tokens"]),
             elapsed=float(_reduced_state(self.throughput)["elapsed"]),
@@ -194,6 +207,20 @@ class PackingTracker:
             imbalance_sum=sum(per_step),
             imbalance_max=max(per_step, default=0.0),
         )
+
+    def flush(self, elapsed: float) -> dict[str, float]:
+        """Close the window (a collective): reduce it over ranks, fold it into the totals, start a new one.
+
+        Microbatches of a step that is still open stay out of the window (they join the next one).
+
+        Args:
+            elapsed: seconds this rank spent in the window (the slowest rank's counts).
+
+        Returns:
+            The window's rates and ratios, with ``real_tokens`` and ``padding_tokens`` cumulative (run totals).
+        """
+        self.add_elapsed(elapsed)
+        window = self._window()
         for metric in self.metrics:
             metric.reset()
         self.totals.add(window)
@@ -207,4 +234,4 @@ class PackingTracker:
         for metric in self.metrics:
             metric.reset()
         self.totals = RunTotals()
-        self._open_step = None
+        self._open_step = []

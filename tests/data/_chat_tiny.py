@@ -1,7 +1,9 @@
 """A tiny chat tokenizer built locally (the ``tokenizers`` library, no download) and generated conversations.
 
 ``write_demo(folder)`` also wrote the committed assets of ``configs/chat_sft.yaml`` under
-``lit_seqpack/data/assets/chat_demo/`` (``python -m tests.data._chat_tiny lit_seqpack/data/assets/chat_demo``).
+``lit_seqpack/data/assets/chat_demo/``, and ``write_sft_demo`` those of ``configs/text_sft.yaml`` and
+``configs/tokenized_sft.yaml`` under ``lit_seqpack/data/assets/sft_demo/``
+(``python -m tests.data._chat_tiny lit_seqpack/data/assets`` writes both).
 """
 
 from __future__ import annotations
@@ -80,5 +82,36 @@ def write_demo(folder: str | Path, num_conversations: int = 400, seed: int = 0) 
     return folder
 
 
+def sum_text(rng: random.Random) -> tuple[str, str]:
+    """One sum as a question and its answer, in the tokenizer's words."""
+    a, b = rng.randint(0, 20), rng.randint(0, 20)
+    return f"what is {a} plus {b}", f"{a} plus {b} is {a + b}"
+
+
+def write_sft_demo(folder: str | Path, tokenizer: Any, num_samples: int = 400, seed: int = 0) -> Path:
+    """Write the assets of ``configs/text_sft.yaml`` and ``configs/tokenized_sft.yaml`` under ``folder``.
+
+    ``train.txt`` / ``val.txt``: one document a line (a question and its answer); ``train.jsonl`` / ``val.jsonl``:
+    the same kind of samples pre-tokenised with ``tokenizer`` (``input_ids`` and ``labels``: -100 on the question,
+    so only the answer trains).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for split, count in (("train", num_samples), ("val", max(1, num_samples // 10))):
+        samples = [sum_text(rng) for _ in range(count)]
+        (folder / f"{split}.txt").write_text("".join(f"{q} then {a}\n" for q, a in samples), encoding="utf-8")
+        with (folder / f"{split}.jsonl").open("w", encoding="utf-8") as handle:
+            for question, answer in samples:
+                prompt = [tokenizer.bos_token_id, *tokenizer.encode(question, add_special_tokens=False)]
+                reply = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
+                labels = [-100] * len(prompt) + reply
+                handle.write(json.dumps({"input_ids": prompt + reply, "labels": labels}) + "\n")
+    return folder
+
+
 if __name__ == "__main__":
-    write_demo(sys.argv[1])
+    # python -m tests.data._chat_tiny lit_seqpack/data/assets: chat_demo/ and sft_demo/
+    root = Path(sys.argv[1])
+    write_demo(root / "chat_demo")
+    write_sft_demo(root / "sft_demo", build_tokenizer())
