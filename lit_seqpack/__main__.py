@@ -3,9 +3,10 @@
 ::
 
     lit-seqpack fit --config configs/demo.yaml               # train (LightningCLI: fit, validate, test)
-    lit-seqpack fit --config configs/demo.yaml --ckpt_path outputs/demo/checkpoints/last.ckpt   # resume
+    lit-seqpack fit --config configs/demo.yaml --ckpt_path last      # resume outputs/demo/checkpoints/last.ckpt
     lit-seqpack inspect --config configs/demo.yaml --plot plan.png   # compare every mode, no training
-    lit-seqpack export --ckpt_path last.ckpt --output_dir hf_model   # an HFCausalLM as a Hugging Face folder
+    lit-seqpack export --ckpt_path last.ckpt --output_dir model_dir  # a plain or Hugging Face model folder
+    lit-seqpack generate --ckpt_path last.ckpt --prompt "..."        # text through a trained checkpoint
 
 ``inspect`` reads the ``data`` section of the same YAML (``--data.*`` overrides it) and the layout of its
 ``trainer`` section (``--world_size`` and ``--accumulate_grad_batches`` override it), plans one epoch of the
@@ -202,8 +203,8 @@ def inspect_command(argv: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of ``lit-seqpack``: ``inspect`` and ``export`` here, ``fit`` / ``validate`` / ``test`` through
-    ``SeqPackCLI``.
+    """Entry point of ``lit-seqpack``: ``inspect``, ``export`` and ``generate`` here, ``fit`` / ``validate`` /
+    ``test`` through ``SeqPackCLI``.
 
     Args:
         argv: the arguments after the program name (default ``sys.argv[1:]``).
@@ -216,6 +217,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from lit_seqpack.export import export_command
 
         print(export_command(args[1:]))
+        return
+    if args[:1] == ["generate"]:
+        from lit_seqpack.generate import generate_command
+
+        print(generate_command(args[1:]))
         return
     from lit_seqpack.cli import SeqPackCLI
 

@@ -62,7 +62,8 @@ _DESCRIPTION = (
     "(lit-seqpack SUBCOMMAND --help for the options of each). "
     "Also: 'lit-seqpack inspect --config CONFIG.yaml [--plot FILE.png]' compares every batching mode "
     "and packing algorithm on the config's data without training; "
-    "'lit-seqpack export --ckpt_path CKPT --output_dir DIR' writes a trained HFCausalLM as a Hugging Face folder."
+    "'lit-seqpack generate --ckpt_path CKPT --prompt TEXT' generates from a trained checkpoint; "
+    "'lit-seqpack export --ckpt_path CKPT --output_dir DIR' writes it as a model folder (Hugging Face for HFCausalLM)."
 )
 
 TRAINER_DEFAULTS: dict[str, Any] = {"use_distributed_sampler": False}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch import LightningDataModule
@@ -28,7 +29,10 @@ from lit_seqpack.parallel import DataParallelLayout
 from lit_seqpack.planning.algorithms import DEFAULT_ALGORITHM
 from lit_seqpack.planning.config import PlanConfig
 
-__all__ = ["SeqPackDataModule", "Source"]
+__all__ = ["TOKENIZER_STATE", "SeqPackDataModule", "Source"]
+
+TOKENIZER_STATE = "source_tokenizer"
+"""The key of the source's tokenizer folder (absolute) in the DataModule's checkpoint state, when it has one."""
 
 Source = str | IndexedSource | StreamSource | Dataset
 """What ``source=`` takes: a source object, a map-style dataset, or ``"synthetic"``. Any map-style dataset works at
@@ -205,14 +209,20 @@ class SeqPackDataModule(LightningDataModule):
         return self.pipeline.eval_loader("test")
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resume must agree with (the data and the distributed layout), and the training loader's state."""
-        return self.pipeline.state_dict()
+        """What a resume must agree with (the data and the distributed layout), the training loader's state, and the
+        source's tokenizer folder if it has one (``lit-seqpack generate`` decodes with it)."""
+        state = self.pipeline.state_dict()
+        tokenizer = getattr(self.source, "tokenizer", None)
+        if isinstance(tokenizer, (str, Path)):
+            state[TOKENIZER_STATE] = str(Path(tokenizer).expanduser().resolve())
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Refuse to resume on other data, another layout or (mid-epoch) other plan settings; restore the loader.
 
         Only ``fit`` resumes training; ``validate`` and ``test`` from a checkpoint ignore this state.
         """
+        state_dict = {key: value for key, value in state_dict.items() if key != TOKENIZER_STATE}
         trainer = self.trainer
         if trainer is not None and trainer.state.fn is not None and trainer.state.fn != "fit":
             return  # validate / test only read the weights: any data layout may evaluate a checkpoint
