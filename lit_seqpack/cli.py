@@ -2,6 +2,9 @@
 
 What it adds to a plain ``LightningCLI``:
 
+- ``${asset:...}`` (a data asset installed with the package) and ``${config_name:}`` (the ``--config`` file's name,
+  which the shipped configs use for ``outputs/<config name>/``) are resolved in configs
+  (:mod:`lit_seqpack.config_resolvers`);
 - every subcommand parser runs in omegaconf mode: ``${...}`` in a YAML file is resolved when the file is loaded
   (against that file), and ``${...}`` given on the command line (``--trainer.default_root_dir '${oc.env:HOME}'``)
   against the whole merged config (settings typed as strings: paths, names; jsonargparse checks an int or a
@@ -18,7 +21,8 @@ What it adds to a plain ``LightningCLI``:
   processes trains an order of magnitude faster with 1 thread than with torch's default of one per core);
 - the saved ``config.yaml`` may overwrite the previous run's, so rerunning the demo just works.
 
-The ``inspect`` subcommand (plan statistics without training) is dispatched by :mod:`lit_seqpack.__main__`.
+The ``inspect`` (plan statistics without training), ``generate`` and ``export`` subcommands are dispatched by
+:mod:`lit_seqpack.__main__`.
 """
 
 from __future__ import annotations

@@ -350,6 +350,24 @@ def test_test_subcommand_runs_the_test_split_or_explains_why_not(tmp_path, monke
         SeqPackCLI(args=args)
 
 
+def test_test_from_a_checkpoint_refuses_a_split_the_checkpoint_trained_on(tmp_path, monkeypatch):
+    """Regression: `test --data.test_fraction 0.05 --ckpt_path last` after a run without a test split evaluated
+    samples the checkpoint trained on."""
+    monkeypatch.chdir(tmp_path)
+    config = str(tiny_demo(tmp_path, max_steps=2))
+    SeqPackCLI(args=["fit", "--config", config])
+    with pytest.raises(
+        ValueError, match=r"of the 12 test samples .* are samples this checkpoint trained on: it held out"
+    ):
+        SeqPackCLI(args=["test", "--config", config, "--data.test_fraction", "0.05", "--ckpt_path", "last"])
+    SeqPackCLI(args=["fit", "--config", config, "--data.test_fraction", "0.05", "--trainer.max_steps", "2"])
+    held_out = SeqPackCLI(args=["test", "--config", config, "--data.test_fraction", "0.05", "--ckpt_path", "last"])
+    assert torch.isfinite(held_out.trainer.callback_metrics["test/loss"])  # the samples it held out
+    with pytest.raises(ValueError, match=r"data.seed=1\) are samples this checkpoint trained on"):
+        SeqPackCLI(args=["validate", "--config", config, "--data.test_fraction", "0.05", "--data.seed", "1",
+                         "--ckpt_path", "last"])  # fmt: skip
+
+
 class WithoutTestLoader(SeqPackDataModule):
     """A user DataModule that defines no test split."""
 

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from lit_seqpack._checks import check_int
 from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.indexed.pipeline import IndexedPipeline
-from lit_seqpack.data.indexed.splits import Split
+from lit_seqpack.data.indexed.splits import HeldOut, IndexView, Split, trained_in
 from lit_seqpack.data.settings import BatchingSettings, Mode
 from lit_seqpack.data.sources.base import IndexedSource, resolve_source
 from lit_seqpack.data.sources.streams import StreamSource
@@ -29,7 +29,11 @@ from lit_seqpack.parallel import DataParallelLayout
 from lit_seqpack.planning.algorithms import DEFAULT_ALGORITHM
 from lit_seqpack.planning.config import PlanConfig
 
-__all__ = ["TOKENIZER_STATE", "SeqPackDataModule", "Source"]
+__all__ = ["HELD_OUT_STATE", "TOKENIZER_STATE", "SeqPackDataModule", "Source"]
+
+HELD_OUT_STATE = "held_out"
+"""The key of the held-out split settings (:class:`~lit_seqpack.data.indexed.splits.HeldOut`) in the checkpoint state:
+``validate`` and ``test`` refuse a split that holds samples the checkpoint trained on."""
 
 TOKENIZER_STATE = "source_tokenizer"
 """The key of the source's tokenizer folder (absolute) in the DataModule's checkpoint state, when it has one."""
@@ -215,15 +219,52 @@ class SeqPackDataModule(LightningDataModule):
         tokenizer = getattr(self.source, "tokenizer", None)
         if isinstance(tokenizer, (str, Path)):
             state[TOKENIZER_STATE] = str(Path(tokenizer).expanduser().resolve())
+        held_out = self._held_out()
+        if held_out is not None:
+            state[HELD_OUT_STATE] = held_out._asdict()
         return state
+
+    def _held_out(self) -> HeldOut | None:
+        """The settings of the held-out splits (``None`` for a stream, or before ``setup``)."""
+        if not isinstance(self.pipeline, IndexedPipeline) or "train" not in self.pipeline.splits:
+            return None
+        splits = self.pipeline.splits
+        train = splits["train"].dataset
+        size = len(train.dataset) if isinstance(train, IndexView) else len(train)
+        settings = self.settings
+        return HeldOut(size, settings.val_fraction, settings.test_fraction, settings.seed)
+
+    def _check_held_out(self, state_dict: Mapping[str, Any], split: str) -> None:
+        """Refuse to evaluate ``split`` on samples the checkpoint trained on (its held-out settings differ)."""
+        saved, current = state_dict.get(HELD_OUT_STATE), self._held_out()
+        if saved is None or current is None or split not in self.pipeline.splits:
+            return
+        trained = HeldOut(**saved)
+        if not isinstance(self.pipeline.splits[split].dataset, IndexView):
+            return  # read from its own source
+        shared, size = trained_in(trained, current, split)
+        if shared:
+            fraction = getattr(current, f"{split}_fraction")
+            raise ValueError(
+                f"{shared} of the {size} {split} samples (data.{split}_fraction={fraction}, "
+                f"data.seed={current.seed}) are samples this checkpoint trained on: it held out "
+                f"data.val_fraction={trained.val_fraction}, data.test_fraction={trained.test_fraction} with "
+                f"data.seed={trained.seed}. Evaluate with those settings, on a separate file (the source's "
+                f"{split}_path, or data.{split}_source), or train with data.{split}_fraction > 0 to hold {split} "
+                "samples out"
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Refuse to resume on other data, another layout or (mid-epoch) other plan settings; restore the loader.
 
-        Only ``fit`` resumes training; ``validate`` and ``test`` from a checkpoint ignore this state.
+        Only ``fit`` resumes training; ``validate`` and ``test`` from a checkpoint evaluate any data layout, but refuse
+        a held-out split that holds samples the checkpoint trained on (other fractions or seed than its run's).
         """
-        state_dict = {key: value for key, value in state_dict.items() if key != TOKENIZER_STATE}
         trainer = self.trainer
         if trainer is not None and trainer.state.fn is not None and trainer.state.fn != "fit":
-            return  # validate / test only read the weights: any data layout may evaluate a checkpoint
-        self.pipeline.load_state_dict(state_dict)
+            if trainer.state.fn in ("validate", "test"):
+                self._check_held_out(state_dict, "val" if trainer.state.fn == "validate" else "test")
+            return
+        self.pipeline.load_state_dict(
+            {key: value for key, value in state_dict.items() if key not in (TOKENIZER_STATE, HELD_OUT_STATE)}
+        )

@@ -9,7 +9,7 @@ import numpy as np
 
 from lit_seqpack.data.batching.overlong import DroppedDataset, TruncatedDataset
 
-__all__ = ["IndexView", "Split", "source_index", "split_indices"]
+__all__ = ["HeldOut", "IndexView", "Split", "source_index", "split_indices", "trained_in"]
 
 
 class Split(NamedTuple):
@@ -52,6 +52,37 @@ def split_indices(
     order = np.random.default_rng(seed).permutation(num_samples)
     held = num_val + num_test
     return np.sort(order[held:]), np.sort(order[:num_val]), np.sort(order[num_val:held])
+
+
+class HeldOut(NamedTuple):
+    """What decides the held-out splits of a dataset: its size after the over-long policy, the fractions, the seed."""
+
+    num_samples: int
+    val_fraction: float
+    test_fraction: float
+    seed: int
+
+    def indices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The train, validation and test indices (:func:`split_indices`)."""
+        return split_indices(self.num_samples, self.val_fraction, seed=self.seed, test_fraction=self.test_fraction)
+
+
+def trained_in(trained: HeldOut, evaluated: HeldOut, split: str) -> tuple[int, int]:
+    """How many samples of split ``split`` (``"val"`` or ``"test"``) under ``evaluated`` were trained on under
+    ``trained``, and the split's size; ``(0, size)`` for data of another size (nothing can be said).
+
+    Example:
+        >>> trained = HeldOut(100, val_fraction=0.1, test_fraction=0.0, seed=0)
+        >>> trained_in(trained, trained._replace(test_fraction=0.05), "test")
+        (5, 5)
+        >>> trained_in(trained, trained, "val")
+        (0, 10)
+    """
+    part = {"val": 1, "test": 2}[split]
+    held = evaluated.indices()[part]
+    if trained.num_samples != evaluated.num_samples:
+        return 0, len(held)
+    return int(np.intersect1d(trained.indices()[0], held).size), len(held)
 
 
 class IndexView:
