@@ -85,7 +85,7 @@ def _synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def loss_line(loss_key: str, first: Sequence[float], last: Sequence[float], logged: int) -> str | None:
+def _loss_line(loss_key: str, first: Sequence[float], last: Sequence[float], logged: int) -> str | None:
     """The summary's loss line: the mean of the first and of the last logged values, and how many they are.
 
     Args:
@@ -95,9 +95,9 @@ def loss_line(loss_key: str, first: Sequence[float], last: Sequence[float], logg
         logged: how many values were logged in all.
 
     Example:
-        >>> loss_line("train/loss", [4.0, 3.0], [2.5, 1.5], logged=10)
+        >>> _loss_line("train/loss", [4.0, 3.0], [2.5, 1.5], logged=10)
         'train/loss         3.5000 -> 2.0000 (mean of the first and of the last 2 of 10 logged steps)'
-        >>> loss_line("train/loss", [], [], logged=0) is None
+        >>> _loss_line("train/loss", [], [], logged=0) is None
         True
     """
     if not first or not last:
@@ -327,7 +327,7 @@ class PackingMonitor(Callback):
         self.last_summary = tracker.totals.values()
         if self.summary:
             losses = self._losses
-            _log_summary(tracker.totals, loss_line(self.loss_key, losses.first, losses.last, losses.count))
+            _log_summary(tracker.totals, _loss_line(self.loss_key, losses.first, losses.last, losses.count))
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lit_seqpack._imports import require
 from lit_seqpack.checkpoints import checkpoint_tokenizer, load_checkpoint, load_module
 from lit_seqpack.generation import generate_ids, logits_function, max_length
 
@@ -100,9 +101,8 @@ class _Text:
     """Prompts and outputs through a Hugging Face tokenizer."""
 
     def __init__(self, folder: str) -> None:
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        transformers = require("transformers", purpose="reading the tokenizer")
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
         self.eos_token_id = self.tokenizer.eos_token_id
 
     def encode(self, prompt: Any) -> list[int]:

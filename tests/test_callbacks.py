@@ -391,6 +391,30 @@ def test_two_ranks_log_the_true_aggregate(tmp_path):
     assert val["val/tokens_per_sec"] == pytest.approx((40 + 48) / 4.0)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_checkpoint_between_log_steps_holds_the_totals_of_both_ranks(tmp_path):
+    """Saved at step 3 (logs every 4): the state reduces the open window over the ranks (both take part)."""
+    monitor = PackingMonitor(clock=FakeClock())
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="step3", every_n_train_steps=3)
+    fit = trainer(
+        tmp_path,
+        monitor,
+        max_steps=4,
+        callbacks=[monitor, checkpoint],
+        enable_checkpointing=True,
+        strategy=DDPStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT),
+        devices=2,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+    )
+    fit.fit(RankModule(FakeClock()))
+    saved = torch.load(tmp_path / "ckpt" / "step3.ckpt", weights_only=False)["callbacks"][monitor.state_key]
+    totals = saved["totals"]
+    # steps 1-3: rank 0 trains 14 + 10 + 0 real tokens (2 + 6 + 8 padding), rank 1 3 x 16 real tokens
+    assert (totals["real_tokens"], totals["padding_tokens"], totals["num_bins"], totals["steps"]) == (72, 16, 6, 3)
+
+
 def test_without_a_mesh_only_tensor_parallel_rank_zero_adds_to_the_token_sums() -> None:
     """lit_seqpack's layout (tensor-parallel innermost) decides which rank holds the counted copy of a row."""
     from types import SimpleNamespace
