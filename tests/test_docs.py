@@ -1,0 +1,83 @@
+"""The docs cannot go stale: the site builds with ``mkdocs build --strict`` and every code block runs.
+
+Each page's blocks run in one subprocess (``tests/_docs_runner.py``, in a sandbox folder with tiny data files and
+every Trainer capped at 3 steps); tests/_docs_blocks.py says what each block language means. A block that is only
+an excerpt is marked ``<!-- excerpt: why -->`` on the line before it and reported as skipped, by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._docs_blocks import LANGUAGES, ROOT, RUN, Block, blocks, pages
+from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
+
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
+
+ALL = [block for page in pages() for block in blocks(page)]
+RUNNABLE = {}
+for _block in ALL:
+    if _block.lang in RUN and _block.excerpt is None:
+        RUNNABLE.setdefault(_block.page, []).append(_block)
+EXCERPTS = [block for block in ALL if block.excerpt is not None]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "NO_MKDOCS_2_WARNING": "1"}
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    # mkdocs is a [docs] dependency that scripts/setup_env.sh installs: a missing one fails, never skips
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, f"mkdocs build --strict failed (pip install -e '.[docs]'?):\n{log[-5000:]}"
+    assert "WARNING" not in log, log[-5000:]
+    assert (tmp_path / "site" / "api" / "data" / "index.html").read_text().count("SeqPackDataModule") > 3
+
+
+def test_every_block_says_what_it_is() -> None:
+    untagged = [f"{b.where} ({b.lang or 'no language'})" for b in ALL if b.lang not in LANGUAGES]
+    assert not untagged, f"tag every code block with one of {LANGUAGES}: {untagged}"
+    assert len(RUNNABLE) >= 5, "the docs pages were not found"
+
+
+@pytest.mark.parametrize("page", sorted(RUNNABLE))
+def test_code_blocks_run(page: str, tmp_path: Path) -> None:
+    page_blocks: list[Block] = RUNNABLE[page]
+    listing = tmp_path / "blocks.json"
+    listing.write_text(json.dumps([{"where": b.where, "lang": b.lang, "code": b.code} for b in page_blocks]))
+    sandbox = tmp_path / "sandbox"
+    sandbox.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "tests._docs_runner", str(listing)],
+        cwd=sandbox,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"where"')]
+    failed = [r for r in reports if "error" in r]
+    assert not failed, f"{failed[0]['where']} failed:\n{failed[0]['error']}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert [r["where"] for r in reports] == [b.where for b in page_blocks]
+    assert all(r["status"] for r in reports)
+
+
+@pytest.mark.parametrize("block", EXCERPTS, ids=[b.where for b in EXCERPTS])
+def test_excerpts_are_skipped_by_name(block: Block) -> None:
+    assert block.lang in LANGUAGES, f"{block.where}: tag the excerpt's language"
+    pytest.skip(f"{block.where} ({block.lang}) is an excerpt: {block.excerpt}")
