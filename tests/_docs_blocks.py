@@ -6,7 +6,9 @@ A block's language decides what the test does with it:
 - ``bash`` / ``console``: every ``lit-seqpack ...`` and ``python ...`` command is parsed by its own CLI (the
   LightningCLI subcommands with ``--print_config``, ``inspect`` and ``export`` by their parsers, scripts by their
   ``argparse`` parser), ``bash scripts/...`` must name an existing script, ``pip install`` lines are not run;
-- ``yaml``: parsed; a config (top-level ``trainer``/``model``/``data``) is instantiated by the CLI;
+- ``yaml``: parsed; a config (top-level ``trainer``/``model``/``data``) is instantiated by the CLI, or only checked
+  by its parser when the line before says ``<!-- parse-only: why -->`` (a logger whose package is not a test
+  dependency);
 - ``text``: output or a diagram, never run.
 
 A block that is only an excerpt says so on the line before it, ``<!-- excerpt: why -->``, and is skipped by name.
@@ -26,6 +28,7 @@ LANGUAGES = (*RUN, "text")
 
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
 _EXCERPT = re.compile(r"^\s*<!--\s*excerpt:\s*(?P<reason>.+?)\s*-->\s*$")
+_PARSE_ONLY = re.compile(r"^\s*<!--\s*parse-only:\s*(?P<reason>.+?)\s*-->\s*$")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class Block:
     code: str
     excerpt: str | None
     """Why the block is only an excerpt (skipped), or ``None``."""
+    parse_only: str | None = None
+    """Why a YAML config is only parsed, not instantiated, or ``None``."""
 
     @property
     def where(self) -> str:
@@ -71,8 +76,17 @@ def blocks(path: Path) -> list[Block]:
             raise ValueError(f"{page}:{start + 1}: the code block is never closed")
         code = "\n".join(line[indent:] for line in lines[start + 1 : end]) + "\n"
         before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
-        excerpt = _EXCERPT.match(before)
-        found.append(Block(page, start + 1, match["lang"], code, excerpt["reason"] if excerpt else None))
+        excerpt, parse_only = _EXCERPT.match(before), _PARSE_ONLY.match(before)
+        found.append(
+            Block(
+                page,
+                start + 1,
+                match["lang"],
+                code,
+                excerpt["reason"] if excerpt else None,
+                parse_only["reason"] if parse_only else None,
+            )
+        )
         i = end + 1
     return found
 

@@ -129,15 +129,16 @@ def _script(args: list[str]) -> str:
     script = Path(args[0])
     if not script.is_file():
         raise FileNotFoundError(f"no such script: {script}")
-    argv = sys.argv
+    argv, path = sys.argv, list(sys.path)
     sys.argv = [str(script), *args[1:]]
+    sys.path.insert(0, str(script.resolve().parent))  # as `python script.py` does: its folder's modules import
     try:
         with _stop_after_parsing():
             runpy.run_path(str(script), run_name="__main__")
     except _Parsed:
         return "parsed"
     finally:
-        sys.argv = argv
+        sys.argv, sys.path[:] = argv, path
     return "ran"
 
 
@@ -158,8 +159,9 @@ def run_command(line: str) -> str:
     raise ValueError(f"the docs test does not know how to check {line!r}: mark the block as an excerpt")
 
 
-def run_yaml(code: str) -> str:
-    """Parse a YAML block; instantiate a config (layered on a tiny base when it is only a part of one)."""
+def run_yaml(code: str, parse_only: str | None = None) -> str:
+    """Parse a YAML block; instantiate a config (layered on a tiny base when it is only a part of one), or with
+    ``parse_only`` check it with the ``fit`` parser alone."""
     config = yaml.safe_load(code)
     if not isinstance(config, dict) or not set(config) & _CLI_KEYS:
         return "parsed"
@@ -170,6 +172,9 @@ def run_yaml(code: str) -> str:
         Path("base.yaml").write_text(yaml.safe_dump(_BASE_CONFIG))
         files += ["--config", "base.yaml"]
     Path("block.yaml").write_text(code)
+    if parse_only:
+        _cli(["fit", *files, "--config", "block.yaml"])
+        return f"parsed (parse-only: {parse_only})"
     SeqPackCLI(args=[*files, "--config", "block.yaml"], run=False)
     return "instantiated"
 
@@ -180,7 +185,7 @@ def run_block(block: dict[str, Any]) -> str:
         exec(compile(block["code"], block["where"], "exec"), {"__name__": "__main__"})  # noqa: S102
         return "ran"
     if block["lang"] == "yaml":
-        return run_yaml(block["code"])
+        return run_yaml(block["code"], block.get("parse_only"))
     return ", ".join(f"{run_command(line)}: {line}" for line in commands(block["code"]))
 
 

@@ -58,7 +58,7 @@ def test_every_block_says_what_it_is() -> None:
 def test_code_blocks_run(page: str, tmp_path: Path) -> None:
     page_blocks: list[Block] = RUNNABLE[page]
     listing = tmp_path / "blocks.json"
-    listing.write_text(json.dumps([{"where": b.where, "lang": b.lang, "code": b.code} for b in page_blocks]))
+    listing.write_text(json.dumps([{"where": b.where, "lang": b.lang, "code": b.code, "parse_only": b.parse_only} for b in page_blocks]))
     sandbox = tmp_path / "sandbox"
     sandbox.mkdir()
     result = subprocess.run(
