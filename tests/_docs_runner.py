@@ -1,11 +1,12 @@
-"""Run the code blocks of one docs page: ``python -m tests._docs_runner blocks.json`` (what tests/test_docs.py does).
+"""Run the code blocks of the docs: ``python -m tests._docs_runner pages.json`` (what tests/test_docs.py does).
 
-It runs in a sandbox folder (the working directory) that holds what the docs' examples name: ``configs/``,
+Each page runs in a sandbox folder of its own that holds what the docs' examples name: ``configs/``,
 ``examples/``, ``benchmarks/`` and ``scripts/`` of the repository, tiny pre-tokenised files ``data/train.jsonl`` and
 ``data/val.jsonl``, raw text ``data/text.jsonl``, conversations ``data/chat.jsonl`` / ``data/chat_val.jsonl`` and a
 local ``tokenizer/`` (the package's chat demo assets). Every Lightning ``Trainer`` is capped at 3 optimizer steps and
 2 evaluation batches, so a page's examples keep their real settings (``max_steps=200``) and still run in seconds.
-Prints one JSON line per block: ``{"where": ..., "status": ...}``; exits 1 at the first block that fails.
+Prints one JSON line per block, ``{"where": ..., "status": ..., "seconds": ...}`` or ``{"where": ..., "error": ...}``
+(a page stops at its first failing block).
 """
 
 from __future__ import annotations
@@ -124,8 +125,6 @@ def _cli(args: list[str]) -> str:
 
 def _script(args: list[str]) -> str:
     """Parse a ``python script.py ...`` command line with the script's own parser, without running the script."""
-    if args[:1] == ["-m"]:
-        raise ValueError(f"python -m is not checked: {shlex.join(args)}")
     script = Path(args[0])
     if not script.is_file():
         raise FileNotFoundError(f"no such script: {script}")
@@ -149,7 +148,9 @@ def run_command(line: str) -> str:
     if head == "lit-seqpack":
         return _cli(args[1:])
     if head in ("python", "python3") or head.endswith("/python"):
-        return _script(args[1:])
+        if args[1:3] == ["-m", "lit_seqpack"]:
+            return _cli(args[3:])
+        return "not run" if args[1] == "-m" else _script(args[1:])
     if head == "bash":
         if not Path(args[1]).is_file():
             raise FileNotFoundError(f"no such script: {args[1]}")
@@ -189,25 +190,37 @@ def run_block(block: dict[str, Any]) -> str:
     return ", ".join(f"{run_command(line)}: {line}" for line in commands(block["code"]))
 
 
+def run_page(blocks: list[dict[str, Any]]) -> None:
+    """Run one page's blocks in order; after a failure, report it and leave the page's other blocks."""
+    for block in blocks:
+        start = time.perf_counter()
+        try:
+            status = run_block(block)
+        except (Exception, SystemExit):  # report any failure with the block's place
+            print(json.dumps({"where": block["where"], "error": traceback.format_exc()[-4000:]}), flush=True)
+            return
+        seconds = round(time.perf_counter() - start, 2)
+        print(json.dumps({"where": block["where"], "status": status, "seconds": seconds}), flush=True)
+
+
 def main() -> None:
-    """Run the blocks listed in the JSON file ``sys.argv[1]``, in order, in the working directory."""
-    page_blocks = json.loads(Path(sys.argv[1]).read_text())
+    """Run the pages listed in the JSON file ``sys.argv[1]`` (``{page: [block, ...]}``), each in a sandbox of its
+    own under the working directory, in one process (torch and Lightning are imported once)."""
+    pages = json.loads(Path(sys.argv[1]).read_text())
     sys.argv = sys.argv[:1]  # the blocks' CLIs read their own arguments
-    make_sandbox(Path.cwd())
     import torch
 
     torch.set_num_threads(1)
     _cap_trainers()
-    os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")
-    for block in page_blocks:
-        start = time.perf_counter()
-        try:
-            status = run_block(block)
-        except BaseException:  # noqa: BLE001 - report any failure with the block's place
-            print(json.dumps({"where": block["where"], "error": traceback.format_exc()[-4000:]}), flush=True)
-            sys.exit(1)
-        seconds = round(time.perf_counter() - start, 2)
-        print(json.dumps({"where": block["where"], "status": status, "seconds": seconds}), flush=True)
+    root = Path.cwd()
+    for number, (page, blocks) in enumerate(pages.items()):
+        sandbox = root / f"page{number}"
+        sandbox.mkdir()
+        make_sandbox(sandbox)
+        os.chdir(sandbox)
+        print(json.dumps({"page": page, "sandbox": str(sandbox)}), flush=True)
+        run_page(blocks)
+    os.chdir(root)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The docs cannot go stale: the site builds with ``mkdocs build --strict`` and every code block runs.
 
-Each page's blocks run in one subprocess (``tests/_docs_runner.py``, in a sandbox folder with tiny data files and
-every Trainer capped at 3 steps); tests/_docs_blocks.py says what each block language means. A block that is only
+All pages' blocks run in one subprocess (``tests/_docs_runner.py``; each page in a sandbox folder with tiny data
+files, every Trainer capped at 3 steps); tests/_docs_blocks.py says what each block language means. A block that is only
 an excerpt is marked ``<!-- excerpt: why -->`` on the line before it and reported as skipped, by name.
 """
 
@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,27 +55,37 @@ def test_every_block_says_what_it_is() -> None:
     assert len(RUNNABLE) >= 5, "the docs pages were not found"
 
 
-@pytest.mark.parametrize("page", sorted(RUNNABLE))
-def test_code_blocks_run(page: str, tmp_path: Path) -> None:
-    page_blocks: list[Block] = RUNNABLE[page]
-    listing = tmp_path / "blocks.json"
-    listing.write_text(json.dumps([{"where": b.where, "lang": b.lang, "code": b.code, "parse_only": b.parse_only} for b in page_blocks]))
-    sandbox = tmp_path / "sandbox"
-    sandbox.mkdir()
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every runnable block's report, by place: one subprocess runs all pages (torch is imported once)."""
+    folder = tmp_path_factory.mktemp("docs_blocks")
+    listing = folder / "pages.json"
+    pages = {page: [_listed(b) for b in page_blocks] for page, page_blocks in RUNNABLE.items()}
+    listing.write_text(json.dumps(pages))
     result = subprocess.run(
         [sys.executable, "-m", "tests._docs_runner", str(listing)],
-        cwd=sandbox,
+        cwd=folder,
         env=_env(),
         capture_output=True,
         text=True,
         timeout=SUBPROCESS_TIMEOUT_S,
     )
-    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"where"')]
-    failed = [r for r in reports if "error" in r]
-    assert not failed, f"{failed[0]['where']} failed:\n{failed[0]['error']}\n{result.stderr[-3000:]}"
     assert result.returncode == 0, result.stderr[-5000:]
-    assert [r["where"] for r in reports] == [b.where for b in page_blocks]
-    assert all(r["status"] for r in reports)
+    found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"where"')]
+    return {report["where"]: report for report in found}
+
+
+def _listed(block: Block) -> dict[str, Any]:
+    return {"where": block.where, "lang": block.lang, "code": block.code, "parse_only": block.parse_only}
+
+
+@pytest.mark.parametrize("page", sorted(RUNNABLE))
+def test_code_blocks_run(page: str, reports: dict[str, dict[str, Any]]) -> None:
+    for block in RUNNABLE[page]:
+        report = reports.get(block.where)
+        assert report is not None, f"{block.where} did not run (an earlier block of the page failed?)"
+        assert "error" not in report, f"{block.where} failed:\n{report['error']}"
+        assert report["status"]
 
 
 @pytest.mark.parametrize("block", EXCERPTS, ids=[b.where for b in EXCERPTS])
