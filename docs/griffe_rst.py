@@ -40,6 +40,7 @@ def rst_to_markdown(text: str) -> str:
 class RstToMarkdown(griffe.Extension):
     """Rewrite every loaded docstring with :func:`rst_to_markdown`."""
 
-    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:  # noqa: D102
+    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
+        """Rewrite the docstring of each object griffe loads."""
         if obj.docstring is not None:
             obj.docstring.value = rst_to_markdown(obj.docstring.value)
