@@ -83,18 +83,32 @@ def _cap_trainers() -> None:
 
 @contextlib.contextmanager
 def _stop_after_parsing() -> Any:
-    """Within: an ``argparse`` parser raises :class:`_Parsed` once it parsed a command line without error."""
-    parse = argparse.ArgumentParser.parse_known_args
+    """Within: ``argparse`` raises :class:`_Parsed` once ``parse_args`` parsed a command line without error."""
+    parse = argparse.ArgumentParser.parse_args
 
     def parsed(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
         parse(self, *args, **kwargs)
         raise _Parsed
 
-    argparse.ArgumentParser.parse_known_args = parsed
+    argparse.ArgumentParser.parse_args = parsed
     try:
         yield
     finally:
-        argparse.ArgumentParser.parse_known_args = parse
+        argparse.ArgumentParser.parse_args = parse
+
+
+@contextlib.contextmanager
+def _refusal_named(line: str) -> Any:
+    """Within: a parser's exit with an error becomes a ``ValueError`` holding what it wrote to stderr."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            yield
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            raise ValueError(f"{line!r} exited with {exit_.code}: {err.getvalue()[-2000:]}") from None
+    finally:
+        sys.stderr.write(err.getvalue()[-2000:])
 
 
 def _cli(args: list[str]) -> str:
@@ -103,23 +117,21 @@ def _cli(args: list[str]) -> str:
     if sub == "inspect":
         from lit_seqpack.__main__ import build_inspect_parser
 
-        build_inspect_parser().parse_args(rest)
+        with _refusal_named(shlex.join(["lit-seqpack", *args])):
+            build_inspect_parser().parse_args(rest)
         return "parsed"
     if sub == "export":
         from lit_seqpack.export import build_export_parser
 
-        build_export_parser().parse_args(rest)
+        with _refusal_named(shlex.join(["lit-seqpack", *args])):
+            build_export_parser().parse_args(rest)
         return "parsed"
     if sub not in ("fit", "validate", "test"):
         raise ValueError(f"unknown lit-seqpack subcommand {sub!r}")
     from lit_seqpack.__main__ import main
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        try:
-            main([*args, "--print_config"] if "--print_config" not in args else args)
-        except SystemExit as exit_:
-            if exit_.code not in (0, None):
-                raise
+    with contextlib.redirect_stdout(io.StringIO()), _refusal_named(shlex.join(["lit-seqpack", *args])):
+        main([*args, "--print_config"] if "--print_config" not in args else args)
     return "parsed"
 
 
@@ -132,7 +144,7 @@ def _script(args: list[str]) -> str:
     sys.argv = [str(script), *args[1:]]
     sys.path.insert(0, str(script.resolve().parent))  # as `python script.py` does: its folder's modules import
     try:
-        with _stop_after_parsing():
+        with _stop_after_parsing(), _refusal_named(shlex.join(["python", *args])):
             runpy.run_path(str(script), run_name="__main__")
     except _Parsed:
         return "parsed"
@@ -176,7 +188,8 @@ def run_yaml(code: str, parse_only: str | None = None) -> str:
     if parse_only:
         _cli(["fit", *files, "--config", "block.yaml"])
         return f"parsed (parse-only: {parse_only})"
-    SeqPackCLI(args=[*files, "--config", "block.yaml"], run=False)
+    with _refusal_named(f"the config {code[:200]!r}"):
+        SeqPackCLI(args=[*files, "--config", "block.yaml"], run=False)
     return "instantiated"
 
 

@@ -92,3 +92,26 @@ def test_code_blocks_run(page: str, reports: dict[str, dict[str, Any]]) -> None:
 def test_excerpts_are_skipped_by_name(block: Block) -> None:
     assert block.lang in LANGUAGES, f"{block.where}: tag the excerpt's language"
     pytest.skip(f"{block.where} ({block.lang}) is an excerpt: {block.excerpt}")
+
+
+@pytest.mark.parametrize(
+    ("lang", "code", "error"),
+    [
+        ("bash", "lit-seqpack fit --config configs/no_such.yaml\n", "no_such.yaml"),
+        ("bash", "lit-seqpack fit --config configs/demo.yaml --data.no_such_setting 5\n", "no_such_setting"),
+        ("bash", "lit-seqpack inspect --config configs/demo.yaml --no_such_flag\n", "no_such_flag"),
+        ("bash", "python examples/own_model.py --no-such-flag\n", "no-such-flag"),
+        ("bash", "bash scripts/no_such.sh\n", "no such script"),
+        ("bash", "curl https://example.com\n", "does not know how to check"),
+        ("yaml", "data:\n  mode: both\n", "mode"),
+        ("python", "from lit_seqpack import NoSuchName\n", "NoSuchName"),
+    ],
+)
+def test_a_stale_block_fails(lang: str, code: str, error: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests import _docs_runner
+
+    _docs_runner.make_sandbox(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises((Exception, SystemExit)) as raised:
+        _docs_runner.run_block({"where": "stale.md:1", "lang": lang, "code": code})
+    assert error in f"{raised.typename}: {raised.value}"
