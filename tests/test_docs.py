@@ -112,6 +112,7 @@ def test_a_stale_block_fails(lang: str, code: str, error: str, tmp_path: Path, m
 
     _docs_runner.make_sandbox(tmp_path)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["docs-runner"])  # the CLIs read their own arguments
     with pytest.raises((Exception, SystemExit)) as raised:
         _docs_runner.run_block({"where": "stale.md:1", "lang": lang, "code": code})
     assert error in f"{raised.typename}: {raised.value}"
