@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv in the repository root and install lit-seqpack with its dev extras.
+# Create (or reuse) .venv in the repository root and install lit-seqpack with its dev and docs extras (the tests
+# build the docs site).
 # Where no NVIDIA GPU is visible, torch is pinned to the CPU wheel first so that no CUDA wheels are pulled.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,4 +17,4 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     "${pip[@]}" "torch==2.13.0" || "${pip[@]}" "torch>=2.5" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-"${pip[@]}" -e ".[dev]"
+"${pip[@]}" -e ".[dev,docs]"

@@ -10,7 +10,8 @@ each one starts, and attention never crosses a boundary::
 
 Backends (``backend=`` of :func:`varlen_attention`) are one :class:`AttentionBackend` record each in
 :data:`ATTENTION_BACKENDS` (what each needs, what it honours, where to go when it cannot run);
-:func:`available_backends`, ``"auto"``, the error messages and the README's table (:func:`backend_table`) read them:
+:func:`available_backends`, ``"auto"``, the error messages and the table of docs/packing.md (:func:`backend_table`)
+read them:
 
 * ``"flash_attn"``: ``flash_attn.flash_attn_varlen_func``.
 * ``"torch_varlen"``: ``torch.nn.attention.varlen.varlen_attn``. Its signature changed between releases
@@ -157,7 +158,7 @@ BACKENDS: tuple[str, ...] = tuple(ATTENTION_BACKENDS)
 
 
 def backend_table() -> str:
-    """The attention backends as a Markdown table (the README's, kept equal to it by a test).
+    """The attention backends as a Markdown table (docs/packing.md's, kept equal to it by a test).
 
     Example:
         >>> backend_table().splitlines()[0]

@@ -96,8 +96,8 @@ def test_requirements_decide_availability_and_errors() -> None:
     assert [name for name, record in ATTENTION_BACKENDS.items() if record.fallback is None] == ["sdpa"]
 
 
-def test_the_readme_table_is_the_records() -> None:
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    assert backend_table() in readme
+def test_the_docs_table_is_the_records() -> None:
+    page = (Path(__file__).parents[2] / "docs" / "packing.md").read_text()
+    assert backend_table() in page
     for name, record in ATTENTION_BACKENDS.items():
         assert f"| `{name}` |" in backend_table() and all(f"`{f}`" in backend_table() for f in record.honours)

@@ -13,7 +13,7 @@ a step in epoch 0) and ``epoch_end`` (after the last microbatch of epoch 0).
 The single-process cells run the DataModule's two restore orders: ``single`` (restored before the train loader is
 built, as DDP does) and ``late`` (after, as FSDP/ModelParallel/DeepSpeed do). The 2-process cells run DDP, FSDP2
 (``ModelParallelStrategy``) and FSDP1 on gloo in one spawned job. ``LIT_SEQPACK_RESUME_MATRIX=full`` runs every
-single-process combination (the default run keeps a subset; README "Resume" lists both).
+single-process combination (the default run keeps a subset; docs/reliability.md "Resume" lists both).
 """
 
 from __future__ import annotations
