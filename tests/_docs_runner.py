@@ -126,6 +126,12 @@ def _cli(args: list[str]) -> str:
         with _refusal_named(shlex.join(["lit-seqpack", *args])):
             build_export_parser().parse_args(rest)
         return "parsed"
+    if sub == "generate":
+        from lit_seqpack.generate import build_generate_parser
+
+        with _refusal_named(shlex.join(["lit-seqpack", *args])):
+            build_generate_parser().parse_args(rest)
+        return "parsed"
     if sub not in ("fit", "validate", "test"):
         raise ValueError(f"unknown lit-seqpack subcommand {sub!r}")
     from lit_seqpack.__main__ import main
@@ -167,7 +173,7 @@ def run_command(line: str) -> str:
         if not Path(args[1]).is_file():
             raise FileNotFoundError(f"no such script: {args[1]}")
         return "exists"
-    if head in ("pip", "mkdocs", "cd", "git") or head.endswith("/ruff") or head.endswith("/pip"):
+    if head in ("pip", "mkdocs", "cd", "git", "tensorboard") or head.endswith("/ruff") or head.endswith("/pip"):
         return "not run"
     raise ValueError(f"the docs test does not know how to check {line!r}: mark the block as an excerpt")
 
