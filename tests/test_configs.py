@@ -33,7 +33,9 @@ EXPECTED = {
     "ddp": (ReferenceLM, "packing", "first_fit_decreasing", 2),
     "chat_sft": (ReferenceLM, "packing", "first_fit_decreasing", 1),
     "stream": (ReferenceLM, "packing", "best_fit_decreasing", 1),
+    "litdata_stream": (ReferenceLM, "packing", "best_fit_decreasing", 1),
 }
+STREAMS = {"stream", "litdata_stream"}  # no index to plan up front: each has its own training test
 
 
 def test_every_shipped_config_is_covered():
@@ -64,7 +66,7 @@ def test_config_instantiates_the_documented_classes(path, tmp_path, monkeypatch)
     assert isinstance(trainer.logger, CSVLogger) and Path(trainer.logger.root_dir).name == path.stem
     if mode != "padded":
         assert model.hparams.get("max_seq_len", data.hparams.max_tokens) >= data.hparams.max_tokens
-    if path.stem == "stream":  # no index: test_stream_config_trains_a_few_steps runs it
+    if path.stem in STREAMS:  # no index: test_*stream_config_trains_a_few_steps runs it
         return
     # the DataModule plans without a Trainer: one epoch covers every training sample exactly once
     sampler = data.train_dataloader().batch_sampler
@@ -149,6 +151,30 @@ def test_stream_config_trains_a_few_steps(tmp_path, monkeypatch):
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == 3
     assert cli.datamodule.state_dict()["stream_loader"]["loader"]["yielded"] > 0  # a resumable position
+
+
+def test_litdata_stream_config_trains_on_the_committed_folder(tmp_path, monkeypatch):
+    pytest.importorskip("litdata")
+    monkeypatch.chdir(tmp_path)
+    _link_assets(tmp_path)
+    overrides = ["--trainer.max_steps=3", "--data.num_workers=0", "--trainer.enable_progress_bar=false"]
+    cli = _cli(ROOT / "configs" / "litdata_stream.yaml", *overrides)
+    assert cli.datamodule.source.num_samples == 600
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 3
+    assert cli.datamodule.state_dict()["stream_loader"]["loader"]["yielded"] > 0  # a resumable position
+
+
+def test_the_committed_litdata_folder_is_what_its_documented_command_writes():
+    """The config's comment gives the command that wrote the asset: the folder must hold exactly its samples."""
+    pytest.importorskip("litdata")
+    from lit_seqpack.data import LitDataStream, SyntheticStream
+
+    assert "SyntheticStream(num_samples=600," in (ROOT / "configs" / "litdata_stream.yaml").read_text()
+    written = SyntheticStream(num_samples=600, vocab_size=64, median_length=48, sigma=0.8, max_length=400).open()
+    stored = LitDataStream(str(ROOT / "lit_seqpack" / "data" / "assets" / "litdata_demo")).open()
+    for want, got in zip(written, stored, strict=True):
+        assert got["input_ids"].tolist() == want["input_ids"] and got["labels"].tolist() == want["labels"]
 
 
 def test_ddp_config_is_two_cpu_processes(tmp_path, monkeypatch):
