@@ -13,6 +13,7 @@ import torch
 from lit_seqpack import ReferenceLM, SeqPackDataModule
 from lit_seqpack._imports import LITDATA_INSTALL_HINT
 from lit_seqpack.data import LitDataStream, StreamSource, write_litdata
+from lit_seqpack.data.sources.streams import describe_stream
 
 litdata = pytest.importorskip("litdata")
 
@@ -44,6 +45,7 @@ def _indices(reader) -> list[int]:
 def test_the_stream_yields_exactly_the_samples_written(folder: Path) -> None:
     stream = LitDataStream(str(folder), vocab_size=50)
     assert isinstance(stream, StreamSource) and stream.num_samples == COUNT
+    assert describe_stream(stream) == f"LitDataStream({folder})"  # how errors name it
     got = list(stream.open())
     assert len(got) == COUNT
     for sample, want in zip(got, _samples(), strict=True):
