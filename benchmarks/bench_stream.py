@@ -10,8 +10,8 @@ Two Markdown tables on lognormal lengths (``--median`` tokens, shape ``--sigma``
 2. Loader: one rank's DataLoader end to end (read, plan, collate into packed rows; ``num_workers=0``), the map-style
    DataModule on the samples in memory against ``SeqPackDataModule(source=SyntheticStream(...))``: microbatches/s
    and real tokens/s, and the loader's peak Python memory (``tracemalloc``; the map-style loader holds the data).
-3. Read path: microseconds per sample over one JSONL file of ``--read-samples`` generated samples, side by side in one
-   run (best of ``--repeats`` interleaved passes): the floor (each line read and ``json.loads``-ed, nothing else),
+3. Read path: CPU microseconds per sample over one JSONL file of ``--read-samples`` generated samples, side by side in
+   one run (best of ``--repeats`` interleaved passes): the floor (each line read and ``json.loads``-ed, nothing else),
    ``JsonlStream``'s reader alone, the reader with the stream's own per-sample work (token lists converted and checked,
    the over-long policy, windows of 1,000 samples planned: what a stream adds before collation), and the whole stream
    loader to collated microbatches (``num_workers=0``, one rank; collation is the same as map-style data's), each
@@ -165,9 +165,9 @@ def read_path_table(args: argparse.Namespace) -> str:
         best = dict.fromkeys(stages, float("inf"))
         for _ in range(args.repeats):  # interleaved, so a busy machine slows every stage alike
             for name, stage in stages.items():
-                start = time.perf_counter()
+                start = time.process_time()  # CPU time: steadier than wall time on a shared machine
                 assert stage() == count, name
-                best[name] = min(best[name], time.perf_counter() - start)
+                best[name] = min(best[name], time.process_time() - start)
     floor_us = best["json.loads of each line (floor)"] / count * 1e6
     rows = [[name, f"{seconds / count * 1e6:.1f}", f"{seconds / count * 1e6 / floor_us:.2f}"]
             for name, seconds in best.items()]  # fmt: skip
@@ -175,7 +175,7 @@ def read_path_table(args: argparse.Namespace) -> str:
         f"Read path over one JSONL file of {count:,} samples (lognormal median {args.median}, with labels), "
         f"best of {args.repeats}"
     )
-    return f"{title}\n\n{markdown_table(['stage', 'us / sample', 'x floor'], rows)}"
+    return f"{title}\n\n{markdown_table(['stage', 'CPU us / sample', 'x floor'], rows)}"
 
 
 def main() -> None:
