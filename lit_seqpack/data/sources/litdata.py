@@ -78,7 +78,6 @@ class LitDataStream:
         cache_dir: where litdata caches downloaded chunks of a remote folder (``None``: litdata's default).
         storage_options: litdata's connection options for the remote store (credentials, endpoint, ...).
         max_cache_size: litdata's cache budget (``"50GB"``, a fraction of the free disk; ``None``: its default).
-
     """
 
     def __init__(
@@ -99,7 +98,7 @@ class LitDataStream:
         self.share: tuple[int, int] | None = None  # samples [start, stop) of the folder (None: all, counted lazily)
 
     def __repr__(self) -> str:
-        share = "" if self.share is None else f", samples {self.share[0]} to {self.share[1] - 1}"
+        share = "" if self.share is None else f", samples [{self.share[0]}, {self.share[1]})"
         return f"LitDataStream({self.input_dir!r}{share})"
 
     def _dataset(self) -> Any:
