@@ -10,14 +10,23 @@ Two Markdown tables on lognormal lengths (``--median`` tokens, shape ``--sigma``
 2. Loader: one rank's DataLoader end to end (read, plan, collate into packed rows; ``num_workers=0``), the map-style
    DataModule on the samples in memory against ``SeqPackDataModule(source=SyntheticStream(...))``: microbatches/s
    and real tokens/s, and the loader's peak Python memory (``tracemalloc``; the map-style loader holds the data).
+3. Read path: CPU microseconds per sample over one JSONL file of ``--read-samples`` generated samples, side by side in
+   one run (best of ``--repeats`` interleaved passes): the floor (each line read and ``json.loads``-ed, nothing else),
+   ``JsonlStream``'s reader alone, the reader with the stream's own per-sample work (token lists converted and checked,
+   the over-long policy, windows of 1,000 samples planned: what a stream adds before collation), and the whole stream
+   loader to collated microbatches (``num_workers=0``, one rank; collation is the same as map-style data's), each
+   also as a multiple of the floor.
 
     .venv/bin/python benchmarks/bench_stream.py            # 200k samples for packing, 20k through the loaders
-    .venv/bin/python benchmarks/bench_stream.py --quick    # 20k and 4k
+    .venv/bin/python benchmarks/bench_stream.py --quick    # 20k and 4k (4k through the read path)
+    .venv/bin/python benchmarks/bench_stream.py --only-read-path    # the read-path table alone
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable, Iterable
@@ -27,8 +36,8 @@ import numpy as np
 from _common import machine_summary, markdown_table
 
 from lit_seqpack import SeqPackDataModule
-from lit_seqpack.data.sources import SyntheticStream
-from lit_seqpack.data.streaming import stream_windows
+from lit_seqpack.data.sources import JsonlStream, SyntheticStream
+from lit_seqpack.data.streaming import OverlongCounter, stream_windows
 from lit_seqpack.planning.plan import PlanConfig, build_plan
 
 
@@ -120,10 +129,62 @@ def loader_table(args: argparse.Namespace) -> str:
     return f"{title}\n\n{markdown_table(headers, rows)}"
 
 
+def read_path_table(args: argparse.Namespace) -> str:
+    count = args.read_samples
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/stream.jsonl"
+        with open(path, "w") as handle:
+            handle.writelines(json.dumps(sample) + "\n" for sample in _stream(args, count).open())
+
+        def floor() -> int:
+            with open(path, "rb") as lines:
+                return sum(1 for line in lines if json.loads(line))
+
+        def reader() -> int:
+            return sum(1 for _ in JsonlStream(path).open())
+
+        def windows() -> int:  # what a stream adds before collation: each sample checked, counted, planned
+            counter = OverlongCounter(policy="error", max_tokens=args.max_tokens)
+            planned = stream_windows(
+                JsonlStream(path).open(), config=config, window_size=1_000, epoch=0, counter=counter
+            )
+            return sum(len(window.samples) + 0 * window.plan.microbatches_per_rank for window in planned)
+
+        def loader() -> int:
+            settings = {"max_tokens": args.max_tokens, "algorithm": "best_fit_decreasing", "num_workers": 0, "seed": 0}
+            module = SeqPackDataModule(source=JsonlStream(path, vocab_size=512), window=1_000, **settings)
+            return sum(int(batch["num_documents"]) for batch in module.train_dataloader())
+
+        config = PlanConfig(mode="packing", max_tokens=args.max_tokens, algorithm="best_fit_decreasing", seed=0)
+        stages = {
+            "json.loads of each line (floor)": floor,
+            "JsonlStream reader": reader,
+            "reader + windows (checked, planned)": windows,
+            "stream loader (collated microbatches)": loader,
+        }
+        best = dict.fromkeys(stages, float("inf"))
+        for _ in range(args.repeats):  # interleaved, so a busy machine slows every stage alike
+            for name, stage in stages.items():
+                start = time.process_time()  # CPU time: steadier than wall time on a shared machine
+                assert stage() == count, name
+                best[name] = min(best[name], time.process_time() - start)
+    floor_us = best["json.loads of each line (floor)"] / count * 1e6
+    rows = [[name, f"{seconds / count * 1e6:.1f}", f"{seconds / count * 1e6 / floor_us:.2f}"]
+            for name, seconds in best.items()]  # fmt: skip
+    title = (
+        f"Read path over one JSONL file of {count:,} samples (lognormal median {args.median}, with labels), "
+        f"best of {args.repeats}"
+    )
+    return f"{title}\n\n{markdown_table(['stage', 'CPU us / sample', 'x floor'], rows)}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=200_000, help="samples of the packing table")
     parser.add_argument("--loader-samples", type=int, default=20_000, help="samples through the loaders")
+    parser.add_argument("--read-samples", type=int, default=20_000, help="samples of the read-path table")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved passes of the read-path table")
+    parser.add_argument("--only-read-path", action="store_true", help="print the read-path table alone")
     parser.add_argument("--buffers", type=int, nargs="+", default=[100, 1_000, 10_000])
     parser.add_argument("--max-tokens", type=int, default=2048)
     parser.add_argument("--median", type=int, default=128)
@@ -133,12 +194,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="20k samples for packing, 4k through the loaders")
     args = parser.parse_args()
     if args.quick:
-        args.samples, args.loader_samples = 20_000, 4_000
+        args.samples, args.loader_samples, args.read_samples = 20_000, 4_000, 4_000
     print(machine_summary())
     print()
-    print(packing_table(args))
-    print()
-    print(loader_table(args))
+    if not args.only_read_path:
+        print(packing_table(args))
+        print()
+        print(loader_table(args))
+        print()
+    print(read_path_table(args))
 
 
 if __name__ == "__main__":

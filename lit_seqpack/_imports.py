@@ -29,6 +29,8 @@ __all__ = [
     "DATASETS_AVAILABLE",
     "FLASH_ATTN_AVAILABLE",
     "FLASH_ATTN_INSTALL_HINT",
+    "LITDATA_AVAILABLE",
+    "LITDATA_INSTALL_HINT",
     "MATPLOTLIB_AVAILABLE",
     "PEFT_AVAILABLE",
     "PYARROW_AVAILABLE",
@@ -42,12 +44,19 @@ MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib>=3.7", module="matplotlib")
 PYARROW_AVAILABLE = RequirementCache("pyarrow>=14", module="pyarrow")
 DATASETS_AVAILABLE = RequirementCache("datasets>=2.14", module="datasets")
 PEFT_AVAILABLE = RequirementCache("peft>=0.10", module="peft")
+LITDATA_AVAILABLE = RequirementCache("litdata>=0.2.76", module="litdata")
 
 FLASH_ATTN_INSTALL_HINT = (
     "install it with `pip install 'lit-seqpack[flash-attn]'` (or `pip install flash-attn --no-build-isolation`); "
     "flash-attn ships only a source distribution, so it needs a CUDA toolkit to build, and it must be built "
     "against the torch you run (a torch/flash-attn ABI mismatch shows up as an ImportError with an undefined "
     "symbol: reinstall flash-attn after upgrading torch)"
+)
+
+LITDATA_INSTALL_HINT = (
+    "pip install --no-deps 'litdata>=0.2.76' && pip install lightning-utilities filelock boto3 requests urllib3 "
+    "tifffile obstore (litdata's own requirements pull torchvision and with it another torch: install it without "
+    "them; lit-seqpack[litdata] lists the same packages)"
 )
 
 # top-level module -> (extra of lit-seqpack that installs it, its name on PyPI)

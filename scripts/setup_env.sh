@@ -17,4 +17,7 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     "${pip[@]}" "torch==2.13.0" || "${pip[@]}" "torch>=2.5" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-"${pip[@]}" -e ".[dev,docs]"
+"${pip[@]}" -e ".[dev,docs,litdata]"
+# litdata (LitDataStream's tests): its requirements pull torchvision and another torch, so it is installed without
+# them; the litdata extra above brings what it needs besides torch
+"${pip[@]}" --no-deps "litdata>=0.2.76"

@@ -37,7 +37,9 @@ EXPECTED = {
     "text_sft": (ReferenceLM, "packing", "first_fit_decreasing", 1),
     "tokenized_sft": (ReferenceLM, "packing", "first_fit_decreasing", 1),
     "stream": (ReferenceLM, "packing", "best_fit_decreasing", 1),
+    "litdata_stream": (ReferenceLM, "packing", "best_fit_decreasing", 1),
 }
+STREAMS = {"stream", "litdata_stream"}  # no index to plan up front: each has its own training test
 
 
 def test_every_shipped_config_is_covered():
@@ -72,7 +74,7 @@ def test_config_instantiates_the_documented_classes(path, tmp_path, monkeypatch)
     assert Path(checkpoint.dirpath) == tmp_path / "outputs" / path.stem / "checkpoints" and checkpoint.save_last
     if mode != "padded":
         assert model.hparams.get("max_seq_len", data.hparams.max_tokens) >= data.hparams.max_tokens
-    if path.stem == "stream":  # no index: test_stream_config_trains_a_few_steps runs it
+    if path.stem in STREAMS:  # no index: test_config_trains_three_steps_... runs it
         return
     # the DataModule plans without a Trainer: one epoch covers every training sample exactly once
     sampler = data.train_dataloader().batch_sampler
@@ -84,6 +86,7 @@ def test_config_instantiates_the_documented_classes(path, tmp_path, monkeypatch)
 _TINY = {
     "lit_seqpack.data.sources.SyntheticInstructionDataset": ["--data.source.init_args.num_samples=200"],
     "lit_seqpack.data.sources.SyntheticStream": ["--data.source.init_args.num_samples=300", "--data.num_workers=0"],
+    "lit_seqpack.data.LitDataStream": ["--data.num_workers=0"],
 }
 
 
@@ -93,6 +96,8 @@ def test_config_trains_three_steps_from_any_folder_under_its_own_name(path, tmp_
     outputs/<config name>/."""
     if path.stem in ("chat_sft", "text_sft", "hf_llama"):
         pytest.importorskip("transformers")
+    if path.stem == "litdata_stream":
+        pytest.importorskip("litdata")
     pytest.importorskip("tensorboard")
     monkeypatch.chdir(tmp_path)
     source = yaml.safe_load(path.read_text())["data"]["source"]["class_path"]
@@ -165,6 +170,18 @@ def test_demo_config_checkpoints_mid_epoch_and_keeps_last(tmp_path, monkeypatch)
     assert checkpoint.save_last and checkpoint._every_n_train_steps > 0
     assert Path(checkpoint.dirpath) == tmp_path / "outputs" / "demo" / "checkpoints"
     assert trainer.max_steps > 0 and trainer.max_epochs == 1
+
+
+def test_the_committed_litdata_folder_is_what_its_documented_command_writes():
+    """The config's comment gives the command that wrote the asset: the folder must hold exactly its samples."""
+    pytest.importorskip("litdata")
+    from lit_seqpack.data import LitDataStream, SyntheticStream
+
+    assert "SyntheticStream(num_samples=600," in (ROOT / "configs" / "litdata_stream.yaml").read_text()
+    written = SyntheticStream(num_samples=600, vocab_size=64, median_length=48, sigma=0.8, max_length=400).open()
+    stored = LitDataStream(str(ROOT / "lit_seqpack" / "data" / "assets" / "litdata_demo")).open()
+    for want, got in zip(written, stored, strict=True):
+        assert got["input_ids"].tolist() == want["input_ids"] and got["labels"].tolist() == want["labels"]
 
 
 def test_ddp_config_is_two_cpu_processes(tmp_path, monkeypatch):

@@ -69,6 +69,7 @@ _EXPORTS: dict[str, str] = {
     "HFIterableStream": "lit_seqpack.data.sources",
     "IndexedSource": "lit_seqpack.data.sources",
     "JsonlStream": "lit_seqpack.data.sources",
+    "LitDataStream": "lit_seqpack.data.sources",
     "MixtureStream": "lit_seqpack.data.sources",
     "ParquetStream": "lit_seqpack.data.sources",
     "StreamSource": "lit_seqpack.data.sources",
@@ -82,6 +83,7 @@ _EXPORTS: dict[str, str] = {
     "TokenizedSource": "lit_seqpack.data.sources",
     "load_tokenized": "lit_seqpack.data.sources",
     "resolve_source": "lit_seqpack.data.sources",
+    "write_litdata": "lit_seqpack.data.sources",
 }
 
 __all__ = [
@@ -101,6 +103,7 @@ __all__ = [
     "IndexedSource",
     "JsonlStream",
     "LENGTH_DISTRIBUTIONS",
+    "LitDataStream",
     "MixtureStream",
     "OVERLONG_POLICIES",
     "OverlongReport",
@@ -144,6 +147,7 @@ __all__ = [
     "scan_dataset",
     "source_index",
     "split_indices",
+    "write_litdata",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
@@ -189,6 +193,7 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
         HFIterableStream,
         IndexedSource,
         JsonlStream,
+        LitDataStream,
         MixtureStream,
         ParquetStream,
         StreamSource,
@@ -202,6 +207,7 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
         TokenizedSource,
         load_tokenized,
         resolve_source,
+        write_litdata,
     )
     from lit_seqpack.data.streaming.loader import StreamingDataLoader
     from lit_seqpack.data.streaming.pipeline import StreamPipeline

@@ -10,11 +10,13 @@ import torch
 
 from lit_seqpack.batch import IGNORE_INDEX
 
-__all__ = ["read_samples", "sample_loss_tokens", "sample_name"]
+__all__ = ["read_samples", "sample_loss_tokens", "sample_name", "token_arrays"]
 
 
 def _int_vector(value: Any, name: str, key: str, *, allow_bool: bool = False) -> torch.Tensor:
     """``value`` as a 1-D int64 tensor, or a ValueError naming the sample (``name``) and ``key``."""
+    if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:  # a stream's (token_arrays)
+        return torch.from_numpy(value)
     if value is None:
         raise ValueError(f"{name}: {key} is None; omit the key to train on every token")
     if isinstance(value, (list, tuple)) and not allow_bool:
@@ -32,7 +34,39 @@ def _int_vector(value: Any, name: str, key: str, *, allow_bool: bool = False) ->
         return torch.empty(0, dtype=torch.int64)
     if tensor.is_floating_point() or tensor.is_complex() or (tensor.dtype == torch.bool and not allow_bool):
         raise ValueError(f"{name}: {key} must hold integers, got dtype {tensor.dtype}")
-    return tensor.to(torch.int64)
+    return tensor if tensor.dtype == torch.int64 else tensor.to(torch.int64)
+
+
+def token_arrays(sample: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    """``sample`` with its ``input_ids`` and ``labels`` lists as int64 arrays, checked as the collators check them.
+
+    A stream reads each sample once and then counts, cuts, hashes and collates it: converting the lists once here
+    spares each later step its own conversion. Other keys and values that are not lists stay as they are.
+
+    Raises:
+        ValueError: a token list that is not 1-D integers (a bool, a float, a nested list), naming ``name``.
+
+    Example:
+        >>> token_arrays({"input_ids": [5, 6], "labels": [-100, 6], "id": "a"}, "sample 0")["labels"]
+        array([-100,    6])
+    """
+    if not isinstance(sample, Mapping):
+        return sample  # refused by name where it is read (the over-long counter, the collator)
+    converted = None
+    for key in ("input_ids", "labels"):
+        value = sample.get(key)
+        if not isinstance(value, (list, tuple)):
+            continue
+        if set(map(type, value)) <= {int}:  # plain ints (no bool): one pass, no dtype discovery
+            try:
+                array = np.fromiter(value, np.int64, len(value))
+            except OverflowError:
+                array = _int_vector(value, name, key).numpy()
+        else:
+            array = _int_vector(value, name, key).numpy()
+        converted = dict(sample) if converted is None else converted
+        converted[key] = array
+    return sample if converted is None else converted
 
 
 def _first_bad(parts: Sequence[torch.Tensor], bad: torch.Tensor) -> int:
@@ -64,7 +98,7 @@ def read_samples(
             found = sorted(sample) if isinstance(sample, Mapping) else type(sample).__name__
             raise ValueError(f"{name}: expected a mapping with 'input_ids', got {found}")
         doc = _int_vector(sample["input_ids"], name, "input_ids")
-        if len(doc) == 0:
+        if doc.shape[0] == 0:
             raise ValueError(f"{name}: input_ids is empty (a document needs at least one token)")
         if "labels" in sample and "loss_mask" in sample:
             raise ValueError(f"{name}: give either 'labels' or 'loss_mask', not both")
@@ -80,7 +114,7 @@ def read_samples(
             target = torch.where(mask.bool(), doc, IGNORE_INDEX) if len(mask) == len(doc) else mask
         else:
             target = doc
-        if len(target) != len(doc):
+        if target.shape[0] != doc.shape[0]:  # shape, not len(): a tensor's len is a Python call
             key = "labels" if "labels" in sample else "loss_mask"
             raise ValueError(f"{name}: {key} has {len(target)} entries but input_ids has {len(doc)}")
         ids.append(doc)

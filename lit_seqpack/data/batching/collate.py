@@ -171,7 +171,7 @@ class PackedCollator:
             return self._layout([], empty, empty, empty_collator_fields(self), meta, length)
         docs, ids, labels = read_samples(samples, weighted_mask=self.loss_weight_field == "loss_mask")
         multiple = self.pad_document_to_multiple_of or 1
-        body = sum(-(-len(doc) // multiple) * multiple for doc in docs)
+        body = sum(-(-doc.shape[0] // multiple) * multiple for doc in docs)
         check_planned_budget(samples, docs, round_up(body, self.pad_to_multiple_of), meta)
         return self._layout(docs, ids, labels, read_collator_fields(self, samples, docs, labels), meta, None)
 
@@ -184,7 +184,7 @@ class PackedCollator:
         meta: Any,
         dummy: int | None,
     ) -> dict[str, Any]:
-        lengths = np.array([len(d) for d in docs], dtype=np.int64)
+        lengths = np.array([d.shape[0] for d in docs], dtype=np.int64)
         padded = -(-lengths // (self.pad_document_to_multiple_of or 1)) * (self.pad_document_to_multiple_of or 1)
         body = int(padded.sum())
         total = dummy if dummy is not None else round_up(body, self.pad_to_multiple_of)

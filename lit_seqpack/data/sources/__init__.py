@@ -17,7 +17,9 @@ any map-style dataset                  its own training split (:class:`DatasetSo
 :class:`StreamSource`                  read in order, never indexed: :class:`JsonlStream`,
                                        :class:`ParquetStream`, :class:`HFIterableStream`,
                                        :class:`GeneratorStream`, :class:`SyntheticStream`,
-                                       :class:`MixtureStream` (``streams.py``)
+                                       :class:`MixtureStream` (``streams.py``),
+                                       :class:`LitDataStream` (a ``litdata.optimize`` folder,
+                                       ``litdata.py``)
 :class:`TokenDataset`                  what a dataset may declare so it is never scanned:
                                        ``lengths``, ``loss_tokens``, ``fingerprint``
                                        (``protocol.py``)
@@ -38,6 +40,7 @@ from __future__ import annotations
 from lit_seqpack.data.sources.base import SHORTCUTS, DatasetSource, IndexedSource, resolve_source
 from lit_seqpack.data.sources.chat import ChatDataset, ChatSource
 from lit_seqpack.data.sources.files import FileSource, TokenizedSource
+from lit_seqpack.data.sources.litdata import LitDataStream, write_litdata
 from lit_seqpack.data.sources.protocol import TokenDataset, declared_counts, declared_fingerprint
 from lit_seqpack.data.sources.streams import (
     GeneratorStream,
@@ -71,6 +74,7 @@ __all__ = [
     "HFIterableStream",
     "IndexedSource",
     "JsonlStream",
+    "LitDataStream",
     "MixtureStream",
     "ParquetStream",
     "StreamReader",
@@ -88,4 +92,5 @@ __all__ = [
     "load_tokenized",
     "resolve_source",
     "validate_record",
+    "write_litdata",
 ]

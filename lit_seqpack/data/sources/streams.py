@@ -73,6 +73,8 @@ def describe_stream(source: Any) -> str:
     if isinstance(files, list) and files:
         shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         return f"{name}({shown})"
+    if isinstance(getattr(source, "input_dir", None), str):  # a folder of chunks (LitDataStream)
+        return f"{name}({source.input_dir})"
     if isinstance(source, MixtureStream):
         return f"{name}({', '.join(describe_stream(child) for child in source.sources)})"
     factory = getattr(source, "factory", None)
@@ -233,7 +235,7 @@ class _JsonlReader(StreamReader):
                 self._handle, self.position = None, [file + 1, 0]
                 continue
             self.position = [file, offset + len(line)]
-            if line.strip():
+            if not line.isspace():  # a blank line is skipped (isspace copies nothing, unlike strip)
                 try:
                     return json.loads(line)
                 except json.JSONDecodeError as err:

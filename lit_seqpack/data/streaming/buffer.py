@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from lit_seqpack.data.batching._samples import sample_loss_tokens
+from lit_seqpack.data.batching._samples import sample_loss_tokens, token_arrays
 from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.planning.algorithms import get_packer, packing_algorithm
 from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan
@@ -246,6 +246,7 @@ def stream_windows(
             sample = next(reader, None)
             if sample is None:
                 break
+            sample = token_arrays(sample, f"sample {number} of the stream")  # converted once, not at every use
             kept = sample if counter is None else counter.admit(number, sample)
             number += 1
             if kept is not None:

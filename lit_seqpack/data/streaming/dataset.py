@@ -19,6 +19,8 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
@@ -58,7 +60,15 @@ def window_record(window: StreamWindow) -> dict[str, Any]:
         "first_microbatch": window.first_microbatch,
         "first_step": window.first_step,
         "overlong_before": window.overlong_before,
-        "carried": window.carried_in,
+        "carried": [_as_lists(sample) for sample in window.carried_in],
+    }
+
+
+def _as_lists(sample: Mapping[str, Any]) -> dict[str, Any]:
+    """A carried sample as it goes into a checkpoint: arrays as lists (a ``weights_only`` load refuses numpy arrays,
+    and tensors would cross from a loader worker one shared-memory handle each)."""
+    return {
+        key: value.tolist() if isinstance(value, (np.ndarray, torch.Tensor)) else value for key, value in sample.items()
     }
 
 

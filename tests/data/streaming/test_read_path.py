@@ -1,0 +1,65 @@
+"""The stream's per-sample read path: token lists converted once and checked by name, checkpoint-safe state."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lit_seqpack import SeqPackDataModule
+from lit_seqpack.data.sources import JsonlStream
+
+
+def _write(path: Path, samples: list[dict]) -> str:
+    path.write_text("".join(json.dumps(sample) + "\n" for sample in samples))
+    return str(path)
+
+
+def _samples(count: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(count):
+        ids = rng.integers(1, 60, int(rng.integers(2, 50))).tolist()
+        out.append({"input_ids": ids, "labels": [-100] + ids[1:]})
+    return out
+
+
+def test_a_checkpointed_stream_state_with_carried_samples_loads_weights_only(tmp_path: Path) -> None:
+    """Windows carry samples (now arrays) into the next one; the state holds them as lists, so a ``weights_only``
+    load (the default of ``torch.load``) of the checkpoint still works and resumes exactly."""
+    path = _write(tmp_path / "data.jsonl", _samples(300))
+    settings = {"window": 50, "max_tokens": 128, "num_workers": 0}
+    reference = [
+        b["input_ids"].tolist() for b in SeqPackDataModule(source=JsonlStream(path), **settings).train_dataloader()
+    ]
+    first = SeqPackDataModule(source=JsonlStream(path), **settings)
+    batches = iter(first.train_dataloader())
+    head = [next(batches)["input_ids"].tolist() for _ in range(12)]
+    state = first.state_dict()
+    assert any(w["carried"] for w in state["stream_loader"]["loader"]["windows"])  # the case under test
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    resumed = SeqPackDataModule(source=JsonlStream(path), **settings)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert head + [b["input_ids"].tolist() for b in resumed.train_dataloader()] == reference
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"input_ids": [5, True, 7]}, "sample 3 of the stream: input_ids must hold integers, found a bool"),
+        ({"input_ids": [5, 6], "labels": [5, 6.5]}, "sample 3 of the stream: labels must hold integers, got dtype"),
+        ({"input_ids": [[5, 6]]}, r"sample 3 of the stream: input_ids must be 1-D, got shape \(1, 2\)"),
+        ({"input_ids": [5, 2**70]}, "sample 3 of the stream: input_ids is not a sequence of integers"),
+    ],
+)
+def test_a_bad_token_list_is_refused_naming_the_stream_sample(tmp_path: Path, bad: dict, message: str) -> None:
+    path = _write(tmp_path / "data.jsonl", [*_samples(3), bad, *_samples(2)])
+    module = SeqPackDataModule(source=JsonlStream(path), window=50, max_tokens=128, num_workers=0)
+    with pytest.raises(ValueError, match=message):
+        list(module.train_dataloader())
