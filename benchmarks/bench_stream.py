@@ -11,16 +11,32 @@ Two Markdown tables on lognormal lengths (``--median`` tokens, shape ``--sigma``
    DataModule on the samples in memory against ``SeqPackDataModule(source=SyntheticStream(...))``: microbatches/s
    and real tokens/s, and the loader's peak Python memory (``tracemalloc``; the map-style loader holds the data).
 
+3. Ranks: ``--worlds`` real gloo ranks (one process each, ``num_workers=0``, one torch thread) drain the training
+   loader of ``StreamPipeline`` on ``--rank-samples`` samples written as JSONL shards, for ``stream_split``
+   ``replicate`` (every rank reads the whole stream) and ``rank`` (each rank reads its share, one collective a
+   window). Columns: CPU us per trained token per rank (each rank's process CPU time over the real tokens it
+   trained, the mean over ranks; the 1-rank figure is the floor), cluster real tokens/s (all ranks' tokens over
+   the slowest rank's wall time), packing efficiency (real tokens / (microbatches x max_tokens) over all ranks,
+   fillers included) against the offline plan of the same samples for the same layout, and the worst per-step token
+   imbalance over ranks (max / mean real tokens of one optimizer step; the steps where some rank only fills
+   after its share ended are counted apart).
+
     .venv/bin/python benchmarks/bench_stream.py            # 200k samples for packing, 20k through the loaders
     .venv/bin/python benchmarks/bench_stream.py --quick    # 20k and 4k
+    .venv/bin/python benchmarks/bench_stream.py --only ranks --worlds 1 2 4 --rank-samples 6000
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import socket
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,15 +48,19 @@ from lit_seqpack.data.streaming import stream_windows
 from lit_seqpack.planning.plan import PlanConfig, build_plan
 
 
+def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "mode": "packing",
+        "max_tokens": args.max_tokens,
+        "algorithm": "best_fit_decreasing",
+        "world_size": args.world,
+        "accumulate_grad_batches": args.accumulate,
+        "seed": 0,
+    }
+
+
 def _config(args: argparse.Namespace) -> PlanConfig:
-    return PlanConfig(
-        mode="packing",
-        max_tokens=args.max_tokens,
-        algorithm="best_fit_decreasing",
-        world_size=args.world,
-        accumulate_grad_batches=args.accumulate,
-        seed=0,
-    )
+    return PlanConfig(**_config_fields(args))
 
 
 def _stream(args: argparse.Namespace, count: int) -> SyntheticStream:
@@ -120,6 +140,102 @@ def loader_table(args: argparse.Namespace) -> str:
     return f"{title}\n\n{markdown_table(headers, rows)}"
 
 
+def _write_shards(args: argparse.Namespace, folder: Path) -> list[int]:
+    """``--rank-samples`` lognormal samples as 8 JSONL shards; their lengths."""
+    lengths, handles = [], [open(folder / f"part-{i}.jsonl", "w") for i in range(8)]  # noqa: SIM115
+    for number, sample in enumerate(_stream(args, args.rank_samples).open()):
+        handles[number % 8].write(json.dumps({"input_ids": sample["input_ids"]}) + "\n")
+        lengths.append(len(sample["input_ids"]))
+    for handle in handles:
+        handle.close()
+    return lengths
+
+
+def rank_child(rank: int, world: int, port: int, split: str, folder: str, args: argparse.Namespace) -> None:
+    """One gloo rank: drain the training loader; rank 0 writes every rank's figures to ``folder/result.json``."""
+    import torch
+    import torch.distributed as dist
+
+    from lit_seqpack.data.settings import BatchingSettings
+    from lit_seqpack.data.sources import JsonlStream
+    from lit_seqpack.data.streaming.pipeline import StreamPipeline
+    from lit_seqpack.parallel import DataParallelLayout
+
+    torch.set_num_threads(1)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    settings = BatchingSettings(
+        max_tokens=args.max_tokens, algorithm="best_fit_decreasing", window=args.rank_buffer, stream_split=split,
+        content_check_samples=8 if split == "replicate" else 0,
+    )  # fmt: skip
+    pipeline = StreamPipeline(settings, JsonlStream(str(Path(folder, "shards")), vocab_size=512))
+    pipeline.layout = DataParallelLayout(world_size=world, rank=rank, accumulate_grad_batches=args.accumulate)
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    steps: list[int] = []
+    microbatches = 0
+    for number, batch in enumerate(pipeline.train_loader()):
+        if number % args.accumulate == 0:
+            steps.append(0)
+        steps[-1] += int(batch["num_real_tokens"]) if not batch["is_empty"] else 0
+        microbatches += 1
+    mine = {"cpu": time.process_time() - cpu, "wall": time.perf_counter() - wall, "steps": steps, "mb": microbatches}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        Path(folder, "result.json").write_text(json.dumps(everyone))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_row(world: int, split: str, ranks: list[dict[str, Any]], offline: float, max_tokens: int) -> list[str]:
+    steps = np.array([r["steps"] for r in ranks], dtype=np.float64)  # [ranks, steps]: the same steps on each rank
+    tokens = steps.sum(axis=1)
+    cpu_per_token = float(np.mean([r["cpu"] / t for r, t in zip(ranks, tokens, strict=True) if t])) * 1e6
+    efficiency = tokens.sum() / (sum(r["mb"] for r in ranks) * max_tokens)
+    full = (steps > 0).all(axis=0)  # steps where every rank trains (not filling after its share ended)
+    ratio = steps.max(axis=0) / np.maximum(steps.mean(axis=0), 1)
+    return [
+        str(world),
+        split,
+        f"{cpu_per_token:.2f}",
+        f"{tokens.sum() / max(r['wall'] for r in ranks):,.0f}",
+        f"{efficiency:.4f}",
+        f"{efficiency / offline:.4f}",
+        f"{ratio[full].max():.3f}" if full.any() else "-",
+        str(int((~full).sum())),
+    ]
+
+
+def ranks_table(args: argparse.Namespace) -> str:
+    import torch.multiprocessing as mp
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "shards").mkdir()
+        lengths = np.array(_write_shards(args, Path(folder, "shards")), dtype=np.int64)
+        for world in args.worlds:
+            config = PlanConfig(**{**_config_fields(args), "world_size": world})
+            plan = build_plan(lengths, config, epoch=0)
+            offline = int(lengths.sum()) / (plan.microbatches_per_rank * world * args.max_tokens)
+            for split in ("replicate", "rank"):
+                mp.spawn(rank_child, args=(world, _free_port(), split, folder, args), nprocs=world, join=True)
+                ranks = json.loads(Path(folder, "result.json").read_text())
+                rows.append(_rank_row(world, split, ranks, offline, args.max_tokens))
+    headers = ["ranks", "stream_split", "CPU us/token/rank", "cluster tokens/s", "efficiency", "vs offline",
+               "worst step max/mean", "filler steps"]  # fmt: skip
+    title = (
+        f"Real gloo ranks, {args.rank_samples:,} samples in 8 JSONL shards, buffer {args.rank_buffer:,}, "
+        f"accumulation {args.accumulate}, max_tokens {args.max_tokens:,} (num_workers=0)"
+    )
+    return f"{title}\n\n{markdown_table(headers, rows)}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=200_000, help="samples of the packing table")
@@ -131,14 +247,19 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="20k samples for packing, 4k through the loaders")
+    parser.add_argument("--worlds", type=int, nargs="*", default=[1, 2, 4], help="real gloo ranks of the rank table")
+    parser.add_argument("--rank-samples", type=int, default=6_000, help="samples of the rank table")
+    parser.add_argument("--rank-buffer", type=int, default=1_000, help="stream window of the rank table")
+    parser.add_argument("--only", choices=["packing", "loader", "ranks"], default=None, help="run one table")
     args = parser.parse_args()
     if args.quick:
         args.samples, args.loader_samples = 20_000, 4_000
     print(machine_summary())
-    print()
-    print(packing_table(args))
-    print()
-    print(loader_table(args))
+    tables = {"packing": packing_table, "loader": loader_table, "ranks": ranks_table}
+    for name, table in tables.items():
+        if args.only in (None, name) and (name != "ranks" or args.worlds):
+            print()
+            print(table(args))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.sources.streams import describe_stream
 from lit_seqpack.data.streaming.buffer import OverlongCounter
 from lit_seqpack.data.streaming.dataset import STREAM_KEY, StreamingDataset, StreamStart
-from lit_seqpack.data.streaming.lockstep import LockStep, ShareFacts, gather_shares
+from lit_seqpack.data.streaming.lockstep import Gather, LockStep, ShareFacts, gather_object
 from lit_seqpack.data.streaming.rank_check import WindowDigest, check_ranks_agree, stream_end
 
 __all__ = ["KEPT_WINDOWS", "StreamingDataLoader"]
@@ -56,6 +56,8 @@ class StreamingDataLoader(DataLoader):
             its ``overlong_report``); a summary is also logged at the end of each epoch with over-long samples.
         on_batch: called in the main process as each batch is drawn, before it is returned (the DataModule moves a
             restored training loop back to an optimizer step's start there).
+        gather: ``value -> every data-parallel rank's value``, the lock step's collective (shares read by rank;
+            default: ``torch.distributed.all_gather_object``; a test or a benchmark simulates ranks with threads).
         **kwargs: other ``DataLoader`` arguments (``pin_memory``, ``prefetch_factor``, ...).
     """
 
@@ -67,6 +69,7 @@ class StreamingDataLoader(DataLoader):
         start_source: StartSource | None = None,
         report_to: Callable[[OverlongReport], None] | None = None,
         on_batch: Callable[[], None] | None = None,
+        gather: Gather | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("persistent_workers"):
@@ -76,6 +79,8 @@ class StreamingDataLoader(DataLoader):
             )
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
         self.start_source, self.report_to, self.on_batch = start_source, report_to, on_batch
+        world_size = dataset.world_size
+        self.gather: Gather = gather or (lambda value: gather_object(value, world_size))
         self._epoch, self._yielded = 0, 0
         self._windows: deque[dict[str, Any]] = deque(maxlen=KEPT_WINDOWS)
         self._overlong: dict[str, Any] | None = None
@@ -121,7 +126,7 @@ class StreamingDataLoader(DataLoader):
         dataset = self.dataset
         rank, world_size = dataset.data_parallel  # type: ignore[misc]
         accumulate = dataset.config.accumulate_grad_batches
-        lock = LockStep(rank=rank, world_size=world_size, epoch=start.epoch)
+        lock = LockStep(rank=rank, world_size=world_size, epoch=start.epoch, gather=self.gather)
         batches, pending = super().__iter__(), None
         number = start.microbatch
         while True:
@@ -223,7 +228,7 @@ class StreamingDataLoader(DataLoader):
         """
         state = {"epoch": self._epoch, "yielded": self._yielded, "windows": list(self._windows)}
         if self.dataset.data_parallel is not None:
-            state["shares"] = gather_shares(state["windows"], self.dataset.data_parallel[1])
+            state["shares"] = list(self.gather(state["windows"]))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -30,7 +30,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["LockStep", "ShareFacts", "gather_facts", "gather_shares"]
+__all__ = ["Gather", "LockStep", "ShareFacts", "gather_object"]
+
+
+Gather = Callable[[Any], Sequence[Any]]
+"""``value -> every data-parallel rank's value``, in rank order (an ``all_gather_object``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,22 +56,18 @@ class ShareFacts:
     idle: bool = False
 
 
-def gather_facts(mine: ShareFacts, world_size: int) -> list[ShareFacts]:
-    """Every rank's facts (one ``all_gather_object``); only ``mine`` without ``torch.distributed`` or on one rank."""
-    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return [mine]
-    everyone: list[ShareFacts | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return _data_parallel(everyone, world_size)  # type: ignore[return-value]
+def gather_object(value: Any, world_size: int) -> list[Any]:
+    """Every data-parallel rank's ``value`` (one ``all_gather_object``); ``[value]`` without ``torch.distributed``.
 
-
-def gather_shares(windows: list[Any], world_size: int) -> list[list[Any]]:
-    """Every rank's window records for a checkpoint (one ``all_gather_object``; only this rank's without one)."""
+    Example:
+        >>> gather_object({"steps": 3}, world_size=1)
+        [{'steps': 3}]
+    """
     if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return [windows]
-    everyone: list[list[Any] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, windows)
-    return _data_parallel(everyone, world_size)  # type: ignore[return-value]
+        return [value]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return _data_parallel(everyone, world_size)
 
 
 def _data_parallel(everyone: list[Any], world_size: int) -> list[Any]:
@@ -85,7 +85,7 @@ class LockStep:
         rank: this data-parallel rank.
         world_size: the data-parallel ranks.
         epoch: the epoch being read.
-        gather: ``facts -> every rank's facts``; :func:`gather_facts` by default.
+        gather: ``value -> every data-parallel rank's value`` (:func:`gather_object` by default).
     """
 
     def __init__(
@@ -94,10 +94,10 @@ class LockStep:
         rank: int,
         world_size: int,
         epoch: int,
-        gather: Callable[[ShareFacts], Sequence[ShareFacts]] | None = None,
+        gather: Gather | None = None,
     ) -> None:
         self.rank, self.world_size, self.epoch = rank, world_size, epoch
-        self.gather = gather or (lambda facts: gather_facts(facts, world_size))
+        self.gather = gather or (lambda value: gather_object(value, world_size))
         self.known = [0] * world_size  # each rank's steps read so far (the end of its last window's steps)
         self.ended = [False] * world_size
         self.any_step = False  # some rank had a step this iteration

@@ -101,7 +101,8 @@ class StreamPipeline:
             **plan_settings(config),
             "window": settings.stream_window,  # the stream's window, not the planner's (None: one buffer)
             "pad_to_multiple_of": settings.pad_to_multiple_of,
-            "stream_split": settings.stream_split,
+            # one rank reads the whole stream either way: the same windows, the same checkpoint
+            "stream_split": settings.stream_split if self.layout.world_size > 1 else None,
         }
 
     def _counter(self) -> OverlongCounter | None:
@@ -243,7 +244,8 @@ class StreamPipeline:
         saved, current = dict(state["facts"]), self.facts()
         if _LEGACY_WINDOW in saved:
             saved["window"] = saved.pop(_LEGACY_WINDOW)
-        saved.setdefault("stream_split", "replicate")  # written before there was a choice
+        if "stream_split" not in saved:  # written before there was a choice: every rank read the whole stream
+            saved["stream_split"] = "replicate" if saved.get("world_size", 1) > 1 else None
         changed = [f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in current if saved.get(k) != current[k]]
         if changed:
             raise ValueError(
