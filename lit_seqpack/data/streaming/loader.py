@@ -8,7 +8,13 @@ train, plans that window again (plans are deterministic) and skips the microbatc
 workers and a prefetch of ``P``, the loader is at most ``W x P`` batches ahead of the training loop, and Lightning
 one more; :data:`KEPT_WINDOWS` windows (each at least one microbatch) cover that lead for the defaults.
 
-Under ``torch.distributed`` the loader also compares each window's digest across ranks in the main process
+With ``stream_split="rank"`` the state also holds every rank's window records (``"shares"``, gathered when the
+state is built, which every rank does at a checkpoint), and the loader keeps the ranks in lock step
+(:mod:`~lit_seqpack.data.streaming.lockstep`): one collective whenever a rank reads its next window, fillers once a
+rank's share has ended, ``step_loss_tokens`` summed over the ranks.
+
+Under ``stream_split="replicate"`` and ``torch.distributed`` the loader compares each window's digest across ranks
+in the main process
 (:mod:`~lit_seqpack.data.streaming.rank_check`) at the first batch of every window, and the end of the stream when the
 iteration runs out, so streams that differ anywhere (the tail included) raise on every rank instead of hanging. An
 iteration from the stream's start that yields no microbatch (an empty stream, or every sample dropped) raises on
@@ -18,6 +24,7 @@ every rank, naming the stream: an empty epoch would otherwise train nothing sile
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -134,7 +141,12 @@ class StreamingDataLoader(DataLoader):
             while missing := lock.missing(step):
                 mine = None
                 if rank in missing:  # this rank's next window (its first batch carries the window's steps), or its end
-                    pending = next(batches, None)
+                    try:
+                        pending = next(batches, None)
+                    except Exception as err:  # every rank raises with it at this collective: none waits for this one
+                        with contextlib.suppress(RuntimeError):  # this rank raises its own error
+                            lock.exchange(mine=ShareFacts(epoch=start.epoch, error=f"{type(err).__name__}: {err}"))
+                        raise
                     mine = _share_facts(pending, start.epoch)
                 lock.exchange(mine=mine)
             if lock.finished(step):

@@ -47,6 +47,8 @@ class ShareFacts:
         step_loss_tokens: the loss tokens of each of the window's steps, on this rank.
         ended: the rank's share has no more window this epoch.
         idle: the rank had no window to read for this collective (it knows its next steps already).
+        error: reading the rank's next window failed (a bad line, an over-long sample under ``overlong="error"``):
+            every rank raises, naming it, instead of waiting for that rank at the next collective.
     """
 
     epoch: int
@@ -54,6 +56,7 @@ class ShareFacts:
     step_loss_tokens: tuple[int, ...] = ()
     ended: bool = False
     idle: bool = False
+    error: str | None = None
 
 
 def gather_object(value: Any, world_size: int) -> list[Any]:
@@ -128,11 +131,15 @@ class LockStep:
         """One collective: send ``mine`` (or an idle note), fold in every rank's facts (``everyone``: given, in tests).
 
         Raises:
-            RuntimeError: on every rank, when the ranks read different epochs.
+            RuntimeError: on every rank, when the ranks read different epochs or a rank failed to read its window.
         """
         if everyone is None:
             everyone = self.gather(mine or ShareFacts(epoch=self.epoch, idle=True))
         self.collectives += 1
+        failed = [(r, facts.error) for r, facts in enumerate(everyone) if facts.error is not None]
+        if failed:
+            said = "; ".join(f"rank {r}: {error}" for r, error in failed)
+            raise RuntimeError(f"reading the stream shares failed on rank(s) {[r for r, _ in failed]} ({said})")
         epochs = {facts.epoch for facts in everyone}
         if len(epochs) > 1:
             at = ", ".join(f"rank {r}: epoch {facts.epoch}" for r, facts in enumerate(everyone))

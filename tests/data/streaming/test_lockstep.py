@@ -117,6 +117,28 @@ def test_shares_of_unequal_length_fill_until_every_share_ended_and_an_empty_shar
     assert fillers[0] > fillers[3] > fillers[1]
 
 
+class FailingShares(Shares):
+    """Rank 1's share raises at its 40th sample (a bad line, an over-long sample): inside its third window."""
+
+    def split(self, index: int, count: int) -> GeneratorStream:
+        def samples() -> Any:
+            for n in self.shares[index]:
+                if index == 1 and n == 90:
+                    raise ValueError("data.jsonl: byte 1234: not a JSON line")
+                yield {"input_ids": [1] * (2 + n % 40), "index": n}
+
+        return GeneratorStream(samples)
+
+
+def test_a_share_that_fails_to_read_raises_on_every_rank_naming_the_rank() -> None:
+    errors = _run(
+        2, lambda rank, gather: list(_loader(FailingShares([list(range(50)), list(range(50, 130))]), rank, 2, gather))
+    )
+    assert isinstance(errors[1], ValueError) and "not a JSON line" in str(errors[1])
+    assert isinstance(errors[0], RuntimeError)
+    assert "failed on rank(s) [1] (rank 1: ValueError: data.jsonl: byte 1234: not a JSON line)" in str(errors[0])
+
+
 def test_an_empty_stream_is_refused_on_every_rank_naming_it() -> None:
     errors = _run(2, lambda rank, gather: list(_loader(Shares([[], []]), rank, 2, gather)))
     assert all(isinstance(e, ValueError) and "gave no microbatch in epoch 0" in str(e) for e in errors), errors
