@@ -171,20 +171,65 @@ def rank_child(rank: int, world: int, port: int, split: str, folder: str, args: 
     pipeline = StreamPipeline(settings, JsonlStream(str(Path(folder, "shards")), vocab_size=512))
     pipeline.layout = DataParallelLayout(world_size=world, rank=rank, accumulate_grad_batches=args.accumulate)
     dist.barrier()
-    wall, cpu = time.perf_counter(), time.process_time()
-    steps: list[int] = []
-    microbatches = 0
-    for number, batch in enumerate(pipeline.train_loader()):
-        if number % args.accumulate == 0:
-            steps.append(0)
-        steps[-1] += int(batch["num_real_tokens"]) if not batch["is_empty"] else 0
-        microbatches += 1
-    mine = {"cpu": time.process_time() - cpu, "wall": time.perf_counter() - wall, "steps": steps, "mb": microbatches}
+    mine = _drain_steps(pipeline.train_loader, args.accumulate, time.process_time)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
         Path(folder, "result.json").write_text(json.dumps(everyone))
     dist.destroy_process_group()
+
+
+def _drain_steps(make_loader: Callable[[], Iterable[Any]], accumulate: int, clock: Callable[[], float]) -> dict:
+    """One rank's pass: CPU seconds (``clock``), wall seconds, real tokens of each step, microbatches."""
+    wall, cpu = time.perf_counter(), clock()
+    steps: list[int] = []
+    microbatches = 0
+    for number, batch in enumerate(make_loader()):
+        if number % accumulate == 0:
+            steps.append(0)
+        steps[-1] += int(batch["num_real_tokens"]) if not batch["is_empty"] else 0
+        microbatches += 1
+    return {"cpu": clock() - cpu, "wall": time.perf_counter() - wall, "steps": steps, "mb": microbatches}
+
+
+def simulated_ranks(world: int, folder: str, args: argparse.Namespace) -> list[dict]:
+    """``stream_split="rank"`` on ``world`` ranks simulated by threads of this process (the collective is a barrier;
+    CPU is each thread's own), for world sizes the box cannot run as processes."""
+    import threading
+
+    from lit_seqpack.data.settings import BatchingSettings
+    from lit_seqpack.data.sources import JsonlStream
+    from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
+    from lit_seqpack.parallel import DataParallelLayout
+
+    settings = BatchingSettings(max_tokens=args.max_tokens, algorithm="best_fit_decreasing", window=args.rank_buffer)
+    barrier, slots, results = threading.Barrier(world), [None] * world, [None] * world
+
+    def gather_of(rank: int) -> Callable[[Any], list[Any]]:
+        def gather(value: Any) -> list[Any]:
+            slots[rank] = value
+            barrier.wait()
+            everyone = list(slots)
+            barrier.wait()
+            return everyone
+
+        return gather
+
+    def run(rank: int) -> None:
+        dataset = StreamingDataset(
+            JsonlStream(str(Path(folder, "shards")), vocab_size=512).split(rank, world),
+            config=settings.plan_config(DataParallelLayout(accumulate_grad_batches=args.accumulate)),
+            rank=0, window_size=args.rank_buffer, collator=settings.collator(), data_parallel=(rank, world),
+        )  # fmt: skip
+        loader = lambda: StreamingDataLoader(dataset, gather=gather_of(rank))  # noqa: E731
+        results[rank] = _drain_steps(loader, args.accumulate, time.thread_time)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results  # type: ignore[return-value]
 
 
 def _free_port() -> int:
@@ -193,7 +238,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_row(world: int, split: str, ranks: list[dict[str, Any]], offline: float, max_tokens: int) -> list[str]:
+def _rank_row(world: int | str, split: str, ranks: list[dict[str, Any]], offline: float, max_tokens: int) -> list[str]:
     steps = np.array([r["steps"] for r in ranks], dtype=np.float64)  # [ranks, steps]: the same steps on each rank
     tokens = steps.sum(axis=1)
     cpu_per_token = float(np.mean([r["cpu"] / t for r, t in zip(ranks, tokens, strict=True) if t])) * 1e6
@@ -227,11 +272,19 @@ def ranks_table(args: argparse.Namespace) -> str:
                 mp.spawn(rank_child, args=(world, _free_port(), split, folder, args), nprocs=world, join=True)
                 ranks = json.loads(Path(folder, "result.json").read_text())
                 rows.append(_rank_row(world, split, ranks, offline, args.max_tokens))
+        for world in args.simulated:
+            config = PlanConfig(**{**_config_fields(args), "world_size": world})
+            offline = int(lengths.sum()) / (
+                build_plan(lengths, config, epoch=0).microbatches_per_rank * world * args.max_tokens
+            )
+            ranks = simulated_ranks(world, folder, args)
+            rows.append(_rank_row(f"{world} (threads)", "rank", ranks, offline, args.max_tokens))
     headers = ["ranks", "stream_split", "CPU us/token/rank", "cluster tokens/s", "efficiency", "vs offline",
                "worst step max/mean", "filler steps"]  # fmt: skip
     title = (
         f"Real gloo ranks, {args.rank_samples:,} samples in 8 JSONL shards, buffer {args.rank_buffer:,}, "
-        f"accumulation {args.accumulate}, max_tokens {args.max_tokens:,} (num_workers=0)"
+        f"accumulation {args.accumulate}, max_tokens {args.max_tokens:,} (num_workers=0; ranks marked threads share "
+        "one process: their tokens/s is not a cluster's)"
     )
     return f"{title}\n\n{markdown_table(headers, rows)}"
 
@@ -248,6 +301,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="20k samples for packing, 4k through the loaders")
     parser.add_argument("--worlds", type=int, nargs="*", default=[1, 2, 4], help="real gloo ranks of the rank table")
+    parser.add_argument("--simulated", type=int, nargs="*", default=[8, 16], help="ranks simulated by threads")
     parser.add_argument("--rank-samples", type=int, default=6_000, help="samples of the rank table")
     parser.add_argument("--rank-buffer", type=int, default=1_000, help="stream window of the rank table")
     parser.add_argument("--only", choices=["packing", "loader", "ranks"], default=None, help="run one table")
@@ -257,7 +311,7 @@ def main() -> None:
     print(machine_summary())
     tables = {"packing": packing_table, "loader": loader_table, "ranks": ranks_table}
     for name, table in tables.items():
-        if args.only in (None, name) and (name != "ranks" or args.worlds):
+        if args.only in (None, name) and (name != "ranks" or args.worlds or args.simulated):
             print()
             print(table(args))
 

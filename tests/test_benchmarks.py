@@ -247,13 +247,15 @@ def test_bench_collate_table_smoke():
 
 def test_bench_stream_prints_the_packing_loader_and_ranks_tables():
     args = ["--samples", "3000", "--loader-samples", "300", "--buffers", "100", "1000", "--median", "256"]
-    packing, loader, ranks = _tables(_run("bench_stream.py", *args, "--worlds", "2", "--rank-samples", "300"))
+    packing, loader, ranks = _tables(
+        _run("bench_stream.py", *args, "--worlds", "2", "--simulated", "3", "--rank-samples", "300")
+    )
     assert [row[:2] for row in packing[1:]] == [["offline plan", "-"], ["stream", "100"], ["stream", "1,000"]]
     offline, small, large = (float(row[3]) for row in packing[1:])
     assert 0 < small <= large <= 1 and large >= 0.95 * offline  # more look-ahead packs at least as well
     assert [row[0] for row in loader[1:]] == ["offline (map-style)", "stream", "stream"]
     assert all(float(row[3].replace(",", "")) > 0 for row in loader[1:])
-    assert [row[:2] for row in ranks[1:]] == [["2", "replicate"], ["2", "rank"]]
+    assert [row[:2] for row in ranks[1:]] == [["2", "replicate"], ["2", "rank"], ["3 (threads)", "rank"]]
     assert all(float(row[2]) > 0 and 0 < float(row[4]) <= 1 for row in ranks[1:])  # CPU per token, efficiency
 
 
