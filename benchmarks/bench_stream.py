@@ -17,13 +17,14 @@ Two Markdown tables on lognormal lengths (``--median`` tokens, shape ``--sigma``
    window). Columns: CPU us per trained token per rank (each rank's process CPU time over the real tokens it
    trained, the mean over ranks; the 1-rank figure is the floor), cluster real tokens/s (all ranks' tokens over
    the slowest rank's wall time), packing efficiency (real tokens / (microbatches x max_tokens) over all ranks,
-   fillers included) against the offline plan of the same samples for the same layout, and the worst per-step token
-   imbalance over ranks (max / mean real tokens of one optimizer step; the steps where some rank only fills
-   after its share ended are counted apart).
+   fillers included) against the offline plan of the same samples for the same layout, and the worst and the mean
+   per-step token imbalance over ranks (max / mean real tokens of one optimizer step; the steps where some rank
+   only fills after its share ended are counted apart). Each rank is measured after one warm-up batch (imports,
+   cached planner kernels). ``--simulated`` adds ``rank`` rows for more ranks run as threads of one process.
 
     .venv/bin/python benchmarks/bench_stream.py            # 200k samples for packing, 20k through the loaders
     .venv/bin/python benchmarks/bench_stream.py --quick    # 20k and 4k
-    .venv/bin/python benchmarks/bench_stream.py --only ranks --worlds 1 2 4 --rank-samples 6000
+    .venv/bin/python benchmarks/bench_stream.py --only ranks --worlds 1 2 4 --rank-samples 6000 --max-tokens 8192
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ def rank_child(rank: int, world: int, port: int, split: str, folder: str, args: 
     )  # fmt: skip
     pipeline = StreamPipeline(settings, JsonlStream(str(Path(folder, "shards")), vocab_size=512))
     pipeline.layout = DataParallelLayout(world_size=world, rank=rank, accumulate_grad_batches=args.accumulate)
+    next(iter(pipeline.train_loader()))  # warm up (imports, cached planner kernels): the steady state is measured
     dist.barrier()
     mine = _drain_steps(pipeline.train_loader, args.accumulate, time.process_time)
     everyone: list[Any] = [None] * world
@@ -245,6 +247,7 @@ def _rank_row(world: int | str, split: str, ranks: list[dict[str, Any]], offline
     efficiency = tokens.sum() / (sum(r["mb"] for r in ranks) * max_tokens)
     full = (steps > 0).all(axis=0)  # steps where every rank trains (not filling after its share ended)
     ratio = steps.max(axis=0) / np.maximum(steps.mean(axis=0), 1)
+    worst = f"{ratio[full].max():.3f} / {ratio[full].mean():.3f}" if full.any() else "-"
     return [
         str(world),
         split,
@@ -252,7 +255,7 @@ def _rank_row(world: int | str, split: str, ranks: list[dict[str, Any]], offline
         f"{tokens.sum() / max(r['wall'] for r in ranks):,.0f}",
         f"{efficiency:.4f}",
         f"{efficiency / offline:.4f}",
-        f"{ratio[full].max():.3f}" if full.any() else "-",
+        worst,
         str(int((~full).sum())),
     ]
 
@@ -280,11 +283,11 @@ def ranks_table(args: argparse.Namespace) -> str:
             ranks = simulated_ranks(world, folder, args)
             rows.append(_rank_row(f"{world} (threads)", "rank", ranks, offline, args.max_tokens))
     headers = ["ranks", "stream_split", "CPU us/token/rank", "cluster tokens/s", "efficiency", "vs offline",
-               "worst step max/mean", "filler steps"]  # fmt: skip
+               "step max/mean: worst / mean", "filler steps"]  # fmt: skip
     title = (
         f"Real gloo ranks, {args.rank_samples:,} samples in 8 JSONL shards, buffer {args.rank_buffer:,}, "
-        f"accumulation {args.accumulate}, max_tokens {args.max_tokens:,} (num_workers=0; ranks marked threads share "
-        "one process: their tokens/s is not a cluster's)"
+        f"accumulation {args.accumulate}, max_tokens {args.max_tokens:,} (num_workers=0, after one warm-up batch; "
+        "ranks marked threads share one process: their tokens/s is not a cluster's)"
     )
     return f"{title}\n\n{markdown_table(headers, rows)}"
 
