@@ -32,7 +32,9 @@ _LEGACY_WINDOW = "stream_buffer"  # the window's name in checkpoints written bef
 
 
 class StreamPipeline:
-    """A stream read in windows of ``settings.window`` samples, planned for every rank, resumable mid-stream.
+    """A stream read in windows of ``settings.window`` samples, resumable mid-stream: each rank reads and plans its own
+    share (``stream_split="rank"``, kept in lock step by the loader) or every rank reads it all and keeps its part of
+    one plan for every rank (``"replicate"``).
 
     Args:
         settings: the batching settings.
