@@ -17,19 +17,34 @@ Two Markdown tables on lognormal lengths (``--median`` tokens, shape ``--sigma``
    loader to collated microbatches (``num_workers=0``, one rank; collation is the same as map-style data's), each
    also as a multiple of the floor.
 
+4. Ranks: ``--worlds`` real gloo ranks (one process each, ``num_workers=0``, one torch thread) drain the training
+   loader of ``StreamPipeline`` on ``--rank-samples`` samples written as JSONL shards, for ``stream_split``
+   ``replicate`` (every rank reads the whole stream) and ``rank`` (each rank reads its share, one collective a
+   window). Columns: CPU us per trained token per rank (each rank's process CPU time over the real tokens it
+   trained, the mean over ranks; the 1-rank figure is the floor), cluster real tokens/s (all ranks' tokens over
+   the slowest rank's wall time), packing efficiency (real tokens / (microbatches x max_tokens) over all ranks,
+   fillers included) against the offline plan of the same samples for the same layout, and the worst and the mean
+   per-step token imbalance over ranks (max / mean real tokens of one optimizer step; the steps where some rank
+   only fills after its share ended are counted apart). Each rank is measured after one warm-up batch (imports,
+   cached planner kernels). ``--simulated`` adds ``rank`` rows for more ranks run as threads of one process.
+
     .venv/bin/python benchmarks/bench_stream.py            # 200k samples for packing, 20k through the loaders
     .venv/bin/python benchmarks/bench_stream.py --quick    # 20k and 4k (4k through the read path)
-    .venv/bin/python benchmarks/bench_stream.py --only-read-path    # the read-path table alone
+    .venv/bin/python benchmarks/bench_stream.py --only read-path    # the read-path table alone
+    .venv/bin/python benchmarks/bench_stream.py --only ranks --worlds 1 2 4 --rank-samples 6000 --max-tokens 8192
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,15 +56,19 @@ from lit_seqpack.data.streaming import OverlongCounter, stream_windows
 from lit_seqpack.planning.plan import PlanConfig, build_plan
 
 
+def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "mode": "packing",
+        "max_tokens": args.max_tokens,
+        "algorithm": "best_fit_decreasing",
+        "world_size": args.world,
+        "accumulate_grad_batches": args.accumulate,
+        "seed": 0,
+    }
+
+
 def _config(args: argparse.Namespace) -> PlanConfig:
-    return PlanConfig(
-        mode="packing",
-        max_tokens=args.max_tokens,
-        algorithm="best_fit_decreasing",
-        world_size=args.world,
-        accumulate_grad_batches=args.accumulate,
-        seed=0,
-    )
+    return PlanConfig(**_config_fields(args))
 
 
 def _stream(args: argparse.Namespace, count: int) -> SyntheticStream:
@@ -178,13 +197,163 @@ def read_path_table(args: argparse.Namespace) -> str:
     return f"{title}\n\n{markdown_table(['stage', 'CPU us / sample', 'x floor'], rows)}"
 
 
+def _write_shards(args: argparse.Namespace, folder: Path) -> list[int]:
+    """``--rank-samples`` lognormal samples as 8 JSONL shards; their lengths."""
+    lengths, handles = [], [open(folder / f"part-{i}.jsonl", "w") for i in range(8)]  # noqa: SIM115
+    for number, sample in enumerate(_stream(args, args.rank_samples).open()):
+        handles[number % 8].write(json.dumps({"input_ids": sample["input_ids"]}) + "\n")
+        lengths.append(len(sample["input_ids"]))
+    for handle in handles:
+        handle.close()
+    return lengths
+
+
+def rank_child(rank: int, world: int, port: int, split: str, folder: str, args: argparse.Namespace) -> None:
+    """One gloo rank: drain the training loader; rank 0 writes every rank's figures to ``folder/result.json``."""
+    import torch
+    import torch.distributed as dist
+
+    from lit_seqpack.data.settings import BatchingSettings
+    from lit_seqpack.data.sources import JsonlStream
+    from lit_seqpack.data.streaming.pipeline import StreamPipeline
+    from lit_seqpack.parallel import DataParallelLayout
+
+    torch.set_num_threads(1)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    settings = BatchingSettings(
+        max_tokens=args.max_tokens, algorithm="best_fit_decreasing", window=args.rank_buffer, stream_split=split,
+        content_check_samples=8 if split == "replicate" else 0,
+    )  # fmt: skip
+    pipeline = StreamPipeline(settings, JsonlStream(str(Path(folder, "shards")), vocab_size=512))
+    pipeline.layout = DataParallelLayout(world_size=world, rank=rank, accumulate_grad_batches=args.accumulate)
+    next(iter(pipeline.train_loader()))  # warm up (imports, cached planner kernels): the steady state is measured
+    dist.barrier()
+    mine = _drain_steps(pipeline.train_loader, args.accumulate, time.process_time)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        Path(folder, "result.json").write_text(json.dumps(everyone))
+    dist.destroy_process_group()
+
+
+def _drain_steps(make_loader: Callable[[], Iterable[Any]], accumulate: int, clock: Callable[[], float]) -> dict:
+    """One rank's pass: CPU seconds (``clock``), wall seconds, real tokens of each step, microbatches."""
+    wall, cpu = time.perf_counter(), clock()
+    steps: list[int] = []
+    microbatches = 0
+    for number, batch in enumerate(make_loader()):
+        if number % accumulate == 0:
+            steps.append(0)
+        steps[-1] += int(batch["num_real_tokens"]) if not batch["is_empty"] else 0
+        microbatches += 1
+    return {"cpu": clock() - cpu, "wall": time.perf_counter() - wall, "steps": steps, "mb": microbatches}
+
+
+def simulated_ranks(world: int, folder: str, args: argparse.Namespace) -> list[dict]:
+    """``stream_split="rank"`` on ``world`` ranks simulated by threads of this process (the collective is a barrier;
+    CPU is each thread's own), for world sizes the box cannot run as processes."""
+    import threading
+
+    from lit_seqpack.data.settings import BatchingSettings
+    from lit_seqpack.data.sources import JsonlStream
+    from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
+    from lit_seqpack.parallel import DataParallelLayout
+
+    settings = BatchingSettings(max_tokens=args.max_tokens, algorithm="best_fit_decreasing", window=args.rank_buffer)
+    barrier, slots, results = threading.Barrier(world), [None] * world, [None] * world
+
+    def gather_of(rank: int) -> Callable[[Any], list[Any]]:
+        def gather(value: Any) -> list[Any]:
+            slots[rank] = value
+            barrier.wait()
+            everyone = list(slots)
+            barrier.wait()
+            return everyone
+
+        return gather
+
+    def run(rank: int) -> None:
+        dataset = StreamingDataset(
+            JsonlStream(str(Path(folder, "shards")), vocab_size=512).split(rank, world),
+            config=settings.plan_config(DataParallelLayout(accumulate_grad_batches=args.accumulate)),
+            rank=0, window_size=args.rank_buffer, collator=settings.collator(), data_parallel=(rank, world),
+        )  # fmt: skip
+        loader = lambda: StreamingDataLoader(dataset, gather=gather_of(rank))  # noqa: E731
+        results[rank] = _drain_steps(loader, args.accumulate, time.thread_time)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results  # type: ignore[return-value]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_row(world: int | str, split: str, ranks: list[dict[str, Any]], offline: float, max_tokens: int) -> list[str]:
+    steps = np.array([r["steps"] for r in ranks], dtype=np.float64)  # [ranks, steps]: the same steps on each rank
+    tokens = steps.sum(axis=1)
+    cpu_per_token = float(np.mean([r["cpu"] / t for r, t in zip(ranks, tokens, strict=True) if t])) * 1e6
+    efficiency = tokens.sum() / (sum(r["mb"] for r in ranks) * max_tokens)
+    full = (steps > 0).all(axis=0)  # steps where every rank trains (not filling after its share ended)
+    ratio = steps.max(axis=0) / np.maximum(steps.mean(axis=0), 1)
+    worst = f"{ratio[full].max():.3f} / {ratio[full].mean():.3f}" if full.any() else "-"
+    return [
+        str(world),
+        split,
+        f"{cpu_per_token:.2f}",
+        f"{tokens.sum() / max(r['wall'] for r in ranks):,.0f}",
+        f"{efficiency:.4f}",
+        f"{efficiency / offline:.4f}",
+        worst,
+        str(int((~full).sum())),
+    ]
+
+
+def ranks_table(args: argparse.Namespace) -> str:
+    import torch.multiprocessing as mp
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "shards").mkdir()
+        lengths = np.array(_write_shards(args, Path(folder, "shards")), dtype=np.int64)
+        for world in args.worlds:
+            config = PlanConfig(**{**_config_fields(args), "world_size": world})
+            plan = build_plan(lengths, config, epoch=0)
+            offline = int(lengths.sum()) / (plan.microbatches_per_rank * world * args.max_tokens)
+            for split in ("replicate", "rank"):
+                mp.spawn(rank_child, args=(world, _free_port(), split, folder, args), nprocs=world, join=True)
+                ranks = json.loads(Path(folder, "result.json").read_text())
+                rows.append(_rank_row(world, split, ranks, offline, args.max_tokens))
+        for world in args.simulated:
+            config = PlanConfig(**{**_config_fields(args), "world_size": world})
+            offline = int(lengths.sum()) / (
+                build_plan(lengths, config, epoch=0).microbatches_per_rank * world * args.max_tokens
+            )
+            ranks = simulated_ranks(world, folder, args)
+            rows.append(_rank_row(f"{world} (threads)", "rank", ranks, offline, args.max_tokens))
+    headers = ["ranks", "stream_split", "CPU us/token/rank", "cluster tokens/s", "efficiency", "vs offline",
+               "step max/mean: worst / mean", "filler steps"]  # fmt: skip
+    title = (
+        f"Real gloo ranks, {args.rank_samples:,} samples in 8 JSONL shards, buffer {args.rank_buffer:,}, "
+        f"accumulation {args.accumulate}, max_tokens {args.max_tokens:,} (num_workers=0, after one warm-up batch; "
+        "ranks marked threads share one process: their tokens/s is not a cluster's)"
+    )
+    return f"{title}\n\n{markdown_table(headers, rows)}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=200_000, help="samples of the packing table")
     parser.add_argument("--loader-samples", type=int, default=20_000, help="samples through the loaders")
     parser.add_argument("--read-samples", type=int, default=20_000, help="samples of the read-path table")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved passes of the read-path table")
-    parser.add_argument("--only-read-path", action="store_true", help="print the read-path table alone")
     parser.add_argument("--buffers", type=int, nargs="+", default=[100, 1_000, 10_000])
     parser.add_argument("--max-tokens", type=int, default=2048)
     parser.add_argument("--median", type=int, default=128)
@@ -192,17 +361,22 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="20k samples for packing, 4k through the loaders")
+    parser.add_argument("--worlds", type=int, nargs="*", default=[1, 2, 4], help="real gloo ranks of the rank table")
+    parser.add_argument("--simulated", type=int, nargs="*", default=[8, 16], help="ranks simulated by threads")
+    parser.add_argument("--rank-samples", type=int, default=6_000, help="samples of the rank table")
+    parser.add_argument("--rank-buffer", type=int, default=1_000, help="stream window of the rank table")
+    parser.add_argument(
+        "--only", choices=["packing", "loader", "read-path", "ranks"], default=None, help="run one table"
+    )
     args = parser.parse_args()
     if args.quick:
         args.samples, args.loader_samples, args.read_samples = 20_000, 4_000, 4_000
     print(machine_summary())
-    print()
-    if not args.only_read_path:
-        print(packing_table(args))
-        print()
-        print(loader_table(args))
-        print()
-    print(read_path_table(args))
+    tables = {"packing": packing_table, "loader": loader_table, "read-path": read_path_table, "ranks": ranks_table}
+    for name, table in tables.items():
+        if args.only in (None, name) and (name != "ranks" or args.worlds or args.simulated):
+            print()
+            print(table(args))
 
 
 if __name__ == "__main__":

@@ -245,14 +245,24 @@ def test_bench_collate_table_smoke():
     assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in table[1:])
 
 
-def test_bench_stream_prints_the_packing_and_loader_tables():
+def test_bench_stream_prints_the_packing_loader_read_path_and_ranks_tables():
     args = ["--samples", "3000", "--loader-samples", "300", "--buffers", "100", "1000", "--median", "256"]
-    packing, loader = _tables(_run("bench_stream.py", *args))
+    args += ["--read-samples", "300", "--repeats", "1", "--worlds", "2", "--simulated", "3", "--rank-samples", "300"]
+    packing, loader, read_path, ranks = _tables(_run("bench_stream.py", *args))
     assert [row[:2] for row in packing[1:]] == [["offline plan", "-"], ["stream", "100"], ["stream", "1,000"]]
     offline, small, large = (float(row[3]) for row in packing[1:])
     assert 0 < small <= large <= 1 and large >= 0.95 * offline  # more look-ahead packs at least as well
     assert [row[0] for row in loader[1:]] == ["offline (map-style)", "stream", "stream"]
     assert all(float(row[3].replace(",", "")) > 0 for row in loader[1:])
+    assert [row[0] for row in read_path[1:]] == [
+        "json.loads of each line (floor)",
+        "JsonlStream reader",
+        "reader + windows (checked, planned)",
+        "stream loader (collated microbatches)",
+    ]
+    assert float(read_path[1][2]) == 1.0 and all(float(row[1]) > 0 for row in read_path[1:])
+    assert [row[:2] for row in ranks[1:]] == [["2", "replicate"], ["2", "rank"], ["3 (threads)", "rank"]]
+    assert all(float(row[2]) > 0 and 0 < float(row[4]) <= 1 for row in ranks[1:])  # CPU per token, efficiency
 
 
 def test_bench_rl_prints_the_balance_table_with_rl_at_the_bound():

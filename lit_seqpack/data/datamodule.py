@@ -21,7 +21,7 @@ from lit_seqpack._checks import check_int
 from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.indexed.pipeline import IndexedPipeline
 from lit_seqpack.data.indexed.splits import HeldOut, IndexView, Split, trained_in
-from lit_seqpack.data.settings import BatchingSettings, Mode
+from lit_seqpack.data.settings import BatchingSettings, Mode, StreamSplit
 from lit_seqpack.data.sources.base import IndexedSource, resolve_source
 from lit_seqpack.data.sources.streams import StreamSource
 from lit_seqpack.data.streaming.pipeline import StreamPipeline
@@ -96,6 +96,7 @@ class SeqPackDataModule(LightningDataModule):
         context_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         content_check_samples: int = 8,
+        stream_split: StreamSplit = "rank",
         token_fields: dict[str, int | float] | None = None,
         sample_fields: list[str] | None = None,
         loss_weight_field: str | None = None,

@@ -24,9 +24,20 @@ from lit_seqpack.parallel import DataParallelLayout, ParallelLayout
 from lit_seqpack.planning.algorithms import DEFAULT_ALGORITHM
 from lit_seqpack.planning.config import PlanConfig
 
-__all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_STREAM_WINDOW", "MODES", "BatchingSettings", "Collator", "Mode"]
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_STREAM_WINDOW",
+    "MODES",
+    "STREAM_SPLITS",
+    "BatchingSettings",
+    "Collator",
+    "Mode",
+    "StreamSplit",
+]
 
 Mode = Literal["packing", "dynamic", "padded"]
+StreamSplit = Literal["rank", "replicate"]
+STREAM_SPLITS: tuple[str, ...] = ("rank", "replicate")
 MODES: tuple[str, ...] = ("packing", "dynamic", "padded")
 DEFAULT_MAX_TOKENS = 2048
 """``max_tokens="auto"`` in packing and dynamic mode (``None`` in padded mode)."""
@@ -104,6 +115,11 @@ class BatchingSettings:
     """Under ``torch.distributed``, the tokens of this many samples (the same on every rank) are hashed and compared
     across ranks with the plan (indexed) or with every window (stream), so ranks that read different data
     fail loudly on every rank; 0 compares the lengths only (indexed) or turns the stream check off."""
+    stream_split: StreamSplit = "rank"
+    """How data-parallel ranks read a stream: ``"rank"`` (each rank reads a disjoint share, plans its own windows and
+    keeps lock step with one small collective per window; the reading cost per rank falls with the ranks) or
+    ``"replicate"`` (every rank reads the whole stream and keeps its part of one global plan; the content of the
+    windows is compared across ranks). Indexed sources ignore it."""
     token_fields: dict[str, int | float] | None = None
     """Extra per-token fields carried in every batch, each mapped to its pad value (e.g. ``{"advantages": 0.0}``):
     concatenated or padded like ``input_ids``, truncated with the sample, sharded under context parallelism."""
@@ -129,6 +145,7 @@ class BatchingSettings:
         check_int("num_workers", self.num_workers, minimum=0)
         check_int("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
         check_int("content_check_samples", self.content_check_samples, minimum=0)
+        check_choice("stream_split", self.stream_split, STREAM_SPLITS)
         if self.cache_dir is not None and not isinstance(self.cache_dir, str):
             raise TypeError(f"cache_dir={self.cache_dir!r} must be a str or None")
         for name in ("val_fraction", "test_fraction"):

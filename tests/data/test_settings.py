@@ -29,6 +29,7 @@ def test_the_settings_are_frozen_and_resolve_auto_once():
         ({"shuffle": "no"}, TypeError, r"shuffle='no' must be a bool"),
         ({"num_workers": -1}, ValueError, r"num_workers must be an int >= 0, got -1"),
         ({"content_check_samples": -2}, ValueError, r"content_check_samples must be an int >= 0, got -2"),
+        ({"stream_split": "node"}, ValueError, r"stream_split='node' must be one of \('rank', 'replicate'\)"),
         ({"val_fraction": 1.0}, ValueError, r"val_fraction=1.0 must be in \[0, 1\)"),
         ({"test_fraction": "0.1"}, TypeError, r"test_fraction='0.1' must be a number"),
         ({"cache_dir": 3}, TypeError, r"cache_dir=3 must be a str or None"),

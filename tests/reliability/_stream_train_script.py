@@ -90,6 +90,7 @@ def make_datamodule(num_workers: int = 1) -> RecordingStreamModule:
         max_tokens=MAX_TOKENS,
         algorithm="best_fit_decreasing",
         num_workers=num_workers,
+        stream_split="rank",  # each rank reads its own share, in lock step
     )
 
 

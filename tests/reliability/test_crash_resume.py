@@ -64,16 +64,17 @@ def _records(out: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def run_killed_and_resumed(script: Path, root: Path, kill_at: int) -> dict[str, Path]:
+def run_killed_and_resumed(script: Path, root: Path, kill_at: int, *args: str) -> dict[str, Path]:
     """Run ``script`` uninterrupted (``reference``) and SIGKILLed after step ``kill_at`` (``killed``) side by side,
-    then resume the killed run from its last checkpoint (``resumed``); return the three output folders."""
+    then resume the killed run from its last checkpoint (``resumed``); return the three output folders. ``args``
+    go to all three runs."""
     dirs = {name: root / name for name in ("reference", "killed", "resumed")}
-    reference = _start(script, dirs["reference"])
-    killed = _start(script, dirs["killed"], "--kill-at-step", str(kill_at))
+    reference = _start(script, dirs["reference"], *args)
+    killed = _start(script, dirs["killed"], "--kill-at-step", str(kill_at), *args)
     codes = {"reference": _wait(reference, dirs["reference"]), "killed": _wait(killed, dirs["killed"])}
     assert codes["reference"] == 0, (dirs["reference"] / "stdout.txt").read_text()[-4000:]
     assert codes["killed"] == -signal.SIGKILL, (dirs["killed"] / "stdout.txt").read_text()[-4000:]
-    resumed = _start(script, dirs["resumed"], "--ckpt-path", str(dirs["killed"] / "checkpoints" / "last.ckpt"))
+    resumed = _start(script, dirs["resumed"], "--ckpt-path", str(dirs["killed"] / "checkpoints" / "last.ckpt"), *args)
     assert _wait(resumed, dirs["resumed"]) == 0, (dirs["resumed"] / "stdout.txt").read_text()[-4000:]
     return dirs
 

@@ -1,7 +1,8 @@
 """SIGKILL a 2-process DDP CPU run on a stream mid-epoch, resume it from ``last.ckpt``, and prove nothing was lost.
 
 The same protocol as ``test_crash_resume`` with ``_stream_train_script`` (a generator read as a stream, windows of
-40 samples, 2 loader workers per rank): the checkpointed prefix of the killed run plus the resumed run train the
+40 samples, each rank reading its own share (``stream_split="rank"``), 2 or 0 loader workers per rank): the
+checkpointed prefix of the killed run plus the resumed run train the
 same microbatches with bitwise the same losses as the uninterrupted run, every sample exactly once per epoch over
 both ranks, the same number of microbatches on each rank, and end with the same weights.
 """
@@ -22,9 +23,10 @@ SCRIPT = Path(script.__file__)
 KILL_AT = 18  # 12 steps an epoch, checkpoints every 4: the last one before the kill is step 16 (epoch 1, mid-stream)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return run_killed_and_resumed(SCRIPT, tmp_path_factory.mktemp("stream_crash_resume"), KILL_AT)
+@pytest.fixture(scope="module", params=[2, 0], ids=["2_workers", "0_workers"])
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("stream_crash_resume")
+    return run_killed_and_resumed(SCRIPT, root, KILL_AT, "--num-workers", str(request.param))
 
 
 @pytest.mark.slow

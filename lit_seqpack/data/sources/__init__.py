@@ -14,7 +14,8 @@ any map-style dataset                  its own training split (:class:`DatasetSo
                                        with their validation and test files (``files.py``)
 :class:`TextSource`                    raw text + a local Hugging Face tokenizer (``text.py``)
 :class:`ChatSource`                    conversations + the tokenizer's chat template (``chat.py``)
-:class:`StreamSource`                  read in order, never indexed: :class:`JsonlStream`,
+:class:`StreamSource`                  read in order, never indexed (split by rank where it is a
+                                       :class:`SplittableStream`): :class:`JsonlStream`,
                                        :class:`ParquetStream`, :class:`HFIterableStream`,
                                        :class:`GeneratorStream`, :class:`SyntheticStream`,
                                        :class:`MixtureStream` (``streams.py``),
@@ -48,6 +49,7 @@ from lit_seqpack.data.sources.streams import (
     JsonlStream,
     MixtureStream,
     ParquetStream,
+    SplittableStream,
     StreamReader,
     StreamSource,
     SyntheticStream,
@@ -77,6 +79,7 @@ __all__ = [
     "LitDataStream",
     "MixtureStream",
     "ParquetStream",
+    "SplittableStream",
     "StreamReader",
     "StreamSource",
     "SyntheticInstructionDataset",

@@ -20,8 +20,11 @@ source                            position                                      
 
 from __future__ import annotations
 
+import copy
 import glob
+import itertools
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -29,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from lit_seqpack._imports import require
+from lit_seqpack.data.sources._split import check_share, interval_share, stride_share, weighted_share
 
 __all__ = [
     "GeneratorStream",
@@ -37,6 +41,7 @@ __all__ = [
     "MixtureStream",
     "ParquetStream",
     "StreamReader",
+    "SplittableStream",
     "StreamSource",
     "SyntheticStream",
     "describe_stream",
@@ -56,9 +61,30 @@ class StreamReader(Iterator[Sample]):
 
 @runtime_checkable
 class StreamSource(Protocol):
-    """What the streaming loader reads: ``open(None)`` starts at the beginning, ``open(p)`` at a saved position."""
+    """What the streaming loader reads: ``open(None)`` starts at the beginning, ``open(p)`` at a saved position.
+
+    A source that can be read by shares also has ``split(index, count)`` (:class:`SplittableStream`), which
+    ``stream_split="rank"`` needs on more than one rank.
+    """
 
     def open(self, position: Any = None) -> StreamReader: ...
+
+
+@runtime_checkable
+class SplittableStream(StreamSource, Protocol):
+    """A stream that can be read by disjoint shares: each data-parallel rank (and each of its loader workers) reads
+    its own."""
+
+    def split(self, index: int, count: int) -> StreamSource:
+        """The source reading only share ``index`` of ``count`` disjoint shares that together hold every sample once.
+
+        Deterministic (every rank computes every share alike); a share may be split again (by loader worker), and
+        may be empty (more shares than the stream can be cut into).
+
+        Raises:
+            ValueError: the stream cannot be split this way, naming it.
+        """
+        ...
 
 
 def describe_stream(source: Any) -> str:
@@ -114,6 +140,13 @@ class _CountingReader(StreamReader):
         return sample
 
 
+def _strided(samples: Iterable[Sample], offset: int, stride: int) -> Iterator[Sample]:
+    """Samples ``offset, offset + stride, ...`` of ``samples`` (all of them for ``(0, 1)``)."""
+    if (offset, stride) == (0, 1):
+        return iter(samples)
+    return itertools.islice(samples, offset, None, stride)
+
+
 def _check_count_position(position: Any, source: str) -> int:
     if position is None:
         return 0
@@ -146,10 +179,19 @@ class GeneratorStream:
                 "(a generator object cannot be read twice: pass the generator function)"
             )
         self.factory, self.vocab_size = factory, vocab_size
+        self.offset, self.stride = 0, 1  # a share reads samples offset, offset + stride, ... (split)
+
+    def split(self, index: int, count: int) -> GeneratorStream:
+        """Share ``index`` of ``count``: every ``count``-th sample from ``index`` (each share reads the whole
+        generator and keeps its own samples)."""
+        check_share(index, count, describe_stream(self))
+        share = copy.copy(self)
+        share.offset, share.stride = stride_share(self.offset, self.stride, index, count)
+        return share
 
     def open(self, position: Any = None) -> StreamReader:
         start = _check_count_position(position, "GeneratorStream")
-        samples = iter(self.factory())
+        samples = _strided(self.factory(), self.offset, self.stride)
         for skipped in range(start):
             if next(samples, None) is None:
                 raise ValueError(f"GeneratorStream: position {start} is past the end ({skipped} samples)")
@@ -162,9 +204,10 @@ class _SyntheticReader(StreamReader):
 
     def __next__(self) -> Sample:
         stream = self._stream
-        if stream.num_samples is not None and self.position >= stream.num_samples:
+        number = stream.offset + self.position * stream.stride  # the sample's number in the whole stream
+        if stream.num_samples is not None and number >= stream.num_samples:
             raise StopIteration
-        rng = np.random.default_rng([stream.seed, self.position])
+        rng = np.random.default_rng([stream.seed, number])
         length = int(np.clip(round(rng.lognormal(np.log(stream.median_length), stream.sigma)), 2, stream.max_length))
         ids = rng.integers(1, stream.vocab_size, length)
         prompt = int(rng.integers(0, length // 2 + 1))
@@ -211,20 +254,33 @@ class SyntheticStream:
             raise ValueError(f"SyntheticStream.sigma must be a number in [0, 10), got {sigma!r}")
         self.num_samples, self.vocab_size, self.seed = num_samples, vocab_size, seed
         self.median_length, self.sigma, self.max_length = median_length, float(sigma), max_length
+        self.offset, self.stride = 0, 1  # a share reads samples offset, offset + stride, ... (split)
+
+    def split(self, index: int, count: int) -> SyntheticStream:
+        """Share ``index`` of ``count``: samples ``index, index + count, ...`` (each generated alone, nothing read)."""
+        check_share(index, count, describe_stream(self))
+        share = copy.copy(self)
+        share.offset, share.stride = stride_share(self.offset, self.stride, index, count)
+        return share
 
     def open(self, position: Any = None) -> StreamReader:
         return _SyntheticReader(self, _check_count_position(position, "SyntheticStream"))
 
 
 class _JsonlReader(StreamReader):
-    def __init__(self, files: list[str], file: int, offset: int) -> None:
+    def __init__(
+        self, files: list[str], file: int, offset: int, *, starts: list[int] | None = None, end: int | None = None
+    ) -> None:
         self._files, self.position = files, [file, offset]
         self._handle: Any = None
+        self._starts, self._end = starts, end  # a share: the lines starting before byte `end` of the joined files
 
     def __next__(self) -> Sample:
         while True:
             file, offset = self.position
             if file >= len(self._files):
+                raise StopIteration
+            if self._end is not None and self._starts[file] + offset >= self._end:  # type: ignore[index]
                 raise StopIteration
             if self._handle is None:
                 self._handle = open(self._files[file], "rb")  # noqa: SIM115 - closed at the file's end
@@ -245,6 +301,11 @@ class _JsonlReader(StreamReader):
 class JsonlStream:
     """JSON Lines shards read in order (sorted names), one sample a line; no index, the position is a byte offset.
 
+    Split into shares by bytes: share ``i`` of ``n`` reads the lines that *start* in the ``i``-th ``n``-th of the
+    files' joined bytes, so with many files a share reads whole files (only the files at its edges are cut), with fewer
+    files than shares it reads a line range of one, and the shares are disjoint, cover every line and hold about the
+    same bytes. The file sizes are read once, at the split: the files must not change while training.
+
     Args:
         paths: a file, a folder (its ``*.jsonl`` files), a glob, or a list of them.
         vocab_size: the vocabulary the samples need (optional).
@@ -252,23 +313,53 @@ class JsonlStream:
 
     def __init__(self, paths: str | Sequence[str], *, vocab_size: int | None = None) -> None:
         self.files, self.vocab_size = _expand(paths, (".jsonl", ".json"), "JsonlStream.paths"), vocab_size
+        self.span: tuple[int, int] | None = None  # a share: the bytes of the joined files it reads (split)
+        self._starts: list[int] | None = None
+
+    def split(self, index: int, count: int) -> JsonlStream:
+        """Share ``index`` of ``count`` of the files' joined bytes (see the class docstring)."""
+        check_share(index, count, describe_stream(self))
+        starts = self._starts
+        if starts is None:
+            starts = np.concatenate(([0], np.cumsum([os.path.getsize(f) for f in self.files]))).tolist()
+        share = copy.copy(self)
+        share._starts = starts
+        share.span = interval_share(*(self.span or (0, starts[-1])), index, count)
+        return share
 
     def open(self, position: Any = None) -> StreamReader:
-        file, offset = [0, 0] if position is None else position
-        return _JsonlReader(self.files, int(file), int(offset))
+        if self.span is None:
+            file, offset = [0, 0] if position is None else position
+            return _JsonlReader(self.files, int(file), int(offset))
+        file, offset = self._share_start() if position is None else (int(position[0]), int(position[1]))
+        return _JsonlReader(self.files, file, offset, starts=self._starts, end=self.span[1])
+
+    def _share_start(self) -> tuple[int, int]:
+        """``[file, offset]`` of the first line starting at or after the share's first byte."""
+        starts, begin = self._starts, self.span[0]  # type: ignore[index]
+        file = int(np.searchsorted(starts, begin, side="right")) - 1  # type: ignore[arg-type]
+        if file >= len(self.files):
+            return len(self.files), 0
+        offset = begin - starts[file]  # type: ignore[index]
+        if offset == 0:
+            return file, 0
+        with open(self.files[file], "rb") as handle:
+            handle.seek(offset - 1)
+            return file, offset - 1 + len(handle.readline())  # past the line the previous share owns
 
 
 class _ParquetReader(StreamReader):
-    def __init__(self, files: list[str], position: list[int]) -> None:
+    def __init__(self, files: list[str], position: list[int], stop: tuple[int, int] | None = None) -> None:
         self._files, self.position = files, list(position)
         self._rows: list[Sample] | None = None
+        self._stop = stop  # a share: ``(file, row group)`` of the first row group it does not read
 
     def __next__(self) -> Sample:
         pq = require("pyarrow.parquet", purpose="streaming Parquet files")
 
         while True:
             file, group, row = self.position
-            if file >= len(self._files):
+            if file >= len(self._files) or (self._stop is not None and (file, group) >= self._stop):
                 raise StopIteration
             if self._rows is None:
                 handle = pq.ParquetFile(self._files[file])
@@ -286,6 +377,10 @@ class _ParquetReader(StreamReader):
 class ParquetStream:
     """Parquet shards read one row group at a time, in order; the position is ``[file, row group, row]``.
 
+    Split into shares by row group: the files' row groups in order are cut into contiguous runs of about equal rows
+    (read from the footers at the split), so a share reads whole files when there are many and some row groups of
+    one file when there are fewer files than shares; a share without a row group is empty.
+
     Args:
         paths: a file, a folder (its ``*.parquet`` files), a glob, or a list of them.
         vocab_size: the vocabulary the samples need (optional).
@@ -293,9 +388,33 @@ class ParquetStream:
 
     def __init__(self, paths: str | Sequence[str], *, vocab_size: int | None = None) -> None:
         self.files, self.vocab_size = _expand(paths, (".parquet",), "ParquetStream.paths"), vocab_size
+        self.groups: tuple[int, int] | None = None  # a share: the row groups it reads, numbered over all files
+        self._units: list[tuple[int, int, int]] | None = None  # (file, row group, rows) of every row group
+
+    def split(self, index: int, count: int) -> ParquetStream:
+        """Share ``index`` of ``count`` of the row groups, cut by rows (see the class docstring)."""
+        check_share(index, count, describe_stream(self))
+        units = self._units
+        if units is None:
+            pq = require("pyarrow.parquet", purpose="streaming Parquet files")
+            units = []
+            for file, path in enumerate(self.files):
+                meta = pq.ParquetFile(path).metadata
+                units += [(file, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)]
+        share = copy.copy(self)
+        share._units = units
+        rows = [unit[2] for unit in units]
+        share.groups = weighted_share(rows, *(self.groups or (0, len(units))), index, count)
+        return share
 
     def open(self, position: Any = None) -> StreamReader:
-        return _ParquetReader(self.files, [0, 0, 0] if position is None else [int(p) for p in position])
+        if self.groups is None:
+            return _ParquetReader(self.files, [0, 0, 0] if position is None else [int(p) for p in position])
+        units, (first, end) = self._units, self.groups
+        stop = (units[end][0], units[end][1]) if end < len(units) else (len(self.files), 0)  # type: ignore[index]
+        if position is None:
+            position = [*units[first][:2], 0] if first < end else [*stop, 0]  # type: ignore[index]
+        return _ParquetReader(self.files, [int(p) for p in position], stop)
 
 
 class HFIterableStream:
@@ -313,9 +432,25 @@ class HFIterableStream:
         if not hasattr(dataset, "skip") or not hasattr(dataset, "__iter__"):
             raise ValueError(f"dataset must be a datasets.IterableDataset, got {type(dataset).__name__}")
         self.dataset, self.vocab_size = dataset, vocab_size
+        self.is_share = False  # a share of a split: reopened by reading past its first samples
+
+    def split(self, index: int, count: int) -> HFIterableStream:
+        """Share ``index`` of ``count`` by ``datasets.distributed.split_dataset_by_node`` (by shard when the number of
+        shards divides by ``count``, else every ``count``-th sample)."""
+        check_share(index, count, describe_stream(self))
+        distributed = require("datasets.distributed", purpose="splitting a Hugging Face IterableDataset by rank")
+        try:
+            dataset = distributed.split_dataset_by_node(self.dataset, rank=index, world_size=count)
+        except (TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"{describe_stream(self)} cannot be split into {count} shares: {err}") from err
+        share = HFIterableStream(dataset, vocab_size=self.vocab_size)
+        share.is_share = True
+        return share
 
     def open(self, position: Any = None) -> StreamReader:
         start = _check_count_position(position, "HFIterableStream")
+        if self.is_share:  # ``skip`` on a split dataset skips samples of the whole one: read past them here
+            return _CountingReader(itertools.islice(self.dataset, start, None), start)
         return _CountingReader(iter(self.dataset.skip(start) if start else self.dataset), start)
 
 
@@ -379,6 +514,21 @@ class MixtureStream:
         self.weights = [float(w) / float(sum(weights)) for w in weights]
         sizes = [getattr(s, "vocab_size", None) for s in self.sources]
         self.vocab_size = max(sizes) if sizes and all(isinstance(v, int) for v in sizes) else None
+
+    def split(self, index: int, count: int) -> MixtureStream:
+        """Share ``index`` of ``count``: every child split alike, mixed with the same weights and seeded draws."""
+        check_share(index, count, describe_stream(self))
+        children = []
+        for child in self.sources:
+            if not callable(getattr(child, "split", None)):
+                raise ValueError(
+                    f"{describe_stream(self)} cannot be split: its child {describe_stream(child)} has no "
+                    "split(index, count)"
+                )
+            children.append(child.split(index, count))
+        share = copy.copy(self)
+        share.sources = children
+        return share
 
     def open(self, position: Any = None) -> StreamReader:
         return _MixtureReader(self, position)

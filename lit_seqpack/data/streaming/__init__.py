@@ -6,11 +6,14 @@
 
 - :mod:`~lit_seqpack.data.sources.streams`: the readers, each reopenable at a saved position;
 - :mod:`~lit_seqpack.data.streaming.buffer`: the stream cut into windows of ``window`` samples, each planned
-  by the offline planner for all ranks (lock step, exact loss, every sample once) with the over-long policy counted;
+  by the offline planner (for all ranks under ``stream_split="replicate"``, for the rank's own share under
+  ``"rank"``) with the over-long policy counted;
 - :mod:`~lit_seqpack.data.streaming.dataset`: the rank's ``IterableDataset`` of collated microbatches;
 - :mod:`~lit_seqpack.data.streaming.loader`: the DataLoader and its mid-stream resume state;
-- :mod:`~lit_seqpack.data.streaming.rank_check`: the windows' digests, compared across ranks (every rank must read
-  the same stream);
+- :mod:`~lit_seqpack.data.streaming.lockstep`: ranks reading their own shares kept in lock step by one small
+  collective a window (each rank's steps and loss tokens), fillers once a share ends;
+- :mod:`~lit_seqpack.data.streaming.rank_check`: the windows' digests, compared across ranks under
+  ``stream_split="replicate"`` (every rank must read the same stream);
 - :mod:`~lit_seqpack.data.streaming.pipeline`: what the DataModule delegates to.
 """
 

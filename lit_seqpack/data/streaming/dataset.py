@@ -1,8 +1,10 @@
 """The torch ``IterableDataset`` of a stream: one rank's collated microbatches, window after window.
 
-Every rank (and every DataLoader worker) reads the *same* stream and plans the same windows
-(:func:`~lit_seqpack.data.streaming.buffer.stream_windows`); rank ``r`` keeps its own microbatches of each window's
-plan, so ranks need no communication to agree, and each sample is trained by exactly one rank. With ``W`` workers,
+Under ``stream_split="replicate"`` every rank (and every DataLoader worker) reads the *same* stream and plans the same
+windows (:func:`~lit_seqpack.data.streaming.buffer.stream_windows`); rank ``r`` keeps its own microbatches of each
+window's plan, so ranks need no communication to agree, and each sample is trained by exactly one rank. Under
+``stream_split="rank"`` the source is the rank's own share, planned for this rank alone (``data_parallel``); the
+loader keeps the ranks in lock step (:mod:`~lit_seqpack.data.streaming.lockstep`). With ``W`` workers,
 worker ``k`` collates the rank's microbatches ``k, k + W, ...`` (counted from the start of the iteration), which a
 DataLoader's round robin over its workers returns in order. Each worker therefore holds one window.
 
@@ -91,6 +93,9 @@ class StreamingDataset(IterableDataset):
             still compared across ranks, so streams of other lengths never hang).
         seed: picks those samples.
         token_fields: the declared per-token fields, cut with the tokens by ``overlong="truncate"``.
+        data_parallel: ``(rank, world_size)`` when ``source`` is this rank's own share (``stream_split="rank"``):
+            ``config`` then plans this rank alone (``world_size=1``), the batches name the real world size, and
+            the loader keeps the ranks in lock step (:mod:`~lit_seqpack.data.streaming.lockstep`).
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class StreamingDataset(IterableDataset):
         check_samples: int = 0,
         seed: int = 0,
         token_fields: tuple[str, ...] = (),
+        data_parallel: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         if not 0 <= rank < config.world_size:
@@ -117,7 +123,32 @@ class StreamingDataset(IterableDataset):
         self.document_budget = document_budget if document_budget is not None else config.max_tokens
         self.vocab_size, self.check_samples, self.seed = vocab_size, check_samples, seed
         self.token_fields = tuple(token_fields)
+        if data_parallel is not None and (config.world_size != 1 or not 0 <= data_parallel[0] < data_parallel[1]):
+            raise ValueError(
+                f"data_parallel={data_parallel} needs a plan of one rank (config.world_size=1, got "
+                f"{config.world_size}) and a rank in [0, world_size)"
+            )
+        self.data_parallel = data_parallel
         self.start = StreamStart()
+
+    @property
+    def world_size(self) -> int:
+        """The data-parallel ranks training together (written in every batch for the exact loss)."""
+        return self.config.world_size if self.data_parallel is None else self.data_parallel[1]
+
+    def filler(self, step: int) -> dict[str, Any]:
+        """A lock-step filler of epoch step ``step``: a zero-loss microbatch (its ``step_loss_tokens`` is 0)."""
+        config = self.config
+        meta = MicrobatchMeta(
+            step=step,
+            step_loss_tokens=0,
+            world_size=self.world_size,
+            accumulate_grad_batches=config.accumulate_grad_batches,
+            max_tokens=config.max_tokens,
+            is_empty=True,
+            loss_tokens=0,
+        )
+        return self.collator(Microbatch((), meta=meta))
 
     def windows(self) -> Iterator[StreamWindow]:
         """The planned windows from :attr:`start` (every rank and worker gets the same)."""
@@ -164,7 +195,7 @@ class StreamingDataset(IterableDataset):
         meta = MicrobatchMeta(
             step=window.first_step + planned.step,
             step_loss_tokens=planned.step_loss_tokens,
-            world_size=config.world_size,
+            world_size=self.world_size,
             accumulate_grad_batches=config.accumulate_grad_batches,
             max_tokens=config.max_tokens,
             is_empty=not planned.indices,
@@ -182,7 +213,9 @@ class StreamingDataset(IterableDataset):
             "microbatch": number,
             "record": record,
             "overlong_after": window.overlong_after,
-            "digest": self._digest(window) if record is not None else None,  # the content check's part if on
+            "digest": self._digest(window) if record is not None and self.data_parallel is None else None,
+            # the window's steps for the lock step of ranks reading their own shares
+            "steps": (window.first_step, tuple(plan.step_loss_tokens.tolist())) if record is not None else None,
         }
         return batch
 

@@ -8,7 +8,13 @@ train, plans that window again (plans are deterministic) and skips the microbatc
 workers and a prefetch of ``P``, the loader is at most ``W x P`` batches ahead of the training loop, and Lightning
 one more; :data:`KEPT_WINDOWS` windows (each at least one microbatch) cover that lead for the defaults.
 
-Under ``torch.distributed`` the loader also compares each window's digest across ranks in the main process
+With ``stream_split="rank"`` the state also holds every rank's window records (``"shares"``, gathered when the
+state is built, which every rank does at a checkpoint), and the loader keeps the ranks in lock step
+(:mod:`~lit_seqpack.data.streaming.lockstep`): one collective whenever a rank reads its next window, fillers once a
+rank's share has ended, ``step_loss_tokens`` summed over the ranks.
+
+Under ``stream_split="replicate"`` and ``torch.distributed`` the loader compares each window's digest across ranks
+in the main process
 (:mod:`~lit_seqpack.data.streaming.rank_check`) at the first batch of every window, and the end of the stream when the
 iteration runs out, so streams that differ anywhere (the tail included) raise on every rank instead of hanging. An
 iteration from the stream's start that yields no microbatch (an empty stream, or every sample dropped) raises on
@@ -18,6 +24,7 @@ every rank, naming the stream: an empty epoch would otherwise train nothing sile
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -29,6 +36,7 @@ from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.sources.streams import describe_stream
 from lit_seqpack.data.streaming.buffer import OverlongCounter
 from lit_seqpack.data.streaming.dataset import STREAM_KEY, StreamingDataset, StreamStart
+from lit_seqpack.data.streaming.lockstep import Gather, LockStep, ShareFacts, gather_object
 from lit_seqpack.data.streaming.rank_check import WindowDigest, check_ranks_agree, stream_end
 
 __all__ = ["KEPT_WINDOWS", "StreamingDataLoader"]
@@ -59,6 +67,8 @@ class StreamingDataLoader(DataLoader):
             its ``overlong_report``); a summary is also logged at the end of each epoch with over-long samples.
         on_batch: called in the main process as each batch is drawn, before it is returned (the DataModule moves a
             restored training loop back to an optimizer step's start there).
+        gather: ``value -> every data-parallel rank's value``, the lock step's collective (shares read by rank;
+            default: ``torch.distributed.all_gather_object``; a test or a benchmark simulates ranks with threads).
         **kwargs: other ``DataLoader`` arguments (``pin_memory``, ``prefetch_factor``, ...).
     """
 
@@ -70,6 +80,7 @@ class StreamingDataLoader(DataLoader):
         start_source: StartSource | None = None,
         report_to: Callable[[OverlongReport], None] | None = None,
         on_batch: Callable[[], None] | None = None,
+        gather: Gather | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("persistent_workers"):
@@ -80,6 +91,8 @@ class StreamingDataLoader(DataLoader):
         # batches come collated: torch's default conversion would only walk each one (a tenth of the loader's time)
         super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=_as_collated, **kwargs)
         self.start_source, self.report_to, self.on_batch = start_source, report_to, on_batch
+        world_size = dataset.world_size
+        self.gather: Gather = gather or (lambda value: gather_object(value, world_size))
         self._epoch, self._yielded = 0, 0
         self._windows: deque[dict[str, Any]] = deque(maxlen=KEPT_WINDOWS)
         self._overlong: dict[str, Any] | None = None
@@ -93,6 +106,18 @@ class StreamingDataLoader(DataLoader):
     def _batches(self) -> Iterator[dict[str, Any]]:
         """Starts the real iterator at the first ``next()``, so a state loaded after ``iter()`` is still used."""
         start = self.dataset.start = self._start()
+        if self.dataset.data_parallel is None:
+            yield from self._replicated(start)
+        else:
+            yield from self._lock_step(start)
+        report = self.overlong_report
+        if report is not None and report.num_overlong:
+            log.warning("lit_seqpack: stream epoch %d: %s", self._epoch, report.summary())
+        self._epoch, self._yielded = self._epoch + 1, 0
+        self._windows.clear()
+
+    def _replicated(self, start: StreamStart) -> Iterator[dict[str, Any]]:
+        """Every rank reads the whole stream: the windows' digests and the stream's end are compared across ranks."""
         self._checked = None
         yielded = 0
         for batch in super().__iter__():
@@ -105,16 +130,56 @@ class StreamingDataLoader(DataLoader):
             yield batch
         check_ranks_agree(stream_end(start.epoch, self._checked))  # a rank with more windows meets this end here
         if not yielded and start.microbatch == 0:
-            raise ValueError(
-                f"the stream {describe_stream(self.dataset.source)} gave no microbatch in epoch {start.epoch}: it is "
-                "empty (or overlong='drop' dropped every sample); an empty epoch would train nothing, or loop "
-                "forever under max_steps: check the stream's paths and contents"
-            )
-        report = self.overlong_report
-        if report is not None and report.num_overlong:
-            log.warning("lit_seqpack: stream epoch %d: %s", self._epoch, report.summary())
-        self._epoch, self._yielded = self._epoch + 1, 0
-        self._windows.clear()
+            self._refuse_empty(start.epoch)
+
+    def _lock_step(self, start: StreamStart) -> Iterator[dict[str, Any]]:
+        """Every rank reads its own share: lock step and the step's loss tokens over all ranks from one collective
+        per window (:mod:`~lit_seqpack.data.streaming.lockstep`), fillers once a rank's share has ended."""
+        dataset = self.dataset
+        rank, world_size = dataset.data_parallel  # type: ignore[misc]
+        accumulate = dataset.config.accumulate_grad_batches
+        lock = LockStep(rank=rank, world_size=world_size, epoch=start.epoch, gather=self.gather)
+        batches, pending = super().__iter__(), None
+        number = start.microbatch
+        while True:
+            step = number // accumulate
+            while missing := lock.missing(step):
+                mine = None
+                if rank in missing:  # this rank's next window (its first batch carries the window's steps), or its end
+                    try:
+                        pending = next(batches, None)
+                    except Exception as err:  # every rank raises with it at this collective: none waits for this one
+                        with contextlib.suppress(RuntimeError):  # this rank raises its own error
+                            lock.exchange(mine=ShareFacts(epoch=start.epoch, error=f"{type(err).__name__}: {err}"))
+                        raise
+                    mine = _share_facts(pending, start.epoch)
+                lock.exchange(mine=mine)
+            if lock.finished(step):
+                break
+            if lock.runs_own(step):
+                batch, pending = (pending if pending is not None else next(batches, None)), None
+                if batch is None or batch[STREAM_KEY]["microbatch"] != number:
+                    raise RuntimeError(f"the stream loader lost microbatch {number} of epoch {start.epoch}")
+                self._record(batch.pop(STREAM_KEY))
+            else:
+                batch = dataset.filler(step)
+                self._epoch, self._yielded = start.epoch, number + 1
+            batch["step_loss_tokens"] = lock.step_loss_tokens(step)
+            if number % accumulate == accumulate - 1:
+                lock.forget(step)
+            number += 1
+            if self.on_batch is not None:
+                self.on_batch()
+            yield batch
+        if not lock.any_step and start.microbatch == 0:
+            self._refuse_empty(start.epoch)
+
+    def _refuse_empty(self, epoch: int) -> None:
+        raise ValueError(
+            f"the stream {describe_stream(self.dataset.source)} gave no microbatch in epoch {epoch}: it is "
+            "empty (or overlong='drop' dropped every sample); an empty epoch would train nothing, or loop "
+            "forever under max_steps: check the stream's paths and contents"
+        )
 
     def _start(self) -> StreamStart:
         saved, self._saved = self._saved, None
@@ -128,6 +193,8 @@ class StreamingDataLoader(DataLoader):
             self._windows.clear()
             self._overlong = None
             return StreamStart(epoch=epoch)
+        if not self._windows and self.dataset.data_parallel is not None:
+            return StreamStart(epoch=epoch, microbatch=position)  # a share that ended (or was empty): read it again
         if not self._windows:
             raise RuntimeError(
                 f"cannot resume the stream exactly at epoch {epoch}, microbatch {position}: the loader state holds no "
@@ -170,8 +237,16 @@ class StreamingDataLoader(DataLoader):
         return counter.report()
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch, the microbatches yielded this epoch and the last windows' records."""
-        return {"epoch": self._epoch, "yielded": self._yielded, "windows": list(self._windows)}
+        """The epoch, the microbatches yielded this epoch and the last windows' records.
+
+        With shares read by rank, the records of every rank's share are gathered under ``"shares"`` (one
+        ``all_gather_object``: every rank builds its state at a checkpoint, rank 0 writes it), so the checkpoint
+        resumes every rank.
+        """
+        state = {"epoch": self._epoch, "yielded": self._yielded, "windows": list(self._windows)}
+        if self.dataset.data_parallel is not None:
+            state["shares"] = list(self.gather(state["windows"]))
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` at the next iteration (``{}``: start fresh)."""
@@ -182,3 +257,27 @@ class StreamingDataLoader(DataLoader):
         if missing:
             raise ValueError(f"not a streaming loader state: missing {sorted(missing)}")
         self._saved = dict(state_dict)
+        share = self.dataset.data_parallel
+        if share is None and "shares" in state_dict:
+            raise ValueError(
+                "cannot resume the stream: the checkpoint was written with stream_split='rank' (each rank read its "
+                "own share) but this run reads stream_split='replicate'; resume with the checkpoint's stream_split"
+            )
+        if share is not None and share[1] > 1:
+            shares = state_dict.get("shares")
+            if shares is None or len(shares) != share[1]:
+                had = "stream_split='replicate'" if shares is None else f"stream_split='rank' on {len(shares)} ranks"
+                raise ValueError(
+                    f"cannot resume the stream: the checkpoint was written with {had}, this run reads "
+                    f"stream_split='rank' on {share[1]} ranks; resume with the checkpoint's world size and stream_split"
+                )
+            self._saved["windows"] = shares[share[0]]
+
+
+def _share_facts(batch: dict[str, Any] | None, epoch: int) -> ShareFacts:
+    """What this rank sends when it reads its next window: the window's steps (its first batch), or its end."""
+    if batch is None:
+        return ShareFacts(epoch=epoch, ended=True)
+    facts = batch[STREAM_KEY]
+    first_step, losses = facts["steps"]
+    return ShareFacts(epoch=facts["epoch"], first_step=first_step, step_loss_tokens=losses)

@@ -18,7 +18,7 @@ from lit_seqpack.data.batching._samples import sample_loss_tokens
 from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.indexed._resume import plan_settings
 from lit_seqpack.data.settings import BatchingSettings
-from lit_seqpack.data.sources.streams import StreamSource
+from lit_seqpack.data.sources.streams import StreamSource, describe_stream
 from lit_seqpack.data.streaming.buffer import OverlongCounter, stream_windows
 from lit_seqpack.data.streaming.dataset import StreamingDataset
 from lit_seqpack.data.streaming.loader import StreamingDataLoader
@@ -32,7 +32,9 @@ _LEGACY_WINDOW = "stream_buffer"  # the window's name in checkpoints written bef
 
 
 class StreamPipeline:
-    """A stream read in windows of ``settings.window`` samples, planned for every rank, resumable mid-stream.
+    """A stream read in windows of ``settings.window`` samples, resumable mid-stream: each rank reads and plans its own
+    share (``stream_split="rank"``, kept in lock step by the loader) or every rank reads it all and keeps its part of
+    one plan for every rank (``"replicate"``).
 
     Args:
         settings: the batching settings.
@@ -101,6 +103,8 @@ class StreamPipeline:
             **plan_settings(config),
             "window": settings.stream_window,  # the stream's window, not the planner's (None: one buffer)
             "pad_to_multiple_of": settings.pad_to_multiple_of,
+            # one rank reads the whole stream either way: the same windows, the same checkpoint
+            "stream_split": settings.stream_split if self.layout.world_size > 1 else None,
         }
 
     def _counter(self) -> OverlongCounter | None:
@@ -114,11 +118,15 @@ class StreamPipeline:
     # ------------------------------------------------------------------ loaders
     def train_loader(self) -> StreamingDataLoader:
         """The training loader of the stream for this layout, with a pending resume state applied."""
-        settings, counter = self.settings, self._counter()
+        settings, counter, layout = self.settings, self._counter(), self.layout
+        source, config, rank, data_parallel = self.source, settings.plan_config(layout), layout.rank, None
+        if settings.stream_split == "rank":  # this rank's share, planned for this rank alone
+            source, data_parallel = self._share(), (layout.rank, layout.world_size)
+            config, rank = settings.plan_config(layout._replace(world_size=1, rank=0)), 0
         dataset = StreamingDataset(
-            self.source,
-            config=settings.plan_config(self.layout),
-            rank=self.layout.rank,
+            source,
+            config=config,
+            rank=rank,
             window_size=settings.stream_window,
             collator=settings.collator(self.context_parallel_rank),
             overlong=settings.overlong,
@@ -128,6 +136,7 @@ class StreamPipeline:
             check_samples=settings.content_check_samples,
             seed=settings.seed,
             token_fields=tuple(settings.token_fields),
+            data_parallel=data_parallel,
         )
         loader = StreamingDataLoader(
             dataset,
@@ -141,6 +150,24 @@ class StreamPipeline:
             self._pending_state = None
         self._loader = loader
         return loader
+
+    def _share(self) -> StreamSource:
+        """This rank's share of the stream (``stream_split="rank"``); the whole stream on one rank.
+
+        Raises:
+            ValueError: on more than one rank, a stream without ``split(index, count)``, naming it.
+        """
+        world_size, rank = self.layout.world_size, self.layout.rank
+        if world_size == 1:
+            return self.source
+        split = getattr(self.source, "split", None)
+        if not callable(split):
+            raise ValueError(
+                f"stream_split='rank' reads a share of the stream on each of the {world_size} ranks, but "
+                f"{describe_stream(self.source)} has no split(index, count): give it one "
+                "(lit_seqpack.data.sources.SplittableStream) or set stream_split='replicate' (every rank reads it all)"
+            )
+        return split(rank, world_size)
 
     def eval_loader(self, split: str) -> list:
         """A stream has no held-out split: no validation loader; a test loader is refused."""
@@ -219,6 +246,8 @@ class StreamPipeline:
         saved, current = dict(state["facts"]), self.facts()
         if _LEGACY_WINDOW in saved:
             saved["window"] = saved.pop(_LEGACY_WINDOW)
+        if "stream_split" not in saved:  # written before there was a choice: every rank read the whole stream
+            saved["stream_split"] = "replicate" if saved.get("world_size", 1) > 1 else None
         changed = [f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in current if saved.get(k) != current[k]]
         if changed:
             raise ValueError(

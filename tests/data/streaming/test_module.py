@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_seqpack import PackingMonitor, ReferenceLM, SeqPackDataModule
 from lit_seqpack.data.sources import GeneratorStream
+from lit_seqpack.parallel import DataParallelLayout
 from tests.reliability import _stream_train_script as script
 
 
@@ -64,6 +65,21 @@ def test_the_state_resumes_mid_stream_and_refuses_other_window_settings() -> Non
     other = _module(window=41)
     with pytest.raises(ValueError, match=r"window: 40 -> 41"):
         other.load_state_dict(state)
+
+
+def test_a_resume_on_another_world_size_accumulation_or_stream_split_is_refused_naming_it() -> None:
+    def on_two_ranks(accumulate: int = 1, **kwargs: Any) -> SeqPackDataModule:
+        module = _module(**kwargs)
+        module.pipeline.layout = DataParallelLayout(world_size=2, rank=0, accumulate_grad_batches=accumulate)
+        return module
+
+    state = on_two_ranks().state_dict()
+    with pytest.raises(ValueError, match=r"stream_split: 'rank' -> 'replicate'"):
+        on_two_ranks(stream_split="replicate").load_state_dict(state)
+    with pytest.raises(ValueError, match=r"world_size: 2 -> 1; .*stream_split: 'rank' -> None"):
+        _module().load_state_dict(state)
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches: 1 -> 2"):
+        on_two_ranks(accumulate=2).load_state_dict(state)
 
 
 def test_a_checkpoint_of_the_stream_buffer_era_resumes_with_the_same_window() -> None:

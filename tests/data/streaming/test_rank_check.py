@@ -106,6 +106,7 @@ def _fit(stream: GeneratorStream, **settings: Any) -> str:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    settings.setdefault("stream_split", "replicate")  # every rank reads the whole stream: compared across ranks
     data = SeqPackDataModule(source=stream, **settings, max_tokens=MAX_TOKENS, num_workers=1, window=BUFFER)
     try:
         trainer.fit(model, datamodule=data)

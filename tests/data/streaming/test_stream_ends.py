@@ -1,4 +1,7 @@
-"""The ends of a stream never hang: a rank that reads more, or an empty stream, raises on every rank.
+"""The ends of a replicated stream never hang: a rank that reads more, or an empty stream, raises on every rank.
+
+``stream_split="replicate"`` (every rank reads the whole stream); the ends of shares read by rank are in
+``test_rank_split_ddp``.
 
 Two gloo processes train through Lightning DDP (and read a bare loader) on JSONL files that differ only in the tail,
 as a file appended while training does; before the end of the stream was compared, both ranks stopped after the
@@ -65,7 +68,9 @@ def _fit(source: Any, *, devices: int = WORLD, mode: str = "packing", **limits: 
         enable_model_summary=False,
         **limits,
     )
-    data = SeqPackDataModule(source=source, mode=mode, max_tokens=MAX_TOKENS, num_workers=1, window=WINDOW)
+    data = SeqPackDataModule(
+        source=source, mode=mode, max_tokens=MAX_TOKENS, num_workers=1, window=WINDOW, stream_split="replicate"
+    )
     began = time.perf_counter()
     try:
         trainer.fit(_model(), datamodule=data)
