@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import pickle
+import zipfile
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 __all__ = ["build_export_parser", "export_command"]
 
@@ -50,8 +54,34 @@ def export_command(argv: Sequence[str]) -> str:
     cls = getattr(importlib.import_module(module_name), class_name)
     if not hasattr(cls, "export_hf"):
         raise ValueError(f"--model_class {args.model_class} has no export_hf method (use HFCausalLM or a subclass)")
-    module = cls.load_from_checkpoint(args.ckpt_path, map_location="cpu")
+    module = _load_checkpoint(cls, args.ckpt_path)
     path = module.export_hf(args.output_dir, dtype=args.dtype, tokenizer=args.tokenizer)
     model = module.model
     name = type(model.get_base_model()).__name__ + " (PEFT adapters merged)" if hasattr(model, "get_base_model") else ""
     return f"exported {name or type(model).__name__} from {args.ckpt_path} to {path}"
+
+
+def _load_checkpoint(cls: Any, ckpt_path: str) -> Any:
+    """``cls.load_from_checkpoint(ckpt_path)`` on the CPU; a file that is not a readable checkpoint is named.
+
+    Raises:
+        ValueError: ``ckpt_path`` is missing, not a ``torch.save`` archive, or a corrupt one (truncated, overwritten).
+    """
+    path = Path(ckpt_path)
+    if not path.is_file():
+        raise ValueError(f"--ckpt_path {ckpt_path}: no such checkpoint file")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive (an older pickle file starts with 0x80)
+        with path.open("rb") as handle:
+            if handle.read(1) != b"\x80":
+                raise ValueError(
+                    f"--ckpt_path {ckpt_path}: not a readable checkpoint (neither a torch.save zip archive nor a "
+                    "pickle); the file is corrupt or not a Lightning checkpoint (a truncated copy, another format)"
+                )
+    try:
+        return cls.load_from_checkpoint(ckpt_path, map_location="cpu")
+    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile) as err:
+        raise ValueError(f"--ckpt_path {ckpt_path}: not a readable checkpoint ({type(err).__name__})") from err
+    except RuntimeError as err:
+        if "PytorchStreamReader" not in str(err):  # a model error (e.g. state_dict keys), not the file's
+            raise
+        raise ValueError(f"--ckpt_path {ckpt_path}: not a readable checkpoint (a corrupt torch archive)") from err

@@ -23,9 +23,11 @@ def parquet_table(path: Path, columns: tuple[str, ...]) -> tuple[Any, list[str]]
     pa = require("pyarrow", purpose="reading Parquet files")
     try:
         names = pq.read_schema(path).names
+        if "input_ids" not in names:  # before reading: the table read holds only the wanted columns
+            raise ValueError(f"{path}: no 'input_ids' column (columns: {list(names)})")
         return pq.read_table(path, columns=[c for c in columns if c in names]), list(names)
     except (pa.ArrowException, OSError) as err:
-        raise ValueError(f"{path}: not a readable Parquet file ({type(err).__name__}: {err})") from None
+        raise ValueError(f"{path}: not a readable Parquet file ({type(err).__name__}: {err})") from err
 
 
 def load_disk_split(path: Path, split: str | None) -> Any:

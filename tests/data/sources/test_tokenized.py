@@ -175,7 +175,7 @@ def test_parquet_round_trip_and_validation(tmp_path):
         "null.parquet": ({"input_ids": [[1], None]}, "null.parquet, row 1: 'input_ids' is null"),
         "empty.parquet": ({"input_ids": [[1], []]}, "empty.parquet, row 1: 'input_ids' is empty"),
         "type.parquet": ({"input_ids": [[1.5]]}, "column 'input_ids' must hold lists of ints"),
-        "nocol.parquet": ({"tokens": [[1]]}, "no 'input_ids' column"),
+        "nocol.parquet": ({"tokens": [[1]]}, "nocol.parquet: no 'input_ids' column (columns: ['tokens'])"),
         "len.parquet": ({"input_ids": [[1], [1, 2]], "labels": [[1], [2]]}, "row 1: 'labels' has 1 entries"),
         "lab.parquet": ({"input_ids": [[1, 2]], "labels": [[1, -7]]}, "row 0: 'labels' has -7 at position 1"),
     }
@@ -249,3 +249,17 @@ def test_a_null_label_in_jsonl_is_refused_naming_the_line(tmp_path):
     path = _write_jsonl(tmp_path / "d.jsonl", [RECORDS[0], {"input_ids": [1, 2], "labels": None}])
     with pytest.raises(ValueError, match=r"d\.jsonl, line 2: 'labels' is null; omit the key to train on every token"):
         load_tokenized(path)
+
+
+def test_a_file_that_is_not_parquet_or_not_utf8_names_the_file_and_chains_the_cause(tmp_path):
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "d.parquet"
+    path.write_text('{"input_ids": [1, 2]}\n')  # JSONL under a Parquet name
+    with pytest.raises(ValueError, match=r"d\.parquet: not a readable Parquet file") as info:
+        load_tokenized(path)
+    assert type(info.value.__cause__).__name__ == "ArrowInvalid"
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"input_ids": [1, 2]}\n{"input_ids": [3], "text": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"d\.jsonl, line 2: not UTF-8 text") as info:
+        load_tokenized(path)
+    assert isinstance(info.value.__cause__, UnicodeDecodeError)
