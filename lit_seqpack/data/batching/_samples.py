@@ -42,11 +42,16 @@ def _first_bad(parts: Sequence[torch.Tensor], bad: torch.Tensor) -> int:
 
 
 def sample_name(samples: Sequence[Any], index: int) -> str:
-    """``sample 3`` (the position in the microbatch), with its dataset index when the loader attached them."""
+    """``sample 3`` (the position in the microbatch), with its dataset index when the loader attached them.
+
+    Indices with a ``describe(position)`` method (a stream's: the stream sample, its file and line) say more.
+    """
     indices = getattr(samples, "indices", None)
     if indices is None or index >= len(indices):
         return f"sample {index}"
-    return f"sample {index} of the microbatch (dataset index {indices[index]})"
+    describe = getattr(indices, "describe", None)
+    where = describe(index) if callable(describe) else f"dataset index {indices[index]}"
+    return f"sample {index} of the microbatch ({where})"
 
 
 def read_samples(
