@@ -119,3 +119,19 @@ def test_a_dataset_that_declares_changing_lengths_needs_its_loader_rebuilt_every
         _trainer().fit(model, datamodule=SeqPackDataModule(source=data, max_tokens=64))
     with pytest.raises(ValueError, match=r"overlong='drop' cannot be used with GrowingPrompt"):
         SeqPackDataModule(source=data, max_tokens=64, overlong="drop").setup("fit")
+
+
+def test_planned_lengths_are_compared_after_the_per_document_padding():
+    """With pad_to_multiple_of the plan packs padded lengths: a sample may grow inside its padded slot, not past it."""
+    from lit_seqpack.batch import Microbatch, MicrobatchMeta
+    from lit_seqpack.data.batching.collate import PackedCollator
+
+    meta = MicrobatchMeta(step=0, step_loss_tokens=20, world_size=1, accumulate_grad_batches=1, lengths=(8, 16))
+    collate = PackedCollator(pad_document_to_multiple_of=8)
+    samples = [{"input_ids": list(range(1, 7))}, {"input_ids": list(range(1, 17))}]  # 6 -> 8, 16 -> 16: as planned
+    assert collate(Microbatch(samples, meta=meta, indices=[4, 9]))["input_ids"].shape == (1, 24)
+    samples[0] = {"input_ids": list(range(1, 10))}  # 9 tokens take 16 slots, the plan gave 8
+    with pytest.raises(
+        ValueError, match=r"dataset index 4\) has 9 tokens \(16 padded to a multiple of 8\) but the plan"
+    ):
+        collate(Microbatch(samples, meta=meta, indices=[4, 9]))

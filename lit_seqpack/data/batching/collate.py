@@ -138,8 +138,9 @@ class PackedCollator:
             return self._layout([], empty, empty, empty_collator_fields(self), meta, length)
         docs, ids, labels = read_samples(samples, weighted_mask=self.loss_weight_field == "loss_mask")
         multiple = self.pad_document_to_multiple_of or 1
-        check_planned_lengths(samples, docs, meta, multiple)
-        body = sum(-(-len(doc) // multiple) * multiple for doc in docs)
+        sizes = [len(doc) for doc in docs]
+        check_planned_lengths(samples, sizes, meta, multiple)
+        body = sum(-(-size // multiple) * multiple for size in sizes)
         check_planned_budget(samples, docs, round_up(body, self.pad_to_multiple_of), meta)
         return self._layout(docs, ids, labels, read_collator_fields(self, samples, docs, labels), meta, None)
 
@@ -245,9 +246,10 @@ class PaddedCollator:
             stats = _scalars(meta, documents=0, real=0, total=width, loss=0, is_empty=True)
             return batch | stats | weight_scalars(self, batch, meta, stats)
         docs, ids, labels = read_samples(samples, weighted_mask=self.loss_weight_field == "loss_mask")
-        check_planned_lengths(samples, docs, meta)
+        sizes = [len(doc) for doc in docs]
+        check_planned_lengths(samples, sizes, meta)
         fields = read_collator_fields(self, samples, docs, labels)
-        lengths = np.array([len(d) for d in docs], dtype=np.int64)
+        lengths = np.array(sizes, dtype=np.int64)
         rows, width = len(docs), round_up(int(lengths.max()), self.pad_to_multiple_of)
         check_planned_budget(samples, docs, rows * width, meta)
         real = np.arange(width) < lengths[:, None]
