@@ -135,3 +135,32 @@ def test_planned_lengths_are_compared_after_the_per_document_padding():
         ValueError, match=r"dataset index 4\) has 9 tokens \(16 padded to a multiple of 8\) but the plan"
     ):
         collate(Microbatch(samples, meta=meta, indices=[4, 9]))
+
+
+def test_a_dataset_that_declares_changing_lengths_resumes_at_an_epoch_boundary(tmp_path):
+    """The checkpoint holds epoch 1's lengths, a resumed run's setup reads epoch 0's: the lengths are not compared (the
+    dataset is re-scanned for the epoch the run resumes at, and each microbatch checks its own)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(max_epochs: int, seen: _Lengths, ckpt_path=None) -> None:
+        model = ReferenceLM(
+            vocab_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, intermediate_size=32, max_seq_len=64
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=max_epochs,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            reload_dataloaders_every_n_epochs=1,
+            callbacks=[seen, ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+        )
+        data = GrowingPrompt({0: 3, 1: 20, 2: 10}, declare=True)
+        trainer.fit(model, datamodule=SeqPackDataModule(source=data, max_tokens=64), ckpt_path=ckpt_path)
+
+    first, resumed = _Lengths(), _Lengths()
+    fit(2, first)
+    fit(3, resumed, ckpt_path=tmp_path / "last.ckpt")
+    assert first.seen == {0: [7] * 24, 1: [24] * 24} and resumed.seen == {2: [14] * 24}

@@ -344,7 +344,7 @@ class IndexedPipeline:
 
     def _layout_state(self) -> dict[str, Any]:
         settings = self.settings
-        return layout_state(
+        state = layout_state(
             num_samples=len(self.dataset),
             train=self.splits.get("train"),
             world_size=self.layout.world_size,
@@ -354,6 +354,9 @@ class IndexedPipeline:
             mode=settings.mode,
             max_tokens=settings.max_tokens,
         )
+        if lengths_change_per_epoch(self.dataset):  # re-scanned every epoch; each microbatch checks its lengths
+            state["train_lengths"] = "re-scanned every epoch"
+        return state
 
     def _plan_settings(self) -> dict[str, Any]:
         settings = plan_settings(self.settings.plan_config(self.layout))
