@@ -22,6 +22,12 @@ class _Located(dict):
     def __reduce__(self) -> tuple[Any, ...]:  # a checkpoint holds plain dicts (weights-only loading)
         return (dict, (dict(self),))
 
+    def relocated(self, values: Mapping[str, Any]) -> _Located:
+        """``values`` (this sample changed, e.g. truncated) tagged with this sample's number and position."""
+        located = _Located(values)
+        located.number, located.position = self.number, self.position
+        return located
+
 
 class LocatedReader(Iterator[Mapping[str, Any]]):
     """A stream reader whose samples know their stream number (from ``first``) and position.

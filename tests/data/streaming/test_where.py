@@ -78,3 +78,16 @@ def test_a_file_that_is_not_parquet_names_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"d\.parquet: not a readable Parquet file") as info:
         next(ParquetStream(str(path)).open())
     assert type(info.value.__cause__).__name__ == "ArrowInvalid"
+
+
+def test_a_truncated_stream_sample_keeps_its_place(tmp_path):
+    records = [{"input_ids": [1 + i % 5] * (2 + i % 4)} for i in range(40)]
+    records[33] = {"input_ids": [3, -1] + [4] * 30}  # over-long, truncated to 16 tokens with its bad id
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = PlanConfig(mode="packing", max_tokens=16, shuffle=False)
+    dataset = StreamingDataset(
+        JsonlStream(str(path)), config=config, rank=0, window_size=50, collator=PackedCollator(), overlong="truncate"
+    )
+    with pytest.raises(ValueError, match=rf"\({WHERE['jsonl']}\): input_ids must be >= 0"):
+        list(StreamingDataLoader(dataset))
