@@ -11,7 +11,8 @@
 - :mod:`~lit_seqpack.data.streaming.loader`: the DataLoader and its mid-stream resume state;
 - :mod:`~lit_seqpack.data.streaming.rank_check`: the windows' digests, compared across ranks (every rank must read
   the same stream);
-- :mod:`~lit_seqpack.data.streaming.pipeline`: what the DataModule delegates to.
+- :mod:`~lit_seqpack.data.streaming.pipeline`: what the DataModule delegates to;
+- ``_where.py``: each sample's stream number and file position, named by the errors.
 """
 
 from lit_seqpack.data.streaming.buffer import OverlongCounter, StreamWindow, stream_windows
