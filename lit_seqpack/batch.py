@@ -211,6 +211,9 @@ class MicrobatchMeta:
             collator compares them with the samples' labels, so a wrong count cannot skew the exact loss.
         step_loss_weight: the loss-weight sum of this optimizer step over all ranks, for a weighted loss
             (:mod:`lit_seqpack.data.batching.loss_weights`); ``None`` without one.
+        lengths: the length the plan gave each sample, in order (packing pads them to the per-document multiple;
+            ``None``: not checked); the collators compare them with the samples, so a sample whose length changed
+            after planning cannot overfill a row.
 
     Example:
         >>> MicrobatchMeta(step=0, step_loss_tokens=12, world_size=2, accumulate_grad_batches=1).max_tokens is None
@@ -225,6 +228,7 @@ class MicrobatchMeta:
     is_empty: bool = False
     loss_tokens: int | None = None
     step_loss_weight: float | None = None
+    lengths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         check_int("step_loss_tokens", self.step_loss_tokens, minimum=0)

@@ -8,6 +8,8 @@ models (a checkpoint is data; importing a module it names would run that module'
 from __future__ import annotations
 
 import importlib
+import pickle
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: no such file (the message says where checkpoints of the shipped configs are).
+        ValueError: the file is not a readable checkpoint (truncated, overwritten, another format), named.
     """
     path = Path(path)
     if not path.is_file():
@@ -37,7 +40,21 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             f"--ckpt_path {path}: no such file (the shipped configs keep checkpoints in "
             "outputs/<config name>/checkpoints/, last.ckpt the newest)"
         )
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive (an older pickle file starts with 0x80)
+        with path.open("rb") as handle:
+            if handle.read(1) != b"\x80":
+                raise ValueError(
+                    f"--ckpt_path {path}: not a readable checkpoint (neither a torch.save zip archive nor a pickle); "
+                    "the file is corrupt or not a Lightning checkpoint (a truncated copy, another format)"
+                )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile) as err:
+        raise ValueError(f"--ckpt_path {path}: not a readable checkpoint ({type(err).__name__}: {err})") from err
+    except RuntimeError as err:
+        if "PytorchStreamReader" not in str(err):
+            raise
+        raise ValueError(f"--ckpt_path {path}: not a readable checkpoint (a corrupt torch archive: {err})") from err
 
 
 def import_class(path: str) -> type:

@@ -27,22 +27,20 @@ The ``inspect`` (plan statistics without training), ``generate`` and ``export`` 
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import inspect
 import logging
-import re
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_seqpack._checks import check_int
-from lit_seqpack.config_resolvers import config_files, register_resolvers
+from lit_seqpack._config_files import check_interpolated_data, explain_interpolation_error, resolve_interpolation
+from lit_seqpack.config_resolvers import register_resolvers
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.data.sources._vocab import vocab_hint
 from lit_seqpack.model.vocab import model_vocab_size
@@ -166,6 +164,7 @@ class SeqPackCLI(LightningCLI):
         from omegaconf.errors import InterpolationResolutionError
 
         register_resolvers(sys.argv[1:] if args is None else args)
+        check_interpolated_data(sys.argv[1:] if args is None else args)
         try:
             super().parse_arguments(parser, args)
         except InterpolationResolutionError as err:
@@ -173,10 +172,10 @@ class SeqPackCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand is None:  # run=False: one parser, no subcommand
             if "${" in str(self.config):
-                self.config = _resolve_interpolation(parser, self.config)
+                self.config = resolve_interpolation(parser, self.config)
         elif "${" in str(self.config[subcommand]):
             subparser = self._subcommand_parsers[subcommand]
-            self.config[subcommand] = _resolve_interpolation(subparser, self.config[subcommand])
+            self.config[subcommand] = resolve_interpolation(subparser, self.config[subcommand])
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Add ``torch_num_threads``; link the data's vocabulary to the model's (once the DataModule exists)."""
@@ -232,58 +231,6 @@ class SeqPackCLI(LightningCLI):
 
 
 _VOCAB_KEY = "vocab_size"
-
-
-def _resolve_interpolation(parser: LightningArgumentParser, cfg: Any) -> Any:
-    """``cfg`` with every ``${...}`` resolved by omegaconf against the whole config."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import InterpolationResolutionError
-
-    dumped = parser.dump(cfg, skip_validation=True, skip_link_targets=False)
-    try:
-        resolved = OmegaConf.to_container(OmegaConf.create(yaml.safe_load(dumped)), resolve=True)
-    except InterpolationResolutionError as err:
-        raise ValueError(f"cannot resolve the interpolation in {err.full_key}: {err.msg}") from None
-    return parser.parse_object(resolved)
-
-
-def explain_interpolation_error(err: Exception, args: Any) -> str:
-    """A message for a ``${a.b}`` that a YAML file cannot resolve, naming the unknown key it sets instead (a typo).
-
-    Args:
-        err: omegaconf's error (``Interpolation key 'data.max_tokens' not found``).
-        args: the command line, to find the ``--config`` files.
-    """
-    text = str(err).splitlines()[0]
-    match = re.search(r"Interpolation key '([^']+)' not found", text)
-    where = getattr(err, "full_key", None)
-    message = f"the config's interpolation in {where or 'a value'} failed: {text}"
-    if match is None:
-        return message
-    missing = match.group(1)
-    parent, _, leaf = missing.rpartition(".")
-    for path in config_files(args):
-        section: Any = _load_yaml(path)
-        for part in parent.split(".") if parent else []:
-            section = section.get(part) if isinstance(section, Mapping) else None
-            if isinstance(section, Mapping) and "init_args" in section and part != "init_args":
-                section = section if leaf in section else section.get("init_args", section)
-        if isinstance(section, Mapping):
-            close = difflib.get_close_matches(leaf, [str(k) for k in section], n=1)
-            if close:
-                return (
-                    f"{path}: {where or 'a value'} refers to ${{{missing}}}, but the file sets "
-                    f"{parent + '.' if parent else ''}{close[0]}, not {leaf}: is {close[0]!r} a typo of {leaf!r}?"
-                )
-    return f"{message}; set {missing} in the config (or fix the name in the ${{...}})"
-
-
-def _load_yaml(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return yaml.safe_load(handle)
-    except (OSError, yaml.YAMLError):
-        return None
 
 
 def _parameters(cls: type) -> Mapping[str, inspect.Parameter]:

@@ -47,6 +47,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from lit_seqpack._checks import check_int
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.planning.rollout import RolloutPlan, RolloutPlanConfig, plan_rollout
 from lit_seqpack.rl._batches import collator_fields, loss_mass, plan_batches
@@ -130,6 +131,9 @@ class RolloutPlanner:
                 "loss_weight_field='loss_mask' is not supported: a Rollout's loss_mask is 0/1. Put the weights in a "
                 "token field (token_fields={'weights': ...}) and pass loss_weight_field='weights'"
             )
+        check_int("train_max_tokens", train_max_tokens, minimum=1)  # named as the user spells them, not max_tokens
+        if logprob_max_tokens is not None:
+            check_int("logprob_max_tokens", logprob_max_tokens, minimum=1)
         if check_rollout is not None and not isinstance(check_rollout, bool):
             raise ValueError(f"check_rollout must be None, True or False, got {check_rollout!r}")
         self._world = DataParallelWorld(world_size, rank) if world_size is not None else None

@@ -294,11 +294,18 @@ def test_samples_longer_than_planned_are_refused_naming_them(mode):
     else:
         sampler, collate = DynamicBatchSampler(planned_lengths, max_tokens=16), PaddedCollator()
     planned = PlannedDataset(samples)
+    with pytest.raises(ValueError, match=r"dataset index \d\) has 8 tokens but the plan was made with a length of 4"):
+        for indices in sampler:
+            collate(planned.__getitems__(indices))
+    unchecked = Microbatch(
+        samples[:4],
+        meta=MicrobatchMeta(step=0, step_loss_tokens=28, world_size=1, accumulate_grad_batches=1, max_tokens=16),
+        indices=[0, 1, 2, 3],
+    )
     with pytest.raises(
         ValueError, match=r"takes 32 token slots but the plan's budget is max_tokens=16 .*dataset index"
     ):
-        for indices in sampler:
-            collate(planned.__getitems__(indices))
+        collate(unchecked)  # a hand-built meta without the planned lengths: the budget still holds
     sampler_class = PackedBatchSampler if mode == "packing" else DynamicBatchSampler
     honest = sampler_class([8] * 6, max_tokens=16)
     for indices in honest:  # the same samples, planned on their real lengths, collate under the budget

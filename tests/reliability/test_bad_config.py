@@ -106,3 +106,12 @@ def test_an_interpolation_of_a_key_that_no_file_sets_says_which(tmp_path: Path) 
     config.write_text(text)
     with pytest.raises(ValueError, match=r"interpolation in model.init_args.max_seq_len failed: .*set data.budget"):
         SeqPackCLI(args=["fit", "--config", str(config)])
+
+
+@pytest.mark.parametrize("value", ["lots", 2.5, -5])
+def test_a_bad_data_max_tokens_behind_an_interpolation_names_data_max_tokens(tmp_path: Path, value: object) -> None:
+    """Regression: `max_tokens: lots` was reported as the model's max_seq_len (the `${data.max_tokens}` target)."""
+    config = _config(tmp_path, {"source": SYNTH_SOURCE, "max_tokens": value})
+    match = rf"config.yaml: data.max_tokens={value!r} is not valid .*refers to it as \$\{{data.max_tokens\}}"
+    with pytest.raises(ValueError, match=match):
+        SeqPackCLI(args=["fit", "--config", str(config)])

@@ -211,3 +211,10 @@ def test_every_pass_over_one_rollout_reuses_its_plans(monkeypatch: pytest.Monkey
     fresh = make_rollout(count=10, seed=12)  # the same samples in a new rollout: planned again, identically
     again = planner.plan(fresh)
     assert again is not kept and again.microbatches == kept.microbatches and calls == [80, 40, 40]
+
+
+@pytest.mark.parametrize("name", ["train_max_tokens", "logprob_max_tokens"])
+def test_a_bad_budget_is_named_as_the_planner_spells_it(name) -> None:
+    budgets = {"train_max_tokens": 8} | {name: 0}
+    with pytest.raises(ValueError, match=rf"^{name} must be"):
+        RolloutPlanner(**budgets, world_size=1, rank=0)

@@ -66,7 +66,10 @@ def token_arrays(sample: Mapping[str, Any], name: str) -> Mapping[str, Any]:
             array = _int_vector(value, name, key).numpy()
         converted = dict(sample) if converted is None else converted
         converted[key] = array
-    return sample if converted is None else converted
+    if converted is None:
+        return sample
+    relocated = getattr(sample, "relocated", None)  # keep where a stream sample comes from (streaming/_where.py)
+    return converted if relocated is None else relocated(converted)
 
 
 def _first_bad(parts: Sequence[torch.Tensor], bad: torch.Tensor) -> int:
@@ -76,11 +79,16 @@ def _first_bad(parts: Sequence[torch.Tensor], bad: torch.Tensor) -> int:
 
 
 def sample_name(samples: Sequence[Any], index: int) -> str:
-    """``sample 3`` (the position in the microbatch), with its dataset index when the loader attached them."""
+    """``sample 3`` (the position in the microbatch), with its dataset index when the loader attached them.
+
+    Indices with a ``describe(position)`` method (a stream's: the stream sample, its file and line) say more.
+    """
     indices = getattr(samples, "indices", None)
     if indices is None or index >= len(indices):
         return f"sample {index}"
-    return f"sample {index} of the microbatch (dataset index {indices[index]})"
+    describe = getattr(indices, "describe", None)
+    where = describe(index) if callable(describe) else f"dataset index {indices[index]}"
+    return f"sample {index} of the microbatch ({where})"
 
 
 def read_samples(

@@ -30,51 +30,18 @@ from lit_seqpack.data.batching._collate_fields import (
     token_pads,
     weight_scalars,
 )
-from lit_seqpack.data.batching._samples import read_samples, sample_name
+from lit_seqpack.data.batching._plan_check import check_planned_budget, check_planned_lengths, check_planned_loss_tokens
+from lit_seqpack.data.batching._samples import read_samples
 from lit_seqpack.data.batching.fields import FieldValues, pad_token_field, scatter_tokens
 
 __all__ = ["IGNORE_INDEX", "PackedCollator", "PaddedCollator"]
-
-
-def check_planned_budget(samples: Sequence[Any], docs: Sequence[torch.Tensor], slots: int, meta: Any) -> None:
-    """Refuse a microbatch that takes more token slots than the plan's budget: its samples grew after planning.
-
-    The plan packs by the lengths it was given; samples that are longer when they are read (a dataset whose samples
-    change between epochs, a file re-tokenised behind the same object, a stale lengths cache) would otherwise make
-    rows far above ``max_tokens`` without an error, and an out-of-memory error far from its cause on a GPU.
-
-    Raises:
-        ValueError: naming the budget, the slots and the longest samples with their dataset indices.
-    """
-    budget = None if meta is None else meta.max_tokens
-    if budget is None or slots <= budget:
-        return
-    longest = sorted(range(len(docs)), key=lambda i: -len(docs[i]))[:3]
-    named = ", ".join(f"{sample_name(samples, i)}: {len(docs[i])} tokens" for i in longest)
-    raise ValueError(
-        f"this microbatch takes {slots} token slots but the plan's budget is max_tokens={budget} (longest: {named}): "
-        "its samples are longer than the lengths it was planned with. Samples that change between epochs "
-        "(augmentation, a file re-tokenised behind the same dataset) or a stale lengths cache (clear cache_dir) "
-        "cause this; plan on the lengths the samples really have"
-    )
 
 
 def _scalars(
     meta: MicrobatchMeta | None, *, documents: int, real: int, total: int, loss: int, is_empty: bool
 ) -> dict[str, Any]:
     """The batch contract's Python scalars; the plan's facts come from ``meta`` when there is one."""
-    if meta is not None and not is_empty and meta.loss_tokens is not None and meta.loss_tokens != loss:
-        raise ValueError(
-            f"the plan counted {meta.loss_tokens} loss tokens for this microbatch but its labels hold {loss}: the "
-            "step_loss_tokens normaliser would be wrong. Give the batch sampler the samples' real loss tokens "
-            "(loss_tokens=lit_seqpack.data.compute_loss_tokens(dataset)); the default assumes every token "
-            "but the first of each sample is trained on"
-        )
-    if meta is not None and not is_empty and meta.step_loss_tokens < loss:
-        raise ValueError(
-            f"the plan says step_loss_tokens={meta.step_loss_tokens} for this optimizer step, but this microbatch "
-            f"alone has {loss} loss tokens: the loss tokens given to the planner do not match the samples' labels"
-        )
+    check_planned_loss_tokens(meta, loss, is_empty)
     return {
         "num_documents": documents,
         "num_real_tokens": real,
@@ -171,7 +138,9 @@ class PackedCollator:
             return self._layout([], empty, empty, empty_collator_fields(self), meta, length)
         docs, ids, labels = read_samples(samples, weighted_mask=self.loss_weight_field == "loss_mask")
         multiple = self.pad_document_to_multiple_of or 1
-        body = sum(-(-doc.shape[0] // multiple) * multiple for doc in docs)
+        sizes = [doc.shape[0] for doc in docs]
+        check_planned_lengths(samples, sizes, meta, multiple)
+        body = sum(-(-size // multiple) * multiple for size in sizes)
         check_planned_budget(samples, docs, round_up(body, self.pad_to_multiple_of), meta)
         return self._layout(docs, ids, labels, read_collator_fields(self, samples, docs, labels), meta, None)
 
@@ -277,8 +246,10 @@ class PaddedCollator:
             stats = _scalars(meta, documents=0, real=0, total=width, loss=0, is_empty=True)
             return batch | stats | weight_scalars(self, batch, meta, stats)
         docs, ids, labels = read_samples(samples, weighted_mask=self.loss_weight_field == "loss_mask")
+        sizes = [len(doc) for doc in docs]
+        check_planned_lengths(samples, sizes, meta)
         fields = read_collator_fields(self, samples, docs, labels)
-        lengths = np.array([len(d) for d in docs], dtype=np.int64)
+        lengths = np.array(sizes, dtype=np.int64)
         rows, width = len(docs), round_up(int(lengths.max()), self.pad_to_multiple_of)
         check_planned_budget(samples, docs, rows * width, meta)
         real = np.arange(width) < lengths[:, None]

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from lit_seqpack.data.batching._samples import sample_loss_tokens
+from lit_seqpack.data.indexed._reads import read_sample
 from lit_seqpack.data.indexed.validation import DataScan, scan_dataset
 from lit_seqpack.data.sources.protocol import declared_counts, declared_fingerprint
 
@@ -213,7 +214,7 @@ def _disagreement(
     if size and (lengths.min() < 1 or loss.min() < 0 or (loss > lengths - 1).any()):
         return "it holds impossible values (a length < 1, or more loss tokens than length - 1)"
     for i in np.unique(np.linspace(0, size - 1, num=min(size, _SAMPLED)).astype(np.int64)).tolist():
-        sample = dataset[i]
+        sample = read_sample(dataset, i)
         actual = (len(sample["input_ids"]), sample_loss_tokens(sample))
         if actual != (int(lengths[i]), int(loss[i])):
             cached = f"{int(lengths[i])} and {int(loss[i])}"

@@ -24,6 +24,7 @@ from lit_seqpack.data._trainer import read_layout, training_start
 from lit_seqpack.data.batching._budget import apply_document_budget, planned_lengths
 from lit_seqpack.data.batching.loss_weights import with_step_loss_weights
 from lit_seqpack.data.batching.overlong import OverlongReport
+from lit_seqpack.data.indexed._changing import check_changing_lengths
 from lit_seqpack.data.indexed._eval_data import eval_sources, eval_split
 from lit_seqpack.data.indexed._loader import ResumableDataLoader
 from lit_seqpack.data.indexed._resume import LOADER_STATE, PLAN_STATE, check_resume, layout_state, plan_settings
@@ -36,7 +37,7 @@ from lit_seqpack.data.indexed.validation import DataScan, check_vocab_range, sca
 from lit_seqpack.data.settings import BatchingSettings
 from lit_seqpack.data.sources.base import IndexedSource
 from lit_seqpack.data.sources.files import FileSource
-from lit_seqpack.data.sources.protocol import declared_counts
+from lit_seqpack.data.sources.protocol import declared_counts, declared_fingerprint, lengths_change_per_epoch
 from lit_seqpack.parallel import DataParallelLayout
 
 __all__ = ["IndexedPipeline"]
@@ -95,6 +96,7 @@ class IndexedPipeline:
         self._train_loader: ResumableDataLoader | None = None
         self._pending_state: dict[str, Any] | None = None
         self._resume_point: tuple[int, int] | None = None  # (epoch, microbatch) of the restored loader state
+        self._scanned_epoch = 0  # the epoch whose samples the splits were made from (see lengths_change_per_epoch)
 
     # ------------------------------------------------------------------ data
     def _load(self, source: IndexedSource, split: str) -> Dataset:
@@ -122,8 +124,17 @@ class IndexedPipeline:
     def _scan_data(self, data: Dataset) -> DataScan:
         cache_dir, weighted = self.settings.cache_dir, {"weighted_mask": self.settings.loss_weight_field == "loss_mask"}
         exact = declared_counts(data, "lengths") is not None and declared_counts(data, "loss_tokens") is not None
-        direct = cache_dir is None or exact  # declared counts are free: never cached
-        return scan_dataset(data, **weighted) if direct else cached_scan(data, cache_dir, **weighted)
+        # declared counts are free, and samples that change per epoch would make any cache stale: never cached
+        if cache_dir is None or exact or lengths_change_per_epoch(data):
+            return scan_dataset(data, **weighted)
+        if declared_fingerprint(data) is None:
+            raise ValueError(
+                f"cache_dir={cache_dir!r} caches the lengths of a dataset under its content identity, but "
+                f"{type(data).__name__} declares no 'fingerprint': give the dataset a fingerprint attribute (a str "
+                "that changes whenever its samples change, e.g. a hash of its files and preprocessing version), or "
+                "leave cache_dir unset (the lengths are then computed at every setup)"
+            )
+        return cached_scan(data, cache_dir, **weighted)
 
     def eval_data(self, name: str) -> tuple[Dataset, DataScan]:
         """The dataset of evaluation split ``name`` read from its own source, and its validation pass (once)."""
@@ -159,9 +170,22 @@ class IndexedPipeline:
             trainer, self.settings.parallel, fabric=fabric, accumulate_grad_batches=accumulate_grad_batches
         )
         if not self.splits:
+            check_changing_lengths(self.dataset, overlong=self.settings.overlong, trainer=trainer)
             self._make_splits()
             self._check_trainable()
         self.is_set_up = True
+
+    def _rescan(self, epoch: int) -> None:
+        """Re-scan a dataset that declares ``lengths_change_per_epoch`` for ``epoch`` and make its splits again."""
+        if not lengths_change_per_epoch(self.dataset) or epoch == self._scanned_epoch:
+            return
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        self._scan, self.splits = None, {}
+        self._make_splits()
+        self._check_trainable()
+        self._scanned_epoch = epoch
 
     def _check_trainable(self) -> None:
         """Refuse a training split without a single loss token: it would train at loss 0 while weight decay moves."""
@@ -241,7 +265,12 @@ class IndexedPipeline:
 
     # ------------------------------------------------------------------ loaders
     def train_loader(self) -> ResumableDataLoader:
-        """The training loader: a stateful DataLoader over this rank's planned microbatches."""
+        """The training loader: a stateful DataLoader over this rank's planned microbatches.
+
+        A dataset that declares ``lengths_change_per_epoch`` is re-scanned first when the epoch changed.
+        """
+        if self.trainer is not None:
+            self._rescan(self.trainer.fit_loop.epoch_progress.current.processed)
         return self._loader("train")
 
     def eval_loader(self, split: str) -> ResumableDataLoader | list:
@@ -315,7 +344,7 @@ class IndexedPipeline:
 
     def _layout_state(self) -> dict[str, Any]:
         settings = self.settings
-        return layout_state(
+        state = layout_state(
             num_samples=len(self.dataset),
             train=self.splits.get("train"),
             world_size=self.layout.world_size,
@@ -325,6 +354,9 @@ class IndexedPipeline:
             mode=settings.mode,
             max_tokens=settings.max_tokens,
         )
+        if lengths_change_per_epoch(self.dataset):  # re-scanned every epoch; each microbatch checks its lengths
+            state["train_lengths"] = "re-scanned every epoch"
+        return state
 
     def _plan_settings(self) -> dict[str, Any]:
         settings = plan_settings(self.settings.plan_config(self.layout))

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lit_seqpack.batch import Microbatch
+from lit_seqpack.data.indexed._reads import read_sample
 from lit_seqpack.data.indexed.splits import source_index
 
 __all__ = ["PlannedDataset", "SourceIndices"]
@@ -39,11 +40,11 @@ class PlannedDataset:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Mapping[str, Any]:
-        return self.dataset[index]
+        return read_sample(self.dataset, index)
 
     def __getitems__(self, indices: Sequence[int]) -> Microbatch:
         return Microbatch(
-            (self.dataset[i] for i in indices),
+            (read_sample(self.dataset, i) for i in indices),
             meta=getattr(indices, "meta", None),
             indices=SourceIndices(self.dataset, indices),
         )

@@ -270,6 +270,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
                 max_tokens=config.max_tokens,
                 is_empty=not indices,
                 loss_tokens=plan.microbatch_loss_tokens(self.rank, position) if indices else 0,
+                lengths=tuple(self._lengths[indices].tolist()) if indices else (),
             )
             self._position = position + 1
             yield Microbatch(indices, meta=meta)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from lit_seqpack.batch import IGNORE_INDEX
+from lit_seqpack.data.indexed._reads import read_sample
 from lit_seqpack.data.sources.protocol import declared_counts
 
 __all__ = ["DataScan", "check_vocab_range", "scan_dataset"]
@@ -102,7 +103,7 @@ def _scan_samples(dataset: Sequence[Mapping[str, Any]], weighted_mask: bool) -> 
     loss_tokens = np.empty(size, dtype=np.int64)
     top, top_at = -1, 0
     for start in range(0, size, _CHUNK):
-        samples = [dataset[i] for i in range(start, min(start + _CHUNK, size))]
+        samples = [read_sample(dataset, i) for i in range(start, min(start + _CHUNK, size))]
         facts = None if weighted_mask and _has_mask(samples) else _fast_chunk(samples)
         if facts is None:  # not plain lists, or a bad sample: per sample, so that the message names it exactly
             facts = _slow_chunk(samples, start, weighted_mask)

@@ -23,9 +23,11 @@ def parquet_table(path: Path, columns: tuple[str, ...]) -> tuple[Any, list[str]]
     pa = require("pyarrow", purpose="reading Parquet files")
     try:
         names = pq.read_schema(path).names
+        if "input_ids" not in names:  # before reading: the table read holds only the wanted columns
+            raise ValueError(f"{path}: no 'input_ids' column (columns: {list(names)})")
         return pq.read_table(path, columns=[c for c in columns if c in names]), list(names)
     except (pa.ArrowException, OSError) as err:
-        raise ValueError(f"{path}: not a readable Parquet file ({type(err).__name__}: {err})") from None
+        raise ValueError(f"{path}: not a readable Parquet file ({type(err).__name__}: {err})") from err
 
 
 def load_disk_split(path: Path, split: str | None) -> Any:
@@ -125,7 +127,8 @@ def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.
     """Validate a table with an ``input_ids`` column (and optional ``labels`` / ``loss_mask``) and flatten it.
 
     ``loss_mask`` (0/1 or bool per token, 1 = train on it) becomes labels, as in JSONL; a row may have labels or
-    a loss mask, not both. Rows whose ``labels`` and ``loss_mask`` are null train on every token.
+    a loss mask, not both. A row whose ``labels`` (and ``loss_mask``, when both columns exist) is null is refused,
+    as a JSONL ``"labels": null`` is: reading it as "no labels" would train every token of the row, prompt included.
 
     Returns:
         ``(tokens, offsets, labels)``; ``labels`` is ``None`` when the table has neither column.
@@ -164,10 +167,22 @@ def table_to_arrays(table: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.
             row = _row_of(int(np.flatnonzero(positions)[int(np.argmax(bad))]), offsets)
             raise ValueError(f"{where}, row {row}: 'loss_mask' must hold only 0 and 1, got {int(values[bad][0])}")
         labels[positions] = np.where(values == 1, tokens[positions], IGNORE_INDEX)
+    if not with_labels.all():
+        _refuse_null(present, int(np.argmin(with_labels)), where)
     _check_values(
         labels, (labels < 0) & (labels != IGNORE_INDEX), offsets, "labels", where, "labels are ids >= 0 or -100"
     )
     return tokens, offsets, labels
+
+
+def _refuse_null(present: list[str], row: int, where: str) -> None:
+    """Refuse a row whose ``labels`` / ``loss_mask`` is null (it would train every token, prompt included)."""
+    named = " and ".join(f"'{key}'" for key in present)
+    raise ValueError(
+        f"{where}, row {row}: {named} {'is' if len(present) == 1 else 'are'} null; write the row's labels (-100 on "
+        "the tokens not to train) or its loss_mask, or leave the column out of the file to train on every token "
+        "(a null would train every token of the row, the prompt included)"
+    )
 
 
 def _list_column(column: Any, key: str, where: str, *, allow_null: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -34,7 +34,7 @@ def text_lines(path: Path) -> Iterable[tuple[int, str]]:
                 raise ValueError(
                     f"{path}, line {number}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}); "
                     "JSONL and text files must be UTF-8"
-                ) from None
+                ) from err
 
 
 def file_fingerprint(kind: str, path: Path) -> str:

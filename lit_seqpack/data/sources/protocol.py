@@ -2,7 +2,10 @@
 
 Any map-style dataset of token samples works (``len`` and ``dataset[i] -> {"input_ids": ..., "labels"?: ...}``);
 one that also declares ``lengths``, ``loss_tokens`` and ``fingerprint`` is planned without a pass over the data and
-its scan is cached under its fingerprint. Every dataset of :mod:`lit_seqpack.data.sources` implements the whole
+its scan is cached under its fingerprint. A dataset whose samples change between epochs (augmentation, a prompt that
+grows) declares ``lengths_change_per_epoch = True``: it is then never cached and is re-scanned and re-planned at the
+start of every epoch (after its ``set_epoch(epoch)``, when it has one). Every dataset of
+:mod:`lit_seqpack.data.sources` implements the whole
 protocol. A dataset may declare only part of it (say ``lengths`` alone); :func:`declared_counts` and
 :func:`declared_fingerprint` are the one place that reads a declaration, and the rest is computed from the samples.
 """
@@ -14,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["COUNT_ATTRIBUTES", "TokenDataset", "declared_counts", "declared_fingerprint"]
+__all__ = ["COUNT_ATTRIBUTES", "TokenDataset", "declared_counts", "declared_fingerprint", "lengths_change_per_epoch"]
 
 COUNT_ATTRIBUTES: tuple[str, ...] = ("lengths", "loss_tokens")
 """The per-sample count arrays a dataset may declare."""
@@ -103,4 +106,23 @@ def declared_fingerprint(dataset: object) -> str | None:
     value = getattr(dataset, "fingerprint", None)
     if value is not None and not isinstance(value, str):
         raise TypeError(f"dataset.fingerprint must be a str or None, got {type(value).__name__}")
+    return value
+
+
+def lengths_change_per_epoch(dataset: object) -> bool:
+    """Whether ``dataset`` declares ``lengths_change_per_epoch = True``: its samples (and so their lengths and loss
+    tokens) may change from one epoch to the next, so it is re-scanned and re-planned every epoch.
+
+    Raises:
+        TypeError: the attribute is not a bool.
+
+    Example:
+        >>> class Growing(list):
+        ...     lengths_change_per_epoch = True
+        >>> lengths_change_per_epoch(Growing()), lengths_change_per_epoch([])
+        (True, False)
+    """
+    value = getattr(dataset, "lengths_change_per_epoch", False)
+    if not isinstance(value, bool):
+        raise TypeError(f"dataset.lengths_change_per_epoch must be True or False, got {value!r}")
     return value

@@ -294,8 +294,21 @@ class _JsonlReader(StreamReader):
             if not line.isspace():  # a blank line is skipped (isspace copies nothing, unlike strip)
                 try:
                     return json.loads(line)
+                except UnicodeDecodeError as err:
+                    where = f"{self._files[file]}, line {_line_at(self._files[file], offset)}"
+                    raise ValueError(
+                        f"{where}: not UTF-8 text (byte {line[err.start]:#04x} at column {err.start + 1}); JSONL "
+                        "files must be UTF-8"
+                    ) from err
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{self._files[file]}: byte {offset}: not a JSON line ({err.msg})") from None
+                    where = f"{self._files[file]}, line {_line_at(self._files[file], offset)} (byte {offset})"
+                    raise ValueError(f"{where}: not a JSON line ({err.msg})") from err
+
+
+def _line_at(path: str, offset: int) -> int:
+    """The line number of the line starting at byte ``offset`` of ``path`` (read on the error path only)."""
+    with open(path, "rb") as handle:
+        return handle.read(offset).count(b"\n") + 1
 
 
 class JsonlStream:
@@ -362,11 +375,17 @@ class _ParquetReader(StreamReader):
             if file >= len(self._files) or (self._stop is not None and (file, group) >= self._stop):
                 raise StopIteration
             if self._rows is None:
-                handle = pq.ParquetFile(self._files[file])
-                if group >= handle.num_row_groups:
-                    self._rows, self.position = None, [file + 1, 0, 0]
-                    continue
-                self._rows = handle.read_row_group(group).to_pylist()  # one row group in memory at a time
+                try:
+                    handle = pq.ParquetFile(self._files[file])
+                    if group >= handle.num_row_groups:
+                        self._rows, self.position = None, [file + 1, 0, 0]
+                        continue
+                    self._rows = handle.read_row_group(group).to_pylist()  # one row group in memory at a time
+                except (require("pyarrow", purpose="streaming Parquet files").ArrowException, OSError) as err:
+                    raise ValueError(
+                        f"{self._files[file]}: not a readable Parquet file (row group {group}; "
+                        f"{type(err).__name__}: {err})"
+                    ) from err
             if row >= len(self._rows):
                 self._rows, self.position = None, [file, group + 1, 0]
                 continue

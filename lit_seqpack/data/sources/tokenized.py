@@ -132,7 +132,7 @@ class TokenizedDataset(torch.utils.data.Dataset):
     ) -> TokenizedDataset:
         """Validate and pack in-memory records (mappings with ``input_ids``, optional ``labels``, declared fields)."""
         fields = FieldColumns(token_fields, sample_fields)
-        return _pack(((f"{source}, record {i}", r) for i, r in enumerate(records)), source, None, False, fields)
+        return _pack(((f"{source}, record {i}", r) for i, r in enumerate(records)), source, None, "None", fields)
 
     @classmethod
     def from_jsonl(
@@ -141,7 +141,7 @@ class TokenizedDataset(torch.utils.data.Dataset):
         """Read a JSONL file: one JSON object per line; whitespace-only lines are skipped."""
         path = Path(path)
         fingerprint = functools.partial(_file_fingerprint, "jsonl", path)
-        return _pack(_jsonl_records(path), str(path), fingerprint, True, FieldColumns(token_fields, sample_fields))
+        return _pack(_jsonl_records(path), str(path), fingerprint, "null", FieldColumns(token_fields, sample_fields))
 
     @classmethod
     def from_parquet(
@@ -266,13 +266,13 @@ def _pack(
     records: Iterable[tuple[str, Any]],
     source: str,
     fingerprint: Callable[[], str] | None,
-    null_is_absent: bool,
+    null: str,
     fields: FieldColumns,
 ) -> TokenizedDataset:
     ids_parts: list[np.ndarray] = []
     label_parts: list[np.ndarray | None] = []
     for where, record in records:
-        ids, labels = validate_record(record, where, null_is_absent=null_is_absent)
+        ids, labels = validate_record(record, where, null=null)
         fields.add(record, where, len(ids))
         ids_parts.append(ids)
         label_parts.append(labels)
@@ -297,7 +297,7 @@ def _pack(
 
 
 def validate_record(
-    record: Any, where: str, *, null_is_absent: bool = False, weighted_mask: bool = False
+    record: Any, where: str, *, null: str = "None", weighted_mask: bool = False
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Check one record and return its ``input_ids`` and ``labels`` (or ``None``) as int32 arrays.
 
@@ -307,8 +307,9 @@ def validate_record(
     Args:
         record: the sample mapping.
         where: how messages name it (``"data.jsonl, line 3"``, ``"dataset[150]"``).
-        null_is_absent: a ``None`` ``labels``/``loss_mask`` means the field is absent (a JSON ``null``, like a
-            Parquet null); otherwise ``None`` is refused, as the collators refuse it.
+        null: how the source spells a missing value (``"null"`` in JSON), in the message refusing a ``None``
+            ``labels`` / ``loss_mask`` (read as "no labels" it would train every token, the prompt included; the
+            collators and the Parquet reader refuse it too).
         weighted_mask: ``loss_mask`` holds loss weights in ``[0, 1]`` (``loss_weight_field="loss_mask"``); the
             labels then mask the tokens whose weight is 0.
 
@@ -325,10 +326,9 @@ def validate_record(
     if ids.min() < 0:
         position = int(np.argmax(ids < 0))
         raise ValueError(f"{where}: 'input_ids' has negative id {int(ids[position])} at position {position}")
-    if not null_is_absent:
-        for key in ("labels", "loss_mask"):
-            if key in record and record[key] is None:
-                raise ValueError(f"{where}: '{key}' is None; omit the key to train on every token")
+    for key in ("labels", "loss_mask"):
+        if key in record and record[key] is None:
+            raise ValueError(f"{where}: '{key}' is {null}; omit the key to train on every token")
     labels = record.get("labels")
     if record.get("loss_mask") is not None:
         if labels is not None:

@@ -14,7 +14,8 @@
   collective a window (each rank's steps and loss tokens), fillers once a share ends;
 - :mod:`~lit_seqpack.data.streaming.rank_check`: the windows' digests, compared across ranks under
   ``stream_split="replicate"`` (every rank must read the same stream);
-- :mod:`~lit_seqpack.data.streaming.pipeline`: what the DataModule delegates to.
+- :mod:`~lit_seqpack.data.streaming.pipeline`: what the DataModule delegates to;
+- ``_where.py``: each sample's stream number and file position, named by the errors.
 """
 
 from lit_seqpack.data.streaming.buffer import OverlongCounter, StreamWindow, stream_windows

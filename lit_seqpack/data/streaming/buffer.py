@@ -82,7 +82,9 @@ class OverlongCounter:
                     f"sample {number} of the stream: {key} has {len(sample[key])} entries but input_ids has {length} "
                     f"tokens (before overlong='truncate' cuts both to max_tokens={self.max_tokens})"
                 )
-        return {k: v[: self.max_tokens] if k in cut and v is not None else v for k, v in sample.items()}
+        truncated = {k: v[: self.max_tokens] if k in cut and v is not None else v for k, v in sample.items()}
+        relocated = getattr(sample, "relocated", None)  # keep where the sample comes from (streaming/_where.py)
+        return truncated if relocated is None else relocated(truncated)
 
     def state(self) -> dict[str, Any]:
         """The counts as a small dict (a checkpoint keeps the counts at the start of the window it resumes in)."""

@@ -27,6 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.sources.streams import StreamSource
+from lit_seqpack.data.streaming._where import LocatedReader, StreamSampleNames
 from lit_seqpack.data.streaming.buffer import OverlongCounter, StreamWindow, stream_windows
 from lit_seqpack.data.streaming.rank_check import WindowDigest, window_digest
 from lit_seqpack.planning.plan import PlanConfig
@@ -164,7 +165,7 @@ class StreamingDataset(IterableDataset):
         if record is not None:
             numbers = (record["window"], record["first_sample"], record["first_microbatch"], record["first_step"])
         return stream_windows(
-            self.source.open(None if record is None else record["start"]),
+            LocatedReader(self.source.open(None if record is None else record["start"]), numbers[1]),
             config=self.config,
             window_size=self.window_size,
             epoch=self.start.epoch,
@@ -201,12 +202,15 @@ class StreamingDataset(IterableDataset):
             is_empty=not planned.indices,
             loss_tokens=int(window.loss_tokens[planned.indices].sum()) if planned.indices else 0,
         )
-        batch = self.collator(Microbatch((window.samples[i] for i in planned.indices), meta=meta))
+        samples = [window.samples[i] for i in planned.indices]
+        names = StreamSampleNames(samples, self.source)
+        batch = self.collator(Microbatch(samples, meta=meta, indices=names))
         if self.vocab_size is not None and planned.indices and int(batch["input_ids"].max()) >= self.vocab_size:
+            top = max(range(len(samples)), key=lambda k: max(samples[k]["input_ids"]))
             raise ValueError(
-                f"token id {int(batch['input_ids'].max())} in a microbatch of stream window {window.index} (its "
-                f"samples start at stream sample {window.first_sample}) is outside the model's vocab_size="
-                f"{self.vocab_size}: raise the model's vocab_size or the stream's vocab_size"
+                f"token id {int(batch['input_ids'].max())} of {names.describe(top)} (in stream window "
+                f"{window.index}) is outside the model's vocab_size={self.vocab_size}: raise the model's vocab_size "
+                "or the stream's vocab_size"
             )
         batch[STREAM_KEY] = {
             "epoch": self.start.epoch,

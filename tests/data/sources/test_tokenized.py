@@ -165,7 +165,9 @@ def test_missing_optional_dependency_names_the_extra(tmp_path, monkeypatch, modu
 def test_parquet_round_trip_and_validation(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    table = pa.table({"input_ids": [r["input_ids"] for r in RECORDS], "labels": [r.get("labels") for r in RECORDS]})
+    table = pa.table(
+        {"input_ids": [r["input_ids"] for r in RECORDS], "labels": [r.get("labels", r["input_ids"]) for r in RECORDS]}
+    )
     pq.write_table(table, tmp_path / "d.parquet", row_group_size=2)
     _assert_matches_records(load_tokenized(tmp_path / "d.parquet"))
     bad = {
@@ -173,7 +175,7 @@ def test_parquet_round_trip_and_validation(tmp_path):
         "null.parquet": ({"input_ids": [[1], None]}, "null.parquet, row 1: 'input_ids' is null"),
         "empty.parquet": ({"input_ids": [[1], []]}, "empty.parquet, row 1: 'input_ids' is empty"),
         "type.parquet": ({"input_ids": [[1.5]]}, "column 'input_ids' must hold lists of ints"),
-        "nocol.parquet": ({"tokens": [[1]]}, "no 'input_ids' column"),
+        "nocol.parquet": ({"tokens": [[1]]}, "nocol.parquet: no 'input_ids' column (columns: ['tokens'])"),
         "len.parquet": ({"input_ids": [[1], [1, 2]], "labels": [[1], [2]]}, "row 1: 'labels' has 1 entries"),
         "lab.parquet": ({"input_ids": [[1, 2]], "labels": [[1, -7]]}, "row 0: 'labels' has -7 at position 1"),
     }
@@ -186,7 +188,10 @@ def test_parquet_round_trip_and_validation(tmp_path):
 
 def test_hf_disk_round_trip(tmp_path):
     datasets = pytest.importorskip("datasets")
-    rows = {"input_ids": [r["input_ids"] for r in RECORDS], "labels": [r.get("labels") for r in RECORDS]}
+    rows = {
+        "input_ids": [r["input_ids"] for r in RECORDS],
+        "labels": [r.get("labels", r["input_ids"]) for r in RECORDS],
+    }
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "single"))
     _assert_matches_records(load_tokenized(tmp_path / "single"))
     both = datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows), "val": datasets.Dataset.from_dict(rows)})
@@ -199,3 +204,62 @@ def test_hf_disk_round_trip(tmp_path):
     shuffled = datasets.Dataset.from_dict(rows).select([2, 0])
     shuffled.save_to_disk(str(tmp_path / "selected"))
     assert load_tokenized(tmp_path / "selected").lengths.tolist() == [3, 4]
+
+
+def _null_tables(pa):
+    """Tables whose labels / loss_mask are null in row 1 (read as "no labels" they would train the prompt)."""
+    ids = [[5, 6, 7], [8, 9, 10, 11]]
+    return {
+        "labels": (pa.table({"input_ids": ids, "labels": [[-100, 6, 7], None]}), "'labels' is null"),
+        "loss_mask": (pa.table({"input_ids": ids, "loss_mask": [[0, 1, 1], None]}), "'loss_mask' is null"),
+        "both": (
+            pa.table(
+                {
+                    "input_ids": ids,
+                    "labels": [[-100, 6, 7], None],
+                    "loss_mask": pa.array([None, None], pa.list_(pa.int8())),
+                }
+            ),
+            "'labels' and 'loss_mask' are null",
+        ),
+    }
+
+
+@pytest.mark.parametrize("column", ["labels", "loss_mask", "both"])
+def test_a_null_label_row_in_parquet_is_refused_naming_file_row_and_column(tmp_path, column):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table, named = _null_tables(pa)[column]
+    pq.write_table(table, tmp_path / "d.parquet")
+    with pytest.raises(ValueError, match=rf"d\.parquet, row 1: {named}; write the row's labels"):
+        load_tokenized(tmp_path / "d.parquet")
+
+
+@pytest.mark.parametrize("column", ["labels", "loss_mask"])
+def test_a_null_label_row_in_save_to_disk_is_refused_naming_folder_row_and_column(tmp_path, column):
+    datasets = pytest.importorskip("datasets")
+    pa = pytest.importorskip("pyarrow")
+    table, named = _null_tables(pa)[column]
+    datasets.Dataset(table).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(ValueError, match=rf"saved, row 1: {named}; write the row's labels"):
+        load_tokenized(tmp_path / "saved")
+
+
+def test_a_null_label_in_jsonl_is_refused_naming_the_line(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", [RECORDS[0], {"input_ids": [1, 2], "labels": None}])
+    with pytest.raises(ValueError, match=r"d\.jsonl, line 2: 'labels' is null; omit the key to train on every token"):
+        load_tokenized(path)
+
+
+def test_a_file_that_is_not_parquet_or_not_utf8_names_the_file_and_chains_the_cause(tmp_path):
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "d.parquet"
+    path.write_text('{"input_ids": [1, 2]}\n')  # JSONL under a Parquet name
+    with pytest.raises(ValueError, match=r"d\.parquet: not a readable Parquet file") as info:
+        load_tokenized(path)
+    assert type(info.value.__cause__).__name__ == "ArrowInvalid"
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"input_ids": [1, 2]}\n{"input_ids": [3], "text": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"d\.jsonl, line 2: not UTF-8 text") as info:
+        load_tokenized(path)
+    assert isinstance(info.value.__cause__, UnicodeDecodeError)

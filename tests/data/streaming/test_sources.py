@@ -65,7 +65,7 @@ def test_a_bad_jsonl_line_names_the_file_and_offset(tmp_path: Path) -> None:
     (tmp_path / "a.jsonl").write_text('{"input_ids": [1]}\nnot json\n')
     reader = JsonlStream(str(tmp_path)).open()
     next(reader)
-    with pytest.raises(ValueError, match=r"a\.jsonl: byte 19: not a JSON line"):
+    with pytest.raises(ValueError, match=r"a\.jsonl, line 2 \(byte 19\): not a JSON line"):
         next(reader)
 
 

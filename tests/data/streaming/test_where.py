@@ -1,0 +1,93 @@
+"""Errors on the stream path name the stream sample (not its position in the microbatch) and its file and line or row
+group and row; unreadable files name the file and chain the cause."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lit_seqpack.data.batching.collate import PackedCollator
+from lit_seqpack.data.sources import JsonlStream, ParquetStream
+from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
+from lit_seqpack.planning.plan import PlanConfig
+
+
+def _records(bad_id: int) -> list[dict]:
+    records = [{"input_ids": [1 + i % 5] * (2 + i % 4)} for i in range(40)]
+    records[33] = {"input_ids": [3, bad_id, 4]}
+    return records
+
+
+def _source(tmp_path: Path, kind: str, bad_id: int) -> JsonlStream | ParquetStream:
+    records = _records(bad_id)
+    if kind == "jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        return JsonlStream(str(path))
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(
+        pa.table({"input_ids": [r["input_ids"] for r in records]}), tmp_path / "d.parquet", row_group_size=10
+    )
+    return ParquetStream(str(tmp_path / "d.parquet"))
+
+
+WHERE = {
+    "jsonl": r"stream sample 33, \S*d\.jsonl, line 34",
+    "parquet": r"stream sample 33, \S*d\.parquet, row group 3, row 3",
+}
+
+
+def _read_all(source, vocab_size: int | None = None) -> None:
+    config = PlanConfig(mode="packing", max_tokens=16, shuffle=False)
+    dataset = StreamingDataset(
+        source, config=config, rank=0, window_size=50, collator=PackedCollator(), vocab_size=vocab_size
+    )
+    for _ in StreamingDataLoader(dataset):
+        pass
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_negative_id_names_the_stream_sample_and_its_place_in_the_file(tmp_path, kind):
+    with pytest.raises(ValueError, match=rf"\({WHERE[kind]}\): input_ids must be >= 0"):
+        _read_all(_source(tmp_path, kind, bad_id=-1))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_an_id_outside_the_vocabulary_names_the_stream_sample_and_its_place(tmp_path, kind):
+    with pytest.raises(ValueError, match=rf"token id 99 of {WHERE[kind]} \(in stream window 0\) is outside"):
+        _read_all(_source(tmp_path, kind, bad_id=99), vocab_size=50)
+
+
+def test_a_non_utf8_jsonl_stream_names_the_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"input_ids": [1, 2]}\n{"input_ids": [3]}\n{"input_ids": [4], "text": "\xe9"}\n')
+    reader = JsonlStream(str(path)).open()
+    next(reader), next(reader)
+    with pytest.raises(ValueError, match=r"d\.jsonl, line 3: not UTF-8 text \(byte 0xe9") as info:
+        next(reader)
+    assert isinstance(info.value.__cause__, UnicodeDecodeError)
+
+
+def test_a_file_that_is_not_parquet_names_the_file(tmp_path):
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "d.parquet"
+    path.write_text('{"input_ids": [1, 2]}\n')
+    with pytest.raises(ValueError, match=r"d\.parquet: not a readable Parquet file") as info:
+        next(ParquetStream(str(path)).open())
+    assert type(info.value.__cause__).__name__ == "ArrowInvalid"
+
+
+def test_a_truncated_stream_sample_keeps_its_place(tmp_path):
+    records = [{"input_ids": [1 + i % 5] * (2 + i % 4)} for i in range(40)]
+    records[33] = {"input_ids": [3, -1] + [4] * 30}  # over-long, truncated to 16 tokens with its bad id
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = PlanConfig(mode="packing", max_tokens=16, shuffle=False)
+    dataset = StreamingDataset(
+        JsonlStream(str(path)), config=config, rank=0, window_size=50, collator=PackedCollator(), overlong="truncate"
+    )
+    with pytest.raises(ValueError, match=rf"\({WHERE['jsonl']}\): input_ids must be >= 0"):
+        list(StreamingDataLoader(dataset))
