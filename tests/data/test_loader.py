@@ -127,13 +127,21 @@ def test_check_start_restarts_the_epoch_when_the_trainer_counts_the_finished_one
 def _finished_epoch_loop(done: int, *, last: bool) -> SimpleNamespace:
     """A fit loop as Lightning restores it from a checkpoint written after microbatch ``done`` of an epoch."""
     progress, scheduler, optim = _BatchProgress(), _SchedulerProgress(), _OptimizationProgress()
-    progress.increment_by(20)  # earlier epochs: the totals count them too
-    progress.reset_on_run()
-    progress.increment_by(done, is_last_batch=last)
-    scheduler.increment_by(done // 2)
-    optim.optimizer.step.increment_by(done // 2)
+    counts = [
+        (progress.current, done),
+        (progress.total, done + 20),  # earlier epochs: the totals count them too
+        (scheduler.current, done // 2),
+        (scheduler.total, done // 2),
+        (optim.optimizer.step.current, done // 2),
+        (optim.optimizer.step.total, done // 2),
+    ]
+    for tracker, count in counts:
+        for name in ("ready", "started", "processed", "completed"):
+            if hasattr(tracker, name):
+                setattr(tracker, name, count)
+    progress.is_last_batch = last
     val = SimpleNamespace(batch_progress=_BatchProgress())
-    val.batch_progress.increment_by(3)
+    val.batch_progress.total.completed = 3
     fetcher = _PrefetchDataFetcher()
     fetcher.fetched = done
     epoch_loop = SimpleNamespace(
