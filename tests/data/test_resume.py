@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
+from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.data.indexed._resume import LOADER_STATE, check_resume, digest, layout_state
 from lit_seqpack.data.indexed.splits import Split
 
@@ -96,3 +99,27 @@ def test_a_new_max_tokens_may_cut_the_same_samples_but_not_drop_any() -> None:
 
 def truncated_split() -> Split:
     return Split([{}, {}, {}], np.array([3, 5, 6]), np.array([2, 4, 5]))
+
+
+def _training_trainer(epoch: int, microbatch: int) -> SimpleNamespace:
+    """What the pipeline reads from a Trainer in ``fit``: the epoch and the batch counter its loop resumes at."""
+    progress = SimpleNamespace(current=SimpleNamespace(ready=microbatch))
+    return SimpleNamespace(
+        training=True,
+        fit_loop=SimpleNamespace(
+            epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=epoch)),
+            epoch_loop=SimpleNamespace(batch_progress=progress),
+        ),
+    )
+
+
+def test_a_trainer_resuming_mid_epoch_on_another_layout_is_refused_at_the_first_batch() -> None:
+    """The loader stood at an epoch boundary but the Trainer's loop resumes inside a later epoch (e.g. max_steps)."""
+    pipeline = SeqPackDataModule(source="synthetic").pipeline
+    pipeline._resume_point, pipeline._layout_changes = (1, 0), "world_size: checkpoint 2 vs now 1"
+    pipeline.trainer = _training_trainer(2, 4)
+    with pytest.raises(RuntimeError, match=r"on another layout \(world_size: checkpoint 2 vs now 1\) mid-epoch"):
+        pipeline._training_start(1, 0)
+    pipeline._resume_point, pipeline._layout_changes = (1, 0), "world_size: checkpoint 2 vs now 1"
+    pipeline.trainer = _training_trainer(2, 0)
+    assert pipeline._training_start(1, 0) == (2, 0)  # the next epoch's start: planned for the new layout

@@ -191,5 +191,5 @@ def check_resume(
             "others never. Resume with the checkpoint's settings, or from an end-of-epoch checkpoint"
         )
     if changes:
-        log.info("Resuming at an epoch boundary on another layout (%s): epoch %s is planned for it.", changes, point)
+        log.info("Resuming at epoch %d on another layout (%s): the epoch is planned for it.", point[0], changes)
     return Restore(loader_state, point, changes)
