@@ -27,6 +27,7 @@ __all__ = [
     "check_start",
     "read_layout",
     "read_world",
+    "restart_epoch",
     "rewind_fit_loop",
     "training_start",
 ]
@@ -96,6 +97,7 @@ def check_start(
     saved: tuple[int, int] | None,
     accumulate: int,
     rewind: Callable[[int], bool] | None = None,
+    restart: Callable[[int], bool] | None = None,
 ) -> tuple[int, int]:
     """Where a training iteration must start: the Trainer's epoch and batch counter, checked against the checkpoint.
 
@@ -108,6 +110,10 @@ def check_start(
     gradient of its first microbatches: the resume goes back to the step's start (``rewind`` moves the Trainer's
     counter back) and trains those microbatches again, so the step gets its whole gradient.
 
+    A checkpoint written after the last microbatch of an epoch resumes at the next epoch's start; when Lightning
+    still counts the finished epoch's microbatches there (the new epoch is longer: the layout changed), ``restart``
+    sets its counter back to 0.
+
     Args:
         trainer_epoch: the epoch the Trainer is training.
         trainer_position: microbatches of that epoch the Trainer counts as trained.
@@ -116,6 +122,8 @@ def check_start(
         accumulate: microbatches per optimizer step.
         rewind: moves the Trainer's counter back by the given number of microbatches; returns ``False`` when it
             cannot (``None``: never).
+        restart: starts the Trainer's epoch afresh when its counter stands at the given number of microbatches of
+            the checkpoint's finished epoch (:func:`restart_epoch`); returns ``False`` when it cannot (``None``: never).
 
     Returns:
         ``(trainer_epoch, position)``: ``trainer_position``, or the start of its optimizer step.
@@ -130,8 +138,19 @@ def check_start(
         (1, 6)
         >>> check_start(trainer_epoch=1, trainer_position=7, saved=(1, 7), accumulate=2, rewind=lambda n: True)
         (1, 6)
+        >>> check_start(trainer_epoch=1, trainer_position=14, saved=(1, 0), accumulate=2, restart=lambda n: True)
+        (1, 0)
     """
     epoch = trainer_epoch
+    if saved == (epoch, 0) and trainer_position > 0 and restart is not None and restart(trainer_position):
+        log.info(
+            "The checkpoint was written after the last microbatch of epoch %d (%d microbatches of its layout): "
+            "epoch %d starts at its first microbatch.",
+            epoch - 1,
+            trainer_position,
+            epoch,
+        )
+        return epoch, 0
     if saved is not None and (saved[0] > epoch or (saved[0] == epoch and saved[1] - trainer_position not in (0, 1))):
         raise RuntimeError(
             f"cannot resume exactly: the checkpoint's loader stopped at epoch {saved[0]}, microbatch {saved[1]} "
@@ -161,6 +180,31 @@ def check_start(
     return trainer_epoch, trainer_position
 
 
+def _restored_progress(fit_loop: Any, microbatches: int) -> tuple[Any, Any, int] | None:
+    """Lightning's batch progress, its data fetcher and the microbatches done, when the counters agree on at least
+    ``microbatches`` done (this epoch and in total) and nothing is prefetched.
+
+    ``None`` for anything else: another Lightning version, a ``training_step`` that takes ``dataloader_iter``.
+    """
+    try:
+        from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+    except ImportError:  # another Lightning: refuse rather than guess
+        return None
+    progress = getattr(getattr(fit_loop, "epoch_loop", None), "batch_progress", None)
+    fetcher = getattr(fit_loop, "_data_fetcher", None)
+    if type(fetcher) is not _PrefetchDataFetcher:  # e.g. a training_step(dataloader_iter) fetches batches itself
+        return None
+    names = ("ready", "started", "processed", "completed")
+    try:
+        counts = {getattr(progress.current, name) for name in names} | {fetcher.fetched}
+        totals = [getattr(progress.total, name) for name in names]
+    except AttributeError:
+        return None
+    if len(counts) != 1 or min(*counts, *totals) < microbatches or getattr(fetcher, "batches", []):
+        return None
+    return progress, fetcher, counts.pop()
+
+
 def rewind_fit_loop(fit_loop: Any, microbatches: int) -> bool:
     """Move a restarted Lightning fit loop back by ``microbatches`` trained microbatches of the current epoch.
 
@@ -173,25 +217,50 @@ def rewind_fit_loop(fit_loop: Any, microbatches: int) -> bool:
         fit_loop: ``trainer.fit_loop``.
         microbatches: how many to move back.
     """
-    try:
-        from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
-    except ImportError:  # another Lightning: refuse rather than guess
+    restored = _restored_progress(fit_loop, microbatches)
+    if restored is None:
         return False
-    progress = getattr(getattr(fit_loop, "epoch_loop", None), "batch_progress", None)
-    fetcher = getattr(fit_loop, "_data_fetcher", None)
-    if type(fetcher) is not _PrefetchDataFetcher:  # e.g. a training_step(dataloader_iter) fetches batches itself
+    progress, fetcher, _ = restored
+    for tracker in (progress.current, progress.total):
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(tracker, name, getattr(tracker, name) - microbatches)
+    fetcher.fetched -= microbatches
+    return True
+
+
+def restart_epoch(fit_loop: Any, microbatches: int) -> bool:
+    """Start a restored fit loop's epoch at its first microbatch, as Lightning does when an epoch ends.
+
+    A checkpoint written after the last microbatch of an epoch (in ``on_train_batch_end``: a
+    ``ModelCheckpoint(every_n_train_steps=...)`` landing on it, a callback) restores Lightning's batch counter at
+    that epoch's length, flagged as its last batch. Lightning moves on to the next epoch but resets the counter
+    only when it reaches the new epoch's length, which it does not when the new layout plans a longer epoch (fewer
+    ranks, a smaller ``max_tokens``). This resets what Lightning resets there: the batch, scheduler and optimizer
+    progress of the epoch and the validation batches of the epoch (the totals stay: those microbatches trained).
+
+    Args:
+        fit_loop: ``trainer.fit_loop``.
+        microbatches: the batch counter Lightning restored (the finished epoch's length).
+
+    Returns:
+        ``False`` (nothing changed) unless the counters agree on ``microbatches`` done, the last of them was the
+        epoch's last batch, and the fit loop is Lightning's default one (see :func:`rewind_fit_loop`).
+    """
+    restored = _restored_progress(fit_loop, microbatches)
+    if restored is None or restored[2] != microbatches or restored[0].is_last_batch is not True:
         return False
-    names = ("ready", "started", "processed", "completed")
+    progress, fetcher, _ = restored
+    epoch_loop = fit_loop.epoch_loop
     try:
-        counts = {getattr(progress.current, name) for name in names} | {fetcher.fetched}
-        totals = [getattr(progress.total, name) for name in names]
+        resets = (
+            epoch_loop.scheduler_progress.reset_on_run,
+            epoch_loop.automatic_optimization.optim_progress.reset_on_run,
+            epoch_loop.val_loop.batch_progress.total.reset,
+        )
     except AttributeError:
         return False
-    if len(counts) != 1 or counts.pop() < microbatches or min(totals) < microbatches or getattr(fetcher, "batches", []):
-        return False
-    for tracker in (progress.current, progress.total):
-        for name in names:
-            setattr(tracker, name, getattr(tracker, name) - microbatches)
+    for reset in (progress.reset_on_run, *resets):
+        reset()
     fetcher.fetched -= microbatches
     return True
 
@@ -203,7 +272,8 @@ def training_start(
 
     Outside ``fit`` (or with a stand-in trainer) the loader's own ``(epoch, start)`` stands; during ``fit`` the
     Trainer's counters are checked against ``saved``, the checkpoint's loader position (:func:`check_start`), and a
-    resume inside a gradient-accumulation window goes back to the step's start (:func:`rewind_fit_loop`).
+    resume inside a gradient-accumulation window goes back to the step's start (:func:`rewind_fit_loop`); one after
+    the last microbatch of an epoch starts the next epoch at 0 (:func:`restart_epoch`).
 
     Args:
         trainer: the DataModule's Trainer, or ``None``.
@@ -221,4 +291,5 @@ def training_start(
         saved=saved,
         accumulate=accumulate,
         rewind=lambda microbatches: rewind_fit_loop(loop, microbatches),
+        restart=lambda microbatches: restart_epoch(loop, microbatches),
     )

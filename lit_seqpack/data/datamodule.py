@@ -256,10 +256,12 @@ class SeqPackDataModule(LightningDataModule):
             )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Refuse to resume on other data, another layout or (mid-epoch) other plan settings; restore the loader.
+        """Refuse to resume on other data, or mid-epoch on another layout or other settings; restore the loader.
 
-        Only ``fit`` resumes training; ``validate`` and ``test`` from a checkpoint evaluate any data layout, but refuse
-        a held-out split that holds samples the checkpoint trained on (other fractions or seed than its run's).
+        A checkpoint written at an epoch boundary continues on another world size, ``accumulate_grad_batches`` or
+        ``max_tokens``: the next epoch is planned for the new layout. Only ``fit`` resumes training; ``validate`` and
+        ``test`` from a checkpoint evaluate any data layout, but refuse a held-out split that holds samples the
+        checkpoint trained on (other fractions or seed than its run's).
         """
         trainer = self.trainer
         if trainer is not None and trainer.state.fn is not None and trainer.state.fn != "fit":

@@ -6,10 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher, _PrefetchDataFetcher
+from lightning.pytorch.loops.progress import _BatchProgress, _OptimizationProgress, _SchedulerProgress
 
 from lit_seqpack import PackedBatchSampler
 from lit_seqpack.data import PlannedDataset
-from lit_seqpack.data._trainer import check_start, rewind_fit_loop
+from lit_seqpack.data._trainer import check_start, restart_epoch, rewind_fit_loop
 from lit_seqpack.data.indexed._loader import ResumableDataLoader, loader_workers, sampler_state_of
 
 LENGTHS = [5, 3, 7, 2, 6, 4, 8, 1, 5, 3, 2, 7, 6, 4, 3, 5]
@@ -108,3 +109,66 @@ def test_rewind_fit_loop_moves_every_counter_back_or_refuses_an_unknown_state() 
     other_fetcher._data_fetcher = _DataLoaderIterDataFetcher()
     for odd in (_fit_loop(5, 6), _fit_loop(5, 5, prefetched=[{}]), _fit_loop(0, 0), other_fetcher, SimpleNamespace()):
         assert not rewind_fit_loop(odd, 1)
+
+
+def test_check_start_restarts_the_epoch_when_the_trainer_counts_the_finished_one() -> None:
+    """A checkpoint after an epoch's last microbatch, resumed on a layout whose epochs are longer."""
+    restarted = []
+    restart = lambda n: restarted.append(n) or True  # noqa: E731
+    assert check_start(trainer_epoch=1, trainer_position=14, saved=(1, 0), accumulate=2, restart=restart) == (1, 0)
+    assert restarted == [14]
+    for restart in (None, lambda n: False):  # Lightning's counters not as expected: refused, never guessed
+        with pytest.raises(RuntimeError, match="the checkpoint's loader stopped at epoch 1, microbatch 0"):
+            check_start(trainer_epoch=1, trainer_position=14, saved=(1, 0), accumulate=2, restart=restart)
+    never = lambda n: pytest.fail("restart called")  # noqa: E731
+    assert check_start(trainer_epoch=1, trainer_position=4, saved=(1, 4), accumulate=2, restart=never) == (1, 4)
+
+
+def _finished_epoch_loop(done: int, *, last: bool) -> SimpleNamespace:
+    """A fit loop as Lightning restores it from a checkpoint written after microbatch ``done`` of an epoch."""
+    progress, scheduler, optim = _BatchProgress(), _SchedulerProgress(), _OptimizationProgress()
+    counts = [
+        (progress.current, done),
+        (progress.total, done + 20),  # earlier epochs: the totals count them too
+        (scheduler.current, done // 2),
+        (scheduler.total, done // 2),
+        (optim.optimizer.step.current, done // 2),
+        (optim.optimizer.step.total, done // 2),
+    ]
+    for tracker, count in counts:
+        for name in ("ready", "started", "processed", "completed"):
+            if hasattr(tracker, name):
+                setattr(tracker, name, count)
+    progress.is_last_batch = last
+    val = SimpleNamespace(batch_progress=_BatchProgress())
+    val.batch_progress.total.completed = 3
+    fetcher = _PrefetchDataFetcher()
+    fetcher.fetched = done
+    epoch_loop = SimpleNamespace(
+        batch_progress=progress,
+        scheduler_progress=scheduler,
+        automatic_optimization=SimpleNamespace(optim_progress=optim),
+        val_loop=val,
+    )
+    return SimpleNamespace(epoch_loop=epoch_loop, _data_fetcher=fetcher)
+
+
+def test_restart_epoch_resets_what_lightning_resets_at_an_epoch_end() -> None:
+    loop = _finished_epoch_loop(14, last=True)
+    assert restart_epoch(loop, 14)
+    epoch_loop = loop.epoch_loop
+    assert epoch_loop.batch_progress.current.ready == epoch_loop.batch_progress.current.completed == 0
+    assert not epoch_loop.batch_progress.is_last_batch and loop._data_fetcher.fetched == 0
+    assert epoch_loop.batch_progress.total.completed == 34  # those microbatches did train
+    assert epoch_loop.scheduler_progress.current.completed == 0
+    assert epoch_loop.automatic_optimization.optim_progress.optimizer.step.current.completed == 0
+    assert epoch_loop.automatic_optimization.optim_progress.optimizer_steps == 7  # global_step stays
+    assert epoch_loop.val_loop.batch_progress.total.completed == 0
+
+
+def test_restart_epoch_refuses_a_loop_that_is_not_after_an_epochs_last_microbatch() -> None:
+    mid_epoch = _finished_epoch_loop(14, last=False)
+    assert not restart_epoch(mid_epoch, 14)
+    assert mid_epoch.epoch_loop.batch_progress.current.ready == 14  # untouched
+    for odd, count in ((_finished_epoch_loop(14, last=True), 13), (SimpleNamespace(), 14)):
+        assert not restart_epoch(odd, count)

@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, Checkpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from lit_seqpack import ReferenceLM
@@ -102,6 +102,15 @@ def epoch_length(mode: str, world_size: int = 1) -> int:
     return build_plan(lengths, config, epoch=0, loss_tokens=loss_tokens).microbatches_per_rank
 
 
+def epoch_checkpoints(out: Path, steps_per_epoch: int) -> list[Callback]:
+    """``ModelCheckpoint`` at every epoch's end (``out/epochs/epoch=E.ckpt``, written in ``on_train_epoch_end``)
+    and every ``steps_per_epoch`` optimizer steps (``out/steps/step=S.ckpt``: after the epoch's last microbatch)."""
+    return [
+        ModelCheckpoint(dirpath=out / "epochs", filename="{epoch}", save_top_k=-1),
+        ModelCheckpoint(dirpath=out / "steps", filename="{step}", every_n_train_steps=steps_per_epoch, save_top_k=-1),
+    ]
+
+
 def make_datamodule(mode: str, num_workers: int, **overrides: Any) -> script.RecordingDataModule:
     """The run's DataModule: ``IndexedSamples`` batched in ``mode`` (``overrides``: other DataModule knobs)."""
     budget = {"max_tokens": None, "batch_size": 6} if mode == "padded" else {"max_tokens": script.MAX_TOKENS}
@@ -134,16 +143,15 @@ def fit(
         save: checkpoints to write, by ``(epoch, batch_idx)``.
         callbacks: more callbacks.
         data: other DataModule knobs.
-        trainer: other Trainer arguments.
+        trainer: other Trainer arguments (``accumulate_grad_batches`` and ``max_epochs`` included).
     """
     out.mkdir(parents=True, exist_ok=True)
     engine, devices = strategy_for(strategy)
+    options = {"max_epochs": EPOCHS, "accumulate_grad_batches": ACCUMULATE} | (trainer or {})
     runner = L.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=engine,
-        max_epochs=EPOCHS,
-        accumulate_grad_batches=ACCUMULATE,
         use_distributed_sampler=False,
         logger=False,
         enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks or []),
@@ -152,7 +160,7 @@ def fit(
         num_sanity_val_steps=0,
         default_root_dir=out,
         callbacks=[script.TrainedLog(out), SaveAt(save or {}), *(callbacks or [])],
-        **(trainer or {}),
+        **options,
     )
     model = script.make_model()  # seeded: the same initial weights in every run
     if strategy == "fsdp2":

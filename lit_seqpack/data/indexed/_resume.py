@@ -3,7 +3,9 @@
 A checkpoint holds the facts the plan depends on (the data, the distributed layout, the mode and budget), the
 plan settings (seed, shuffle, algorithm, window, ...) and the training loader's state. Resuming with a fact
 changed would replay a different plan from the middle, so it is refused at restore time with a message naming
-every difference; changed plan settings are refused mid-epoch only (a new epoch is planned afresh anyway).
+every difference. A new epoch is planned afresh anyway, so changed plan settings are refused mid-epoch only, and
+at an epoch boundary the run may continue on another world size, accumulation or ``max_tokens``
+(:data:`ELASTIC`): the next epoch is planned for the new layout.
 
 :func:`~lit_seqpack.data._trainer.check_start` is the second line: when the training loop starts drawing batches,
 the sampler's start must be the Trainer's own batch counter (which decides when the optimizer steps) and an
@@ -15,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -24,8 +26,10 @@ from lit_seqpack.data.indexed.splits import Split
 from lit_seqpack.planning.plan import PlanConfig
 
 __all__ = [
+    "ELASTIC",
     "LOADER_STATE",
     "PLAN_SETTINGS",
+    "Restore",
     "check_resume",
     "digest",
     "layout_state",
@@ -48,6 +52,8 @@ PLAN_SETTINGS = (
     "cost_quadratic",
 )
 """The plan settings a mid-epoch resume must keep (besides the layout facts of :func:`layout_state`)."""
+ELASTIC = ("world_size", "accumulate_grad_batches", "max_tokens")
+"""The layout facts of :func:`layout_state` a checkpoint written at an epoch boundary may change."""
 
 
 def plan_settings(config: PlanConfig) -> dict[str, Any]:
@@ -101,10 +107,40 @@ def _differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changed.items())
 
 
+def _point(point: tuple[int, int]) -> str:
+    return f"epoch {point[0]}, microbatch {point[1]}"
+
+
+class Restore(NamedTuple):
+    """What :func:`check_resume` found in a checkpoint."""
+
+    loader_state: dict[str, Any] | None
+    """The training loader's state (``None``: the checkpoint holds none)."""
+    point: tuple[int, int] | None
+    """The ``(epoch, microbatch)`` the loader resumes at; microbatch 0 is an epoch boundary."""
+    layout_changes: str
+    """The :data:`ELASTIC` settings that changed, each with both values (``""``: the same layout)."""
+
+
+def _strict_facts(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved facts that must not change; a changed ``max_tokens`` may re-truncate the training lengths."""
+    strict = {k: v for k, v in saved.items() if k not in ELASTIC}
+    if saved.get("max_tokens") != current.get("max_tokens") and saved.get("num_train_samples") == current.get(
+        "num_train_samples"
+    ):
+        strict.pop("train_lengths", None)  # the same samples, cut at the new budget by overlong="truncate"
+    return strict
+
+
 def check_resume(
     state_dict: Mapping[str, Any], current: Mapping[str, Any], settings: Mapping[str, Any] | None = None
-) -> tuple[dict[str, Any] | None, tuple[int, int] | None]:
-    """Refuse a checkpoint planned for other data, layout or (mid-epoch) settings; return its loader state.
+) -> Restore:
+    """Refuse a checkpoint planned for other data, or (mid-epoch) another layout or other settings.
+
+    A checkpoint written at an epoch boundary (its loader at microbatch 0 of the next epoch) continues on another
+    world size, ``accumulate_grad_batches`` or ``max_tokens`` (:data:`ELASTIC`): the next epoch is planned for the
+    new layout, with the same seed and epoch number. A smaller ``max_tokens`` may cut over-long samples differently
+    (``overlong="truncate"``): the training lengths may then differ, the number of training samples may not.
 
     Args:
         state_dict: the checkpoint's DataModule state (layout facts and, optionally, the plan settings and the
@@ -113,25 +149,36 @@ def check_resume(
         settings: :func:`plan_settings` of the DataModule now (``None``: not checked).
 
     Returns:
-        The training loader's state and the ``(epoch, microbatch)`` it resumes at (``None`` without one).
+        The loader state, its resume point and the layout changes (:class:`Restore`).
 
     Raises:
-        ValueError: a fact of the checkpoint differs from now, or a plan setting differs and the checkpoint is
-            mid-epoch; every difference is named with both values.
+        ValueError: the data, the mode or the model-parallel sizes differ from now; or a layout setting differs
+            and the checkpoint is not at an epoch boundary (or holds no loader position); or a plan setting differs
+            and the checkpoint is mid-epoch. Every difference is named with both values.
     """
     saved = dict(state_dict)
     loader_state = saved.pop(LOADER_STATE, None)
     saved_settings = saved.pop(PLAN_STATE, None)
-    if detail := _differences(saved, current):
+    if _differences(_strict_facts(saved, current), current):
         raise ValueError(
-            f"cannot resume: the checkpoint was planned for other data or another layout ({detail}); "
-            "resume with the same dataset, world size, accumulate_grad_batches, mode and max_tokens"
+            f"cannot resume: the checkpoint was planned for other data or another layout "
+            f"({_differences(saved, current)}); resume with the same dataset, mode, context_parallel_size and "
+            "tensor_parallel_size (world size, accumulate_grad_batches and max_tokens may change at an epoch boundary)"
         )
     point = None
     if loader_state:
         sampler = sampler_state_of(loader_state)
         point = int(sampler["epoch"]), int(sampler["position"])
     mid_epoch = point is not None and point[1] > 0
+    changes = _differences({k: saved[k] for k in ELASTIC if k in saved}, current)
+    if changes and (point is None or mid_epoch):
+        where = "without a training loader position" if point is None else f"mid-epoch ({_point(point)})"
+        raise ValueError(
+            f"cannot resume {where} on another layout ({changes}): only a checkpoint written at an epoch boundary "
+            "continues on another world size, accumulate_grad_batches or max_tokens (ModelCheckpoint at the end of "
+            "an epoch, or last.ckpt after one); the next epoch is then planned for the new layout. Resume this one "
+            "with the checkpoint's values"
+        )
     if (
         mid_epoch
         and saved_settings is not None
@@ -139,8 +186,10 @@ def check_resume(
         and (detail := _differences(saved_settings, settings))
     ):
         raise ValueError(
-            f"cannot resume mid-epoch (epoch {point[0]}, microbatch {point[1]}) with other plan settings "
+            f"cannot resume mid-epoch ({_point(point)}) with other plan settings "
             f"({detail}): the rest of the epoch would follow another plan, training some samples twice and "
             "others never. Resume with the checkpoint's settings, or from an end-of-epoch checkpoint"
         )
-    return loader_state, point
+    if changes:
+        log.info("Resuming at epoch %d on another layout (%s): the epoch is planned for it.", point[0], changes)
+    return Restore(loader_state, point, changes)

@@ -97,6 +97,7 @@ class IndexedPipeline:
         self._pending_state: dict[str, Any] | None = None
         self._resume_point: tuple[int, int] | None = None  # (epoch, microbatch) of the restored loader state
         self._scanned_epoch = 0  # the epoch whose samples the splits were made from (see lengths_change_per_epoch)
+        self._layout_changes = ""  # the layout settings a checkpoint restored at an epoch boundary had otherwise
 
     # ------------------------------------------------------------------ data
     def _load(self, source: IndexedSource, split: str) -> Dataset:
@@ -331,7 +332,15 @@ class IndexedPipeline:
     def _training_start(self, epoch: int, start: int) -> tuple[int, int]:
         """Where an iteration of the training sampler starts: the Trainer's epoch and batch counter (fit only)."""
         saved, self._resume_point = self._resume_point, None
-        return training_start(self.trainer, epoch, start, saved, self.layout.accumulate_grad_batches)
+        changes, self._layout_changes = self._layout_changes, ""
+        epoch, start = training_start(self.trainer, epoch, start, saved, self.layout.accumulate_grad_batches)
+        if changes and start:
+            raise RuntimeError(
+                f"cannot resume on another layout ({changes}) mid-epoch: the Trainer's loop resumes at epoch {epoch}, "
+                f"microbatch {start}, and the rest of that epoch was planned for the checkpoint's layout. Resume with "
+                "the checkpoint's values, or from a checkpoint written at an epoch boundary"
+            )
+        return epoch, start
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -363,7 +372,10 @@ class IndexedPipeline:
         return settings | {"pad_to_multiple_of": self.settings.pad_to_multiple_of}  # the lengths the planner sees
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Refuse to resume on other data, another layout or (mid-epoch) other plan settings; restore the loader.
+        """Refuse to resume on other data, or mid-epoch on another layout or other settings; restore the loader.
+
+        At an epoch boundary the world size, ``accumulate_grad_batches`` and ``max_tokens`` may change: the next
+        epoch is planned for the new layout (:func:`~lit_seqpack.data.indexed._resume.check_resume`).
 
         The training loader's state is applied whenever it arrives. DDP restores the DataModule before the loader
         is built, FSDP, ModelParallel and DeepSpeed after it. A state that arrives first is applied to the next
@@ -371,7 +383,9 @@ class IndexedPipeline:
         its first batch. Either way the first training batch starts where the Trainer's loop counter stands,
         checked against the checkpoint's loader position (:func:`~lit_seqpack.data._trainer.check_start`).
         """
-        loader_state, self._resume_point = check_resume(state_dict, self._layout_state(), self._plan_settings())
+        loader_state, self._resume_point, self._layout_changes = check_resume(
+            state_dict, self._layout_state(), self._plan_settings()
+        )
         if loader_state is not None and self._train_loader is not None:
             self._train_loader.load_state_dict(loader_state)  # restored after the loader was built
         else:
