@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lit_seqpack.data.batching._samples import sample_name
+from lit_seqpack.data.batching._samples import sample_names
 from lit_seqpack.data.batching.fields import FieldValues, check_fields, empty_fields, read_fields
 from lit_seqpack.data.batching.loss_weights import (
     check_loss_weight_field,
@@ -35,7 +35,7 @@ def read_collator_fields(
     collator: Any, samples: Sequence[Mapping[str, Any]], docs: list[torch.Tensor], labels: torch.Tensor
 ) -> FieldValues:
     """The declared fields of the samples, plus their ``loss_weights`` when a ``loss_weight_field`` is set."""
-    names = [sample_name(samples, i) for i in range(len(samples))]
+    names = sample_names(samples)
     fields = read_fields(samples, docs, names, collator.token_fields, collator.sample_fields, collator._reported)
     if collator.loss_weight_field is not None:
         per_doc = labels.split([len(d) for d in docs])

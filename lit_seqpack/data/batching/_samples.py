@@ -10,7 +10,7 @@ import torch
 
 from lit_seqpack.batch import IGNORE_INDEX
 
-__all__ = ["read_samples", "sample_loss_tokens", "sample_name", "token_arrays"]
+__all__ = ["SampleName", "read_samples", "sample_loss_tokens", "sample_name", "sample_names", "token_arrays"]
 
 
 def _int_vector(value: Any, name: str, key: str, *, allow_bool: bool = False) -> torch.Tensor:
@@ -91,6 +91,30 @@ def sample_name(samples: Sequence[Any], index: int) -> str:
     return f"sample {index} of the microbatch ({where})"
 
 
+class SampleName:
+    """:func:`sample_name` of ``samples[index]``, worked out only when an error message formats it.
+
+    A stream's names read its file to find the sample's line: naming every sample of every microbatch up front cost
+    a file read per sample.
+    """
+
+    __slots__ = ("index", "samples")
+
+    def __init__(self, samples: Sequence[Any], index: int) -> None:
+        self.samples, self.index = samples, index
+
+    def __str__(self) -> str:
+        return sample_name(self.samples, self.index)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+def sample_names(samples: Sequence[Any]) -> list[SampleName]:
+    """The lazy names of a microbatch's samples, for error messages (see :class:`SampleName`)."""
+    return [SampleName(samples, index) for index in range(len(samples))]
+
+
 def read_samples(
     samples: Sequence[Mapping[str, Any]], weighted_mask: bool = False
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -101,7 +125,7 @@ def read_samples(
     """
     ids, labels = [], []
     for index, sample in enumerate(samples):
-        name = sample_name(samples, index)
+        name = SampleName(samples, index)
         if not isinstance(sample, Mapping) or "input_ids" not in sample:
             found = sorted(sample) if isinstance(sample, Mapping) else type(sample).__name__
             raise ValueError(f"{name}: expected a mapping with 'input_ids', got {found}")
