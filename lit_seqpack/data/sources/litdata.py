@@ -26,6 +26,7 @@ which pulls another torch; install it without its dependencies: see :data:`lit_s
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import numbers
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -284,13 +285,17 @@ def write_litdata(
             dtype = _smallest_int(arrays) if key in _TOKEN_KEYS else np.result_type(*arrays)
             for item in items:
                 item[key] = item[key].astype(dtype)
-    litdata.optimize(
-        fn=_identity,
-        inputs=items,
-        output_dir=str(output_dir),
-        chunk_bytes=chunk_bytes,
-        num_workers=1,
-        mode="overwrite" if overwrite else None,
-        verbose=False,
-    )
+    start_method = multiprocessing.get_start_method(allow_none=True)
+    try:
+        litdata.optimize(
+            fn=_identity,
+            inputs=items,
+            output_dir=str(output_dir),
+            chunk_bytes=chunk_bytes,
+            num_workers=1,
+            mode="overwrite" if overwrite else None,
+            verbose=False,
+        )
+    finally:  # litdata forces the process-wide start method to "spawn"; every later DataLoader would spawn too
+        multiprocessing.set_start_method(start_method, force=True)
     return len(items)

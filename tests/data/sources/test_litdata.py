@@ -17,6 +17,17 @@ from lit_seqpack.data.sources.streams import describe_stream
 
 litdata = pytest.importorskip("litdata")
 
+
+@pytest.fixture(autouse=True)
+def _keep_the_start_method():
+    """A test that calls ``litdata.optimize`` itself would leave the whole test process spawning DataLoader workers."""
+    import multiprocessing
+
+    before = multiprocessing.get_start_method(allow_none=True)
+    yield
+    multiprocessing.set_start_method(before, force=True)
+
+
 COUNT = 57
 
 
@@ -152,3 +163,13 @@ def test_a_trainer_fits_on_the_folder_and_trains_every_sample_once(folder: Path)
     trainer.fit(model, datamodule=data)
     assert trainer.global_step > 0
     assert sorted(trained.indices) == list(range(COUNT))
+
+
+def test_writing_a_folder_leaves_the_process_start_method_alone(tmp_path: Path) -> None:
+    """litdata.optimize forces multiprocessing's start method to "spawn" for the whole process: every DataLoader after
+    it would spawn its workers (and refuse datasets that only fork can hand over)."""
+    import multiprocessing
+
+    before = multiprocessing.get_start_method(allow_none=True)
+    write_litdata([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}], tmp_path / "out")
+    assert multiprocessing.get_start_method(allow_none=True) == before
