@@ -17,16 +17,22 @@ Strategies (``strategy_for``):
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from lit_seqpack import ReferenceLM
 from lit_seqpack.planning.plan import build_plan
+from tests._limits import SUBPROCESS_TIMEOUT_S
 from tests.reliability import _train_script as script
 
 ACCUMULATE = 2
@@ -190,3 +196,39 @@ def compare(resumed: list[dict[str, Any]], expected: list[dict[str, Any]], *, lo
         if diff:
             return f"at epoch {want['epoch']} microbatch {want['batch_idx']}: {diff}"
     return None
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (for a process group's ``MASTER_PORT``)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(command: list[str], logs: Path, what: str) -> None:
+    """Run ``command`` once per rank of ``script.WORLD`` gloo ranks (one process group), each writing its output to
+    ``logs/stdout<rank>.txt``; fail naming ``what`` if any rank fails, and kill every rank if they hang."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    env |= {"WORLD_SIZE": str(script.WORLD), "NODE_RANK": "0"}
+    root = Path(__file__).resolve().parents[2]
+    processes = []
+    for rank in range(script.WORLD):
+        log = (logs / f"stdout{rank}.txt").open("w")
+        processes.append(
+            subprocess.Popen(
+                command,
+                cwd=root,
+                env=env | {"LOCAL_RANK": str(rank)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    try:
+        codes = [process.wait(timeout=SUBPROCESS_TIMEOUT_S) for process in processes]
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"{what} hung:\n{(logs / 'stdout0.txt').read_text()[-4000:]}")
+    outputs = "".join((logs / f"stdout{rank}.txt").read_text()[-4000:] for rank in range(script.WORLD))
+    assert codes == [0] * script.WORLD, outputs

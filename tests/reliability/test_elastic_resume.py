@@ -20,10 +20,6 @@ same boundary train bitwise the same losses.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -34,7 +30,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_seqpack.planning.plan import build_plan
-from tests._limits import SUBPROCESS_TIMEOUT_S, stages_timeout
+from tests._limits import stages_timeout
 from tests.reliability import _resume_harness as harness
 from tests.reliability import _train_script as script
 
@@ -65,37 +61,9 @@ def _job(out: Path, world_size: int, *, ckpt_path: Path | None = None) -> dict:
     return {"out": str(out), "save": {"last_batch": last, "mid": MID}, "steps_per_epoch": _steps_per_epoch(world_size)}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run_two_ranks(jobs: list[dict], logs: Path) -> None:
     """Every job on 2 gloo ranks, in one process group (``_elastic_ranks.py``)."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
-    env |= {"WORLD_SIZE": str(script.WORLD), "NODE_RANK": "0"}
-    command = [sys.executable, str(RANKS_SCRIPT), "--jobs", json.dumps(jobs)]
-    processes = []
-    for rank in range(script.WORLD):
-        log = (logs / f"stdout{rank}.txt").open("w")
-        processes.append(
-            subprocess.Popen(
-                command,
-                cwd=ROOT,
-                env=env | {"LOCAL_RANK": str(rank)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-    try:
-        codes = [process.wait(timeout=SUBPROCESS_TIMEOUT_S) for process in processes]
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail(f"the 2-rank elastic runs hung:\n{(logs / 'stdout0.txt').read_text()[-4000:]}")
-    assert codes == [0, 0], (logs / "stdout0.txt").read_text()[-4000:] + (logs / "stdout1.txt").read_text()[-4000:]
+    harness.run_ranks([sys.executable, str(RANKS_SCRIPT), "--jobs", json.dumps(jobs)], logs, "the 2-rank elastic runs")
 
 
 def _outcome(out: Path, rank: int) -> str | None:

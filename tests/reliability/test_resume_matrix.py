@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
+from tests._limits import TEST_TIMEOUT_S
 from tests.reliability import _resume_harness as harness
 from tests.reliability import _train_script as script
 
@@ -101,12 +98,6 @@ CELLS = [  # 2 gloo processes; (point, resume workers) per reference run
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("resume_ranks")
@@ -114,29 +105,11 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
         cell | {"name": f"{cell['strategy']}-{cell['mode']}", "points": points(cell["mode"], script.WORLD)}
         for cell in CELLS
     ]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
-    env |= {"WORLD_SIZE": str(script.WORLD), "NODE_RANK": "0"}
-    command = [sys.executable, str(RANKS_SCRIPT), "--out", str(out), "--cells", json.dumps(cells)]
-    processes = []
-    for rank in range(script.WORLD):
-        log = (out / f"stdout{rank}.txt").open("w")
-        processes.append(
-            subprocess.Popen(
-                command,
-                cwd=ROOT,
-                env=env | {"LOCAL_RANK": str(rank)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-    try:
-        codes = [process.wait(timeout=SUBPROCESS_TIMEOUT_S) for process in processes]
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail(f"the 2-rank resume matrix hung:\n{(out / 'stdout0.txt').read_text()[-4000:]}")
-    assert codes == [0, 0], (out / "stdout0.txt").read_text()[-4000:] + (out / "stdout1.txt").read_text()[-4000:]
+    harness.run_ranks(
+        [sys.executable, str(RANKS_SCRIPT), "--out", str(out), "--cells", json.dumps(cells)],
+        out,
+        "the 2-rank resume matrix",
+    )
     return out, cells
 
 
