@@ -358,9 +358,11 @@ class PlannedBatchSampler(Sampler[Microbatch]):
                 )
                 if state_dict[k] != v
             }
+            named = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changed.items())
             raise ValueError(
-                f"cannot resume mid-epoch (epoch {epoch}, microbatch {position}) under a different plan "
-                f"configuration ({changed or 'lengths, loss tokens or settings differ'}); resume from an "
-                "epoch-boundary checkpoint instead"
+                f"cannot resume mid-epoch (epoch {epoch}, microbatch {position}) on another layout or plan "
+                f"({named or 'lengths, loss tokens or settings differ'}): only a checkpoint written at an epoch "
+                "boundary continues on another world size, accumulate_grad_batches or max_tokens; resume this one "
+                "with the checkpoint's values, or from an epoch-boundary checkpoint"
             )
         self._epoch, self._position, self._resume = int(epoch), int(position), True

@@ -18,7 +18,8 @@ any map-style dataset                  its own training split (:class:`DatasetSo
                                        :class:`SplittableStream`): :class:`JsonlStream`,
                                        :class:`ParquetStream`, :class:`HFIterableStream`,
                                        :class:`GeneratorStream`, :class:`SyntheticStream`,
-                                       :class:`MixtureStream` (``streams.py``),
+                                       :class:`MixtureStream` (``streams.py``; the file streams
+                                       in ``file_streams.py``),
                                        :class:`LitDataStream` (a ``litdata.optimize`` folder,
                                        ``litdata.py``)
 :class:`TokenDataset`                  what a dataset may declare so it is never scanned:
@@ -40,15 +41,14 @@ from __future__ import annotations
 
 from lit_seqpack.data.sources.base import SHORTCUTS, DatasetSource, IndexedSource, resolve_source
 from lit_seqpack.data.sources.chat import ChatDataset, ChatSource
+from lit_seqpack.data.sources.file_streams import JsonlStream, ParquetStream
 from lit_seqpack.data.sources.files import FileSource, TokenizedSource
 from lit_seqpack.data.sources.litdata import LitDataStream, write_litdata
 from lit_seqpack.data.sources.protocol import TokenDataset, declared_counts, declared_fingerprint
 from lit_seqpack.data.sources.streams import (
     GeneratorStream,
     HFIterableStream,
-    JsonlStream,
     MixtureStream,
-    ParquetStream,
     SplittableStream,
     StreamReader,
     StreamSource,

@@ -15,7 +15,7 @@ The stream reads the folder's samples in their written order (chunk after chunk)
 - litdata's own rank and worker detection is switched off: the share already says what this reader reads.
 
 A stream sample is a mapping with ``input_ids`` and optionally ``labels`` or ``loss_mask`` (1-D integer arrays of
-one length), as for :class:`~lit_seqpack.data.sources.streams.JsonlStream`; other keys travel as they are. Arrays
+one length), as for :class:`~lit_seqpack.data.sources.file_streams.JsonlStream`; other keys travel as they are. Arrays
 are returned as tensors (a checkpoint holding carried samples then loads with ``weights_only=True``).
 :func:`write_litdata` writes such samples into a folder.
 

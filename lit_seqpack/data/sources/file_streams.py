@@ -1,0 +1,210 @@
+"""Streams of files: :class:`JsonlStream` (JSON lines) and :class:`ParquetStream`, read in order, each reopenable at
+a saved position (``[file, byte offset]``; ``[file, row group, row]``) and split into disjoint shares by bytes or by
+row groups (see :mod:`~lit_seqpack.data.sources.streams` for the protocol they implement).
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lit_seqpack._imports import require
+from lit_seqpack.data.sources._split import check_share, interval_share, weighted_share
+from lit_seqpack.data.sources.streams import Sample, StreamReader, describe_stream
+
+__all__ = ["JsonlStream", "ParquetStream"]
+
+
+def _expand(paths: str | Sequence[str], suffixes: tuple[str, ...], setting: str) -> list[str]:
+    """Files of ``paths`` (a glob, a folder, a file or a list of them) in sorted order, or a ``ValueError``."""
+    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    files: list[str] = []
+    for item in items:
+        item = str(item)
+        if Path(item).is_dir():
+            files += sorted(str(p) for p in Path(item).iterdir() if p.name.endswith(suffixes))
+        elif any(ch in item for ch in "*?["):
+            files += sorted(glob.glob(item))
+        elif Path(item).is_file():
+            files.append(item)
+        else:
+            raise ValueError(f"{setting}: no such file or folder: {item!r}")
+    if not files:
+        raise ValueError(f"{setting}={paths!r} matches no {'/'.join(suffixes)} file")
+    return files
+
+
+class _JsonlReader(StreamReader):
+    def __init__(
+        self, files: list[str], file: int, offset: int, *, starts: list[int] | None = None, end: int | None = None
+    ) -> None:
+        self._files, self.position = files, [file, offset]
+        self._handle: Any = None
+        self._starts, self._end = starts, end  # a share: the lines starting before byte `end` of the joined files
+
+    def __next__(self) -> Sample:
+        while True:
+            file, offset = self.position
+            if file >= len(self._files):
+                raise StopIteration
+            if self._end is not None and self._starts[file] + offset >= self._end:  # type: ignore[index]
+                raise StopIteration
+            if self._handle is None:
+                self._handle = open(self._files[file], "rb")  # noqa: SIM115 - closed at the file's end
+                self._handle.seek(offset)
+            line = self._handle.readline()
+            if not line:
+                self._handle.close()
+                self._handle, self.position = None, [file + 1, 0]
+                continue
+            self.position = [file, offset + len(line)]
+            if not line.isspace():  # a blank line is skipped (isspace copies nothing, unlike strip)
+                try:
+                    return json.loads(line)
+                except UnicodeDecodeError as err:
+                    where = f"{self._files[file]}, line {_line_at(self._files[file], offset)}"
+                    raise ValueError(
+                        f"{where}: not UTF-8 text (byte {line[err.start]:#04x} at column {err.start + 1}); JSONL "
+                        "files must be UTF-8"
+                    ) from err
+                except json.JSONDecodeError as err:
+                    where = f"{self._files[file]}, line {_line_at(self._files[file], offset)} (byte {offset})"
+                    raise ValueError(f"{where}: not a JSON line ({err.msg})") from err
+
+
+def _line_at(path: str, offset: int) -> int:
+    """The line number of the line starting at byte ``offset`` of ``path`` (read on the error path only)."""
+    with open(path, "rb") as handle:
+        return handle.read(offset).count(b"\n") + 1
+
+
+class JsonlStream:
+    """JSON Lines shards read in order (sorted names), one sample a line; no index, the position is a byte offset.
+
+    Split into shares by bytes: share ``i`` of ``n`` reads the lines that *start* in the ``i``-th ``n``-th of the
+    files' joined bytes, so with many files a share reads whole files (only the files at its edges are cut), with fewer
+    files than shares it reads a line range of one, and the shares are disjoint, cover every line and hold about the
+    same bytes. The file sizes are read once, at the split: the files must not change while training.
+
+    Args:
+        paths: a file, a folder (its ``*.jsonl`` files), a glob, or a list of them.
+        vocab_size: the vocabulary the samples need (optional).
+    """
+
+    def __init__(self, paths: str | Sequence[str], *, vocab_size: int | None = None) -> None:
+        self.files, self.vocab_size = _expand(paths, (".jsonl", ".json"), "JsonlStream.paths"), vocab_size
+        self.span: tuple[int, int] | None = None  # a share: the bytes of the joined files it reads (split)
+        self._starts: list[int] | None = None
+
+    def split(self, index: int, count: int) -> JsonlStream:
+        """Share ``index`` of ``count`` of the files' joined bytes (see the class docstring)."""
+        check_share(index, count, describe_stream(self))
+        starts = self._starts
+        if starts is None:
+            starts = np.concatenate(([0], np.cumsum([os.path.getsize(f) for f in self.files]))).tolist()
+        share = copy.copy(self)
+        share._starts = starts
+        share.span = interval_share(*(self.span or (0, starts[-1])), index, count)
+        return share
+
+    def open(self, position: Any = None) -> StreamReader:
+        if self.span is None:
+            file, offset = [0, 0] if position is None else position
+            return _JsonlReader(self.files, int(file), int(offset))
+        file, offset = self._share_start() if position is None else (int(position[0]), int(position[1]))
+        return _JsonlReader(self.files, file, offset, starts=self._starts, end=self.span[1])
+
+    def _share_start(self) -> tuple[int, int]:
+        """``[file, offset]`` of the first line starting at or after the share's first byte."""
+        starts, begin = self._starts, self.span[0]  # type: ignore[index]
+        file = int(np.searchsorted(starts, begin, side="right")) - 1  # type: ignore[arg-type]
+        if file >= len(self.files):
+            return len(self.files), 0
+        offset = begin - starts[file]  # type: ignore[index]
+        if offset == 0:
+            return file, 0
+        with open(self.files[file], "rb") as handle:
+            handle.seek(offset - 1)
+            return file, offset - 1 + len(handle.readline())  # past the line the previous share owns
+
+
+class _ParquetReader(StreamReader):
+    def __init__(self, files: list[str], position: list[int], stop: tuple[int, int] | None = None) -> None:
+        self._files, self.position = files, list(position)
+        self._rows: list[Sample] | None = None
+        self._stop = stop  # a share: ``(file, row group)`` of the first row group it does not read
+
+    def __next__(self) -> Sample:
+        pq = require("pyarrow.parquet", purpose="streaming Parquet files")
+
+        while True:
+            file, group, row = self.position
+            if file >= len(self._files) or (self._stop is not None and (file, group) >= self._stop):
+                raise StopIteration
+            if self._rows is None:
+                try:
+                    handle = pq.ParquetFile(self._files[file])
+                    if group >= handle.num_row_groups:
+                        self._rows, self.position = None, [file + 1, 0, 0]
+                        continue
+                    self._rows = handle.read_row_group(group).to_pylist()  # one row group in memory at a time
+                except (require("pyarrow", purpose="streaming Parquet files").ArrowException, OSError) as err:
+                    raise ValueError(
+                        f"{self._files[file]}: not a readable Parquet file (row group {group}; "
+                        f"{type(err).__name__}: {err})"
+                    ) from err
+            if row >= len(self._rows):
+                self._rows, self.position = None, [file, group + 1, 0]
+                continue
+            self.position = [file, group, row + 1]
+            return self._rows[row]
+
+
+class ParquetStream:
+    """Parquet shards read one row group at a time, in order; the position is ``[file, row group, row]``.
+
+    Split into shares by row group: the files' row groups in order are cut into contiguous runs of about equal rows
+    (read from the footers at the split), so a share reads whole files when there are many and some row groups of
+    one file when there are fewer files than shares; a share without a row group is empty.
+
+    Args:
+        paths: a file, a folder (its ``*.parquet`` files), a glob, or a list of them.
+        vocab_size: the vocabulary the samples need (optional).
+    """
+
+    def __init__(self, paths: str | Sequence[str], *, vocab_size: int | None = None) -> None:
+        self.files, self.vocab_size = _expand(paths, (".parquet",), "ParquetStream.paths"), vocab_size
+        self.groups: tuple[int, int] | None = None  # a share: the row groups it reads, numbered over all files
+        self._units: list[tuple[int, int, int]] | None = None  # (file, row group, rows) of every row group
+
+    def split(self, index: int, count: int) -> ParquetStream:
+        """Share ``index`` of ``count`` of the row groups, cut by rows (see the class docstring)."""
+        check_share(index, count, describe_stream(self))
+        units = self._units
+        if units is None:
+            pq = require("pyarrow.parquet", purpose="streaming Parquet files")
+            units = []
+            for file, path in enumerate(self.files):
+                meta = pq.ParquetFile(path).metadata
+                units += [(file, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)]
+        share = copy.copy(self)
+        share._units = units
+        rows = [unit[2] for unit in units]
+        share.groups = weighted_share(rows, *(self.groups or (0, len(units))), index, count)
+        return share
+
+    def open(self, position: Any = None) -> StreamReader:
+        if self.groups is None:
+            return _ParquetReader(self.files, [0, 0, 0] if position is None else [int(p) for p in position])
+        units, (first, end) = self._units, self.groups
+        stop = (units[end][0], units[end][1]) if end < len(units) else (len(self.files), 0)  # type: ignore[index]
+        if position is None:
+            position = [*units[first][:2], 0] if first < end else [*stop, 0]  # type: ignore[index]
+        return _ParquetReader(self.files, [int(p) for p in position], stop)
