@@ -14,6 +14,9 @@ import pytest
 from lit_seqpack.data.sources import GeneratorStream
 from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
 from lit_seqpack.planning.plan import PlanConfig
+from tests._limits import COLLECTIVE_TIMEOUT, SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
+
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 ACCUMULATE, MAX_TOKENS = 2, 256
 
@@ -22,7 +25,7 @@ class ThreadGather:
     """``all_gather_object`` for ``world`` threads."""
 
     def __init__(self, world: int) -> None:
-        self.barrier = threading.Barrier(world, timeout=120)
+        self.barrier = threading.Barrier(world, timeout=COLLECTIVE_TIMEOUT.total_seconds())
         self.slots: list[Any] = [None] * world
 
     def of(self, rank: int) -> Callable[[Any], list[Any]]:
@@ -88,7 +91,7 @@ def _run(world: int, task: Callable[[int, ThreadGather], Any]) -> list[Any]:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=300)
+        thread.join(timeout=SUBPROCESS_TIMEOUT_S)
     assert not any(thread.is_alive() for thread in threads), "a rank hangs"
     return results
 
