@@ -27,6 +27,7 @@ __all__ = [
     "compact_counts",
     "microbatch_figures",
     "plan_window",
+    "slot_window",
     "window_microbatches",
     "window_steps",
 ]
@@ -217,6 +218,19 @@ def plan_window(
     seeds = window_seeds(config, epoch, w)
     window_lengths = _window_lengths(lengths, positions)
     local, sizes = _local_microbatches(window_lengths, config, int(seeds.generate_state(1)[0]))
+    return slot_window(window_lengths, loss_tokens, positions, local, sizes, config, seeds)
+
+
+def slot_window(
+    window_lengths: np.ndarray,
+    loss_tokens: np.ndarray | None,
+    positions: np.ndarray | None,
+    local: np.ndarray,
+    sizes: np.ndarray,
+    config: PlanConfig,
+    seeds: np.random.SeedSequence,
+) -> WindowPlan:
+    """A window's microbatches (``local``, ``sizes``: a whole number of steps) on the ``(step, rank, slot)`` grid."""
     members, figures = _figures(window_lengths, loss_tokens, positions, local, sizes, config)
     rng = np.random.default_rng(seeds) if config.shuffle else None
     grid = assign_slots(figures["cost"], config.world_size, config.accumulate_grad_batches, rng)

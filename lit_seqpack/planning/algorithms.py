@@ -52,6 +52,7 @@ __all__ = [
     "Packer",
     "PackingAlgorithm",
     "get_packer",
+    "pack_first",
     "packing_algorithm",
 ]
 
@@ -184,6 +185,35 @@ def get_packer(
         bin_count_multiple=bin_count_multiple,
         seed=seed,
     )
+
+
+def pack_first(
+    lengths: Sequence[int] | np.ndarray, first: np.ndarray, algorithm: str, capacity: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Flat bins (as :meth:`Packer.pack_flat`) of ``algorithm``, the sequences marked ``first`` placed before the rest.
+
+    For best fit and first fit decreasing each group is taken longest first, so the last, least-full bins hold none
+    of the ``first`` sequences: the streaming buffer packs the samples a window must train this way
+    (:func:`~lit_seqpack.data.streaming.buffer.carried_over`). Other algorithms pack as :func:`get_packer` does.
+
+    Example:
+        >>> flat, ends = pack_first([6, 5, 4, 3], np.array([False, False, False, True]), "best_fit_decreasing", 10)
+        >>> flat.tolist(), ends.tolist()  # the 3 first: 3+6, then 5+4
+        ([3, 0, 1, 2], [2, 4])
+    """
+    name = packing_algorithm(algorithm).name
+    if name not in ("best_fit_decreasing", "first_fit_decreasing"):
+        return get_packer(name, capacity).pack_flat(lengths)
+    sizes = _as_sizes(lengths, capacity)
+    if sizes.shape[0] == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    order = np.lexsort((-sizes, ~np.asarray(first, dtype=bool)))
+    if name == "first_fit_decreasing":
+        bin_ids = _first_fit_in(order, sizes, capacity)[1]
+    else:
+        kernel = "best_fit_dense" if capacity <= DENSE_BEST_FIT_MAX_CAPACITY else "best_fit_sorted"
+        bin_ids = _kernels.get_kernel(kernel)(sizes[order], capacity)
+    return _kernels.get_kernel("group_by_bin")(order, bin_ids, int(bin_ids.max()) + 1)
 
 
 def _as_sizes(lengths: Sequence[int] | np.ndarray, capacity: int, *, keep_dtype: bool = False) -> np.ndarray:

@@ -28,7 +28,8 @@ import numpy as np
 from lit_seqpack._checks import check_int
 from lit_seqpack.planning._balance import step_imbalance
 from lit_seqpack.planning._order import WindowOrder, auto_window
-from lit_seqpack.planning._windows import WindowPlan, as_counts, check_budget, plan_window
+from lit_seqpack.planning._split import split_fullest_flat
+from lit_seqpack.planning._windows import WindowPlan, as_counts, check_budget, plan_window, slot_window, window_seeds
 from lit_seqpack.planning.config import MICROBATCH_ORDERS, MODES, PlanConfig
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "PlannedMicrobatch",
     "as_counts",
     "build_plan",
+    "plan_packed",
 ]
 
 
@@ -208,6 +210,57 @@ def build_plan(
         windows.append(planned._replace(grid=planned.grid + offset))
         offset += planned.sizes.size
     return _assemble(config, epoch, lengths, windows)
+
+
+def plan_packed(
+    lengths: Sequence[int] | np.ndarray,
+    bins: tuple[np.ndarray, np.ndarray],
+    config: PlanConfig,
+    *,
+    epoch: int,
+    loss_tokens: Sequence[int] | np.ndarray | None = None,
+) -> Plan:
+    """Plan one window of samples already packed: their bins on the steps and ranks, as :func:`build_plan` would.
+
+    The streaming buffer packs a window once, holds its least-full bins back for the next window and plans the rest
+    as packed (a second packing could make other bins). Bins are split (the fullest first) to fill whole steps, or
+    padded with empty lock-step fillers when there are fewer samples than slots.
+
+    Args:
+        lengths: token count of every sample of the window (packing mode).
+        bins: ``(flat, ends)``: bin ``b`` is ``flat[ends[b - 1]:ends[b]]`` (as
+            :meth:`~lit_seqpack.planning.algorithms.Packer.pack_flat`), every sample once, each within ``max_tokens``.
+        config: the plan configuration (``mode="packing"``).
+        epoch: seeds the balancing when ``config.shuffle``.
+        loss_tokens: tokens that carry a loss in each sample; default ``max(length - 1, 0)``.
+
+    Raises:
+        ValueError: ``config`` is not a packing plan, or a bin holds more than ``max_tokens``.
+
+    Example:
+        >>> cfg = PlanConfig(mode="packing", max_tokens=8, world_size=2, shuffle=False)
+        >>> plan = plan_packed([5, 3, 4, 4], (np.array([0, 1, 2, 3]), np.array([2, 4])), cfg, epoch=0)
+        >>> plan.rank_microbatches(0), plan.rank_microbatches(1)
+        ([[0, 1]], [[2, 3]])
+    """
+    if config.mode != "packing":
+        raise ValueError(f"plan_packed plans packed bins (mode='packing'), got mode={config.mode!r}")
+    check_int("epoch", epoch, minimum=0)
+    lengths = as_counts("lengths", lengths)
+    loss = None if loss_tokens is None else as_counts("loss_tokens", loss_tokens, lengths.size)
+    flat, ends = (np.asarray(part, dtype=np.int64) for part in bins)
+    starts = np.concatenate(([0], ends[:-1]))
+    fills = np.add.reduceat(lengths[flat], starts) if ends.size else np.zeros(0, dtype=np.int64)
+    if fills.size and int(fills.max()) > config.max_tokens:
+        b = int(np.argmax(fills))
+        raise ValueError(f"bin {b} holds {int(fills[b])} tokens, more than max_tokens={config.max_tokens}")
+    target = -(-max(ends.size, 1) // config.slots_per_step) * config.slots_per_step
+    real = min(target, lengths.size)
+    if real > ends.size:
+        flat, ends = split_fullest_flat(flat, ends, lengths, fills, real)
+    sizes = np.concatenate([np.diff(ends, prepend=0), np.zeros(target - real, dtype=np.int64)])
+    window = slot_window(lengths, loss, None, flat, sizes, config, window_seeds(config, epoch, 0))
+    return _assemble(config, epoch, lengths, [window])
 
 
 def _assemble(config: PlanConfig, epoch: int, lengths: np.ndarray, windows: list[WindowPlan]) -> Plan:

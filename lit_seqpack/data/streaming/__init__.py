@@ -8,6 +8,8 @@
 - :mod:`~lit_seqpack.data.streaming.buffer`: the stream cut into windows of ``window`` samples, each planned
   by the offline planner (for all ranks under ``stream_split="replicate"``, for the rank's own share under
   ``"rank"``) with the over-long policy counted;
+- :mod:`~lit_seqpack.data.streaming.window_packing`: how a window is packed (its least-full rows wait for the next
+  window; the last window is spread evenly);
 - :mod:`~lit_seqpack.data.streaming.dataset`: the rank's ``IterableDataset`` of collated microbatches;
 - :mod:`~lit_seqpack.data.streaming.loader`: the DataLoader and its mid-stream resume state;
 - :mod:`~lit_seqpack.data.streaming.lockstep`: ranks reading their own shares kept in lock step by one small

@@ -1,7 +1,9 @@
 """The bounded look-ahead buffer: a stream cut into windows of ``window_size`` samples, each planned on its own.
 
-Every window is planned by the offline planner (:func:`~lit_seqpack.planning.plan.build_plan`, best fit decreasing
-by default) for all ranks and the accumulation at once, so:
+Every window is packed by the plan's algorithm (best fit decreasing by default) and planned for all ranks and the
+accumulation at once (in packing mode as packed by :mod:`~lit_seqpack.data.streaming.window_packing`: the least-full
+rows wait for the next window, the last window is spread evenly; other modes by
+:func:`~lit_seqpack.planning.plan.build_plan`), so:
 
 - memory holds one window of samples (plus the reader's own, e.g. one Parquet row group);
 - every optimizer step's microbatches come from one window, so its loss-token total over all ranks
@@ -24,14 +26,12 @@ import numpy as np
 
 from lit_seqpack.data.batching._samples import sample_loss_tokens, token_arrays
 from lit_seqpack.data.batching.overlong import OverlongReport
-from lit_seqpack.planning.algorithms import get_packer, packing_algorithm
-from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan
+from lit_seqpack.data.streaming.window_packing import carried_over, even_bins
+from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan, plan_packed
 
-__all__ = ["CARRY_FILL", "OverlongCounter", "StreamWindow", "carried_over", "stream_windows"]
+__all__ = ["OverlongCounter", "StreamWindow", "stream_windows"]
 
 _SHOWN = 5
-CARRY_FILL = 0.97
-"""Bins filled below this share of the budget are carried into the next window (packing, not the last window)."""
 _TOKEN_KEYS = ("input_ids", "labels", "loss_mask")
 
 
@@ -157,50 +157,6 @@ def _round_up(lengths: np.ndarray, multiple: int) -> np.ndarray:
     return lengths if multiple == 1 else (lengths + multiple - 1) // multiple * multiple
 
 
-def carried_over(planned: np.ndarray, eligible: np.ndarray, config: PlanConfig, limit: int) -> np.ndarray:
-    """Samples of a window to hold back for the next one: those of its least-full bins.
-
-    The window is packed once; bins below :data:`CARRY_FILL` of the budget are carried (least full first), then more
-    until the bins left fill whole optimizer steps (``world_size x accumulation``) without split bins. A bin with a
-    sample that was carried already stays (no sample waits more than one window), and at most ``limit`` samples
-    are carried, so the buffer never grows.
-
-    Args:
-        planned: the planned length of each sample of the window.
-        eligible: ``False`` for samples carried into this window.
-        config: the window's plan configuration (packing).
-        limit: the most samples carried.
-
-    Returns:
-        The positions (in the window) of the carried samples.
-
-    Example:
-        >>> config = PlanConfig(mode="packing", max_tokens=10, shuffle=False)
-        >>> carried_over(np.array([10, 7, 3, 2]), np.ones(4, dtype=bool), config, limit=2).tolist()  # bins 10, 7+3, 2
-        [3]
-    """
-    capacity = int(config.max_tokens)
-    flat, ends = get_packer(packing_algorithm(config.algorithm).name, capacity).pack_flat(planned)
-    if limit < 1 or ends.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    starts = np.concatenate(([0], ends[:-1]))
-    fills = np.add.reduceat(planned[flat], starts)
-    movable = np.logical_and.reduceat(eligible[flat], starts)
-    carried: list[int] = []
-    remaining = int(ends.size)
-    for b in np.argsort(fills, kind="stable"):
-        if fills[b] >= CARRY_FILL * capacity and remaining % config.slots_per_step == 0:
-            break
-        members = flat[starts[b] : ends[b]]
-        if not movable[b]:
-            continue
-        if len(carried) + members.size > limit or remaining == 1:
-            break
-        carried.extend(members.tolist())
-        remaining -= 1
-    return np.array(sorted(carried), dtype=np.int64)
-
-
 def stream_windows(
     reader: Iterator[Mapping[str, Any]],
     *,
@@ -214,14 +170,16 @@ def stream_windows(
 ) -> Iterator[StreamWindow]:
     """Read ``reader`` into windows of ``window_size`` samples and plan each one.
 
-    In packing mode the samples of a window's least-full bins (at most a fifth of the buffer) are carried into the
-    next window instead of being trained in half-empty rows (:func:`carried_over`); the last window carries nothing.
+    In packing mode the samples of a window's least-full bins (at most a third of the buffer) are carried into the
+    next window instead of being trained in half-empty rows (:func:`~.window_packing.carried_over`); the last window
+    carries nothing and is spread evenly over its rows (:func:`~.window_packing.even_bins`).
 
     Args:
         reader: a :class:`~lit_seqpack.data.sources.streams.StreamReader` (its ``position`` is read at each
             window start).
         config: the plan of a window (``window`` and ``shuffle`` as given: shuffling reorders inside the window).
-        window_size: samples held and planned together (>= 1), carried ones included.
+        window_size: samples held and planned together (>= 1), carried ones included. In packing mode up to half
+            as many are read ahead: when the stream ends among them, they join the window (its last).
         epoch: seeds the window plans.
         counter: applies and counts the over-long policy (``None``: samples must fit ``config.max_tokens``).
         document_multiple: packed documents are padded to a multiple of this (planned on the padded lengths).
@@ -232,43 +190,60 @@ def stream_windows(
         >>> from lit_seqpack.data.sources.streams import GeneratorStream
         >>> stream = GeneratorStream(lambda: ({"input_ids": [1] * n} for n in (5, 3, 4, 4, 2)))
         >>> config = PlanConfig(mode="packing", max_tokens=8, shuffle=False)
-        >>> [w.plan.rank_microbatches(0) for w in stream_windows(stream.open(), config=config, window_size=3, epoch=0)]
-        [[[0, 1], [2]], [[0, 1]]]
+        >>> windows = list(stream_windows(stream.open(), config=config, window_size=3, epoch=0))
+        >>> [[len(w.carried_in), w.plan.rank_microbatches(0)] for w in windows]  # 5+3; the 4 waits; 4, 4 and 2 evenly
+        [[0, [[0, 1]]], [1, [[0, 2], [1]]]]
     """
     window, number, microbatch, step = start
     carried = list(carried or [])
-    limit = window_size // 5 if config.mode == "packing" else 0
-    while True:
-        position = getattr(reader, "position", None)
-        before = None if counter is None else counter.state()
-        first, carried_in = number, carried
-        samples: list[Mapping[str, Any]] = list(carried_in)
-        ended = True
-        while len(samples) < window_size:
+    packing = config.mode == "packing"
+    limit, ahead = (window_size // 3, window_size // 2) if packing else (0, 0)
+    pending: list[Mapping[str, Any]] = []  # read ahead for the next window
+    mark = (getattr(reader, "position", None), number, None if counter is None else counter.state())
+
+    def read(into: list[Mapping[str, Any]], size: int) -> bool:
+        """Read into ``into`` until it holds ``size`` samples; ``False`` when the stream ends first."""
+        nonlocal number
+        while len(into) < size:
             sample = next(reader, None)
             if sample is None:
-                break
+                return False
             sample = token_arrays(sample, f"sample {number} of the stream")  # converted once, not at every use
             kept = sample if counter is None else counter.admit(number, sample)
             number += 1
             if kept is not None:
-                samples.append(kept)
-        else:
-            ended = False
+                into.append(kept)
+        return True
+
+    while True:
+        position, first, before = mark  # where this window's fresh samples start (read ahead or not)
+        carried_in, samples, pending = carried, [*carried, *pending], []
+        ended = not read(samples, window_size)
+        mark = (getattr(reader, "position", None), number, None if counter is None else counter.state())
+        if not ended and ahead:  # a short last part joins this window (no half-empty last window on its own)
+            ended = not read(pending, ahead)
+            if ended:
+                samples, pending = samples + pending, []
+        after = mark if not ended else (None, number, None if counter is None else counter.state())
         if number == first and not samples:
             return
         lengths = np.array([len(s["input_ids"]) for s in samples], dtype=np.int64)
         planned = _round_up(lengths, document_multiple) if config.mode == "packing" else lengths
-        carried = []
-        if not ended and limit:
+        carried, bins = [], None
+        if ended and config.mode == "packing" and len(samples) > 1:
+            bins = even_bins(planned, config)
+        elif not ended and limit and len(samples) > 1:
             eligible = np.arange(len(samples)) >= len(carried_in)
-            held = carried_over(planned, eligible, config, limit)
+            held, bins = carried_over(planned, eligible, config, limit)
             carried = [samples[i] for i in held]
             keep = np.ones(len(samples), dtype=bool)
             keep[held] = False
             samples, planned = [s for s, k in zip(samples, keep, strict=True) if k], planned[keep]
         loss = np.array([sample_loss_tokens(s) for s in samples], dtype=np.int64)
-        plan = build_plan(planned, config, epoch=epoch, loss_tokens=loss) if samples else _empty_plan(config, epoch)
+        if bins is not None:  # planned as packed: a second packing could make other bins
+            plan = plan_packed(planned, bins, config, epoch=epoch, loss_tokens=loss)
+        else:
+            plan = build_plan(planned, config, epoch=epoch, loss_tokens=loss) if samples else _empty_plan(config, epoch)
         yield StreamWindow(
             index=window,
             start=position,
@@ -280,10 +255,12 @@ def stream_windows(
             loss_tokens=loss,
             plan=plan,
             overlong_before=before,
-            overlong_after=None if counter is None else counter.state(),
-            samples_read=number,
+            overlong_after=after[2],
+            samples_read=after[1],
         )
         window, microbatch, step = window + 1, microbatch + plan.microbatches_per_rank, step + plan.num_steps
+        if ended:
+            return
 
 
 def _empty_plan(config: PlanConfig, epoch: int) -> Plan:

@@ -2,7 +2,7 @@
 
 The state holds the epoch, the microbatches this rank's loader yielded (the same count on every rank, so rank 0's
 checkpoint fits all), and a record of the last few windows: each window's stream position, numbers, over-long counts
-at its start and the samples carried into it from the window before (at most a fifth of the buffer; no other
+at its start and the samples carried into it from the window before (at most a third of the buffer; no other
 sample is ever stored). A resume reopens the stream at the start of the window holding the first microbatch to
 train, plans that window again (plans are deterministic) and skips the microbatches already trained. With ``W``
 workers and a prefetch of ``P``, the loader is at most ``W x P`` batches ahead of the training loop, and Lightning
