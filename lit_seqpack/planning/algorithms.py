@@ -188,13 +188,14 @@ def get_packer(
 
 
 def pack_first(
-    lengths: Sequence[int] | np.ndarray, first: np.ndarray, algorithm: str, capacity: int
+    lengths: Sequence[int] | np.ndarray, first: np.ndarray, algorithm: str, capacity: int, *, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """Flat bins (as :meth:`Packer.pack_flat`) of ``algorithm``, the sequences marked ``first`` placed before the rest.
 
     For best fit and first fit decreasing each group is taken longest first, so the last, least-full bins hold none
     of the ``first`` sequences: the streaming buffer packs the samples a window must train this way
-    (:func:`~lit_seqpack.data.streaming.buffer.carried_over`). Other algorithms pack as :func:`get_packer` does.
+    (:func:`~lit_seqpack.data.streaming.window_packing.carried_over`). Other algorithms pack as :func:`get_packer`
+    does (``seed``: ``first_fit_shuffle``'s order).
 
     Example:
         >>> flat, ends = pack_first([6, 5, 4, 3], np.array([False, False, False, True]), "best_fit_decreasing", 10)
@@ -203,7 +204,7 @@ def pack_first(
     """
     name = packing_algorithm(algorithm).name
     if name not in ("best_fit_decreasing", "first_fit_decreasing"):
-        return get_packer(name, capacity).pack_flat(lengths)
+        return get_packer(name, capacity, seed=seed).pack_flat(lengths)
     sizes = _as_sizes(lengths, capacity)
     if sizes.shape[0] == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)

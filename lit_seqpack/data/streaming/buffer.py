@@ -26,7 +26,7 @@ import numpy as np
 
 from lit_seqpack.data.batching._samples import sample_loss_tokens, token_arrays
 from lit_seqpack.data.batching.overlong import OverlongReport
-from lit_seqpack.data.streaming.window_packing import carried_over, even_bins
+from lit_seqpack.data.streaming.window_packing import carried_over, even_bins, packer_seed
 from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan, plan_packed
 
 __all__ = ["OverlongCounter", "StreamWindow", "stream_windows"]
@@ -198,6 +198,7 @@ def stream_windows(
     carried = list(carried or [])
     packing = config.mode == "packing"
     limit, ahead = (window_size // 3, window_size // 2) if packing else (0, 0)
+    seed = packer_seed(config, epoch)
     pending: list[Mapping[str, Any]] = []  # read ahead for the next window
     mark = (getattr(reader, "position", None), number, None if counter is None else counter.state())
 
@@ -231,10 +232,10 @@ def stream_windows(
         planned = _round_up(lengths, document_multiple) if config.mode == "packing" else lengths
         carried, bins = [], None
         if ended and config.mode == "packing" and len(samples) > 1:
-            bins = even_bins(planned, config)
+            bins = even_bins(planned, config, seed=seed)
         elif not ended and limit and len(samples) > 1:
             eligible = np.arange(len(samples)) >= len(carried_in)
-            held, bins = carried_over(planned, eligible, config, limit)
+            held, bins = carried_over(planned, eligible, config, limit, seed=seed)
             carried = [samples[i] for i in held]
             keep = np.ones(len(samples), dtype=bool)
             keep[held] = False

@@ -16,10 +16,11 @@ import heapq
 
 import numpy as np
 
+from lit_seqpack.planning._windows import window_seeds
 from lit_seqpack.planning.algorithms import get_packer, pack_first, packing_algorithm
 from lit_seqpack.planning.plan import PlanConfig
 
-__all__ = ["CARRY_FILL", "carried_over", "even_bins"]
+__all__ = ["CARRY_FILL", "carried_over", "even_bins", "packer_seed"]
 
 CARRY_FILL = 0.97
 """Bins filled below this share of the budget are carried into the next window (packing, not the last window)."""
@@ -27,7 +28,7 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 
 def carried_over(
-    planned: np.ndarray, eligible: np.ndarray, config: PlanConfig, limit: int
+    planned: np.ndarray, eligible: np.ndarray, config: PlanConfig, limit: int, *, seed: int = 0
 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """Pack a window and pick the samples to hold back for the next one: those of its least-full bins.
 
@@ -43,6 +44,7 @@ def carried_over(
         eligible: ``False`` for samples carried into this window.
         config: the window's plan configuration (packing).
         limit: the most samples carried.
+        seed: the packer's seed (``first_fit_shuffle``; :func:`packer_seed`).
 
     Returns:
         ``(held, (flat, ends))``: the positions (in the window) of the carried samples, sorted, and the bins kept
@@ -58,7 +60,7 @@ def carried_over(
         [2]
     """
     capacity = int(config.max_tokens)
-    flat, ends = pack_first(planned, ~eligible, config.algorithm, capacity)
+    flat, ends = pack_first(planned, ~eligible, config.algorithm, capacity, seed=seed)
     starts = ends - np.diff(ends, prepend=0)
     fills = np.add.reduceat(planned[flat], starts) if ends.size else np.zeros(0, dtype=np.int64)
     movable = np.logical_and.reduceat(eligible[flat], starts) if ends.size else np.zeros(0, dtype=bool)
@@ -87,7 +89,12 @@ def carried_over(
     return held, (kept_flat, np.cumsum(sizes[~carried]))
 
 
-def even_bins(planned: np.ndarray, config: PlanConfig) -> tuple[np.ndarray, np.ndarray] | None:
+def packer_seed(config: PlanConfig, epoch: int) -> int:
+    """The packer seed :func:`~lit_seqpack.planning.plan.build_plan` gives a window planned alone (a stream's)."""
+    return int(window_seeds(config, epoch, 0).generate_state(1)[0])
+
+
+def even_bins(planned: np.ndarray, config: PlanConfig, *, seed: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
     """The last window's samples over as many bins as the planner would make, as evenly as they go.
 
     The bin count is the packer's own, rounded up to whole optimizer steps; the samples are dealt longest first,
@@ -97,6 +104,7 @@ def even_bins(planned: np.ndarray, config: PlanConfig) -> tuple[np.ndarray, np.n
     Args:
         planned: the planned length of each sample of the window.
         config: the window's plan configuration (packing).
+        seed: the packer's seed (``first_fit_shuffle``; :func:`packer_seed`).
 
     Returns:
         ``(flat, ends)`` (bin ``b`` is ``flat[ends[b - 1]:ends[b]]``), or ``None``.
@@ -111,7 +119,7 @@ def even_bins(planned: np.ndarray, config: PlanConfig) -> tuple[np.ndarray, np.n
         [[0, 3, 4, 5], [1, 2]]
     """
     capacity, multiple = int(config.max_tokens), config.slots_per_step
-    packer = get_packer(packing_algorithm(config.algorithm).name, capacity)
+    packer = get_packer(packing_algorithm(config.algorithm).name, capacity, seed=seed)
     count = -(-packer.count_bins(planned) // multiple) * multiple
     if count < 1 or count > planned.size:
         return None
