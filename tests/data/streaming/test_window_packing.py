@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -145,7 +146,7 @@ def test_a_window_read_ahead_is_resumed_from_its_own_start() -> None:
 
 
 def test_a_shuffled_packer_packs_each_epoch_its_own_way() -> None:
-    config = _config("first_fit_shuffle")
+    config = dataclasses.replace(_config("first_fit_shuffle"), shuffle=True)
     lengths = _lognormal(900, seed=6)
 
     def bins(epoch: int) -> list[list[int]]:
