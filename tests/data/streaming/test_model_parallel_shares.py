@@ -1,6 +1,7 @@
 """``stream_split="rank"`` on 4 gloo processes, 2 data-parallel x 2 tensor-parallel ranks, through the lock step's real
 ``all_gather_object``: the two tensor-parallel processes of a data-parallel rank yield the same microbatches, the two
-data-parallel ranks read disjoint shares that cover the stream, and every process yields as many microbatches.
+data-parallel ranks read disjoint shares that cover the stream (the shorter one filling), every process yields as many
+microbatches, and each step's ``step_loss_tokens`` is its total over both shares.
 
 Three layouts of the same 4 processes: no device mesh (``ParallelLayout``: tensor-parallel innermost), the mesh of
 Lightning's ``ModelParallelStrategy`` (``("data_parallel", "tensor_parallel")``) and a mesh with the tensor-parallel
@@ -39,22 +40,25 @@ MESHES = {
 }
 
 
-def _stand_in(order: tuple[str, str], rank: int) -> SimpleNamespace:
-    """The parts of a Trainer the DataModule reads, with a strategy holding a real device mesh of ``order``."""
+def _stand_in(order: tuple[str, str] | None, rank: int) -> SimpleNamespace:
+    """The parts of a Trainer the DataModule reads, with a strategy holding a real device mesh of ``order`` (``None``:
+    a strategy without a mesh, as DDP)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = tuple(DATA_PARALLEL if name == "data_parallel" else TENSOR_PARALLEL for name in order)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=order)
+    strategy = SimpleNamespace()
+    if order is not None:
+        shape = tuple(DATA_PARALLEL if name == "data_parallel" else TENSOR_PARALLEL for name in order)
+        strategy.device_mesh = init_device_mesh("cpu", shape, mesh_dim_names=order)
     return SimpleNamespace(
         world_size=PROCESSES,
         global_rank=rank,
         accumulate_grad_batches=ACCUMULATE,
-        strategy=SimpleNamespace(device_mesh=mesh),
+        strategy=strategy,
         _accelerator_connector=SimpleNamespace(use_distributed_sampler=False),
     )
 
 
-def _drain(path: str, trainer: Any) -> dict[str, Any]:
+def _drain(path: str, trainer: SimpleNamespace) -> dict[str, Any]:
     """This process's data-parallel rank and every batch of the DataModule's training loader (the lock step's
     collective is ``all_gather_object`` over the 4 processes)."""
     data = SeqPackDataModule(
@@ -73,6 +77,7 @@ def _drain(path: str, trainer: Any) -> dict[str, Any]:
             "indices": batch["sample_indices"],
             "input_ids": batch["input_ids"].tolist(),
             "empty": bool(batch["is_empty"]),
+            "loss_tokens": int(batch["num_loss_tokens"]),
             "step_loss_tokens": int(batch["step_loss_tokens"]),
         }
         for batch in loader
@@ -88,8 +93,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         path = str(Path(out_dir, "data.jsonl"))
         outcome = {}
         for name, order in MESHES.items():
-            trainer = None if order is None else _stand_in(order, rank)
-            outcome[name] = _drain(path, trainer)
+            outcome[name] = _drain(path, _stand_in(order, rank))
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
     finally:
         dist.destroy_process_group()
@@ -99,9 +103,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 def test_the_tensor_parallel_ranks_of_a_data_parallel_rank_read_its_share_in_lock_step(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(3)
     lines = []
-    for index in range(NUM_SAMPLES):
-        ids = torch.randint(1, 64, (int(torch.randint(2, 31, (1,), generator=gen)),), generator=gen).tolist()
-        lines.append(json.dumps({"input_ids": ids, "index": index}) + "\n")
+    for index in range(NUM_SAMPLES):  # the first half: short samples with a long note (rank 0's bytes, few tokens)
+        length = int(torch.randint(2, 8 if index < NUM_SAMPLES // 2 else 31, (1,), generator=gen))
+        note = "x" * (200 if index < NUM_SAMPLES // 2 else 0)
+        ids = torch.randint(1, 64, (length,), generator=gen).tolist()
+        lines.append(json.dumps({"input_ids": ids, "index": index, "note": note}) + "\n")
     (tmp_path / "data.jsonl").write_text("".join(lines))
     mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=PROCESSES, join=True)
     outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(PROCESSES)]
@@ -118,3 +124,7 @@ def test_the_tensor_parallel_ranks_of_a_data_parallel_rank_read_its_share_in_loc
         trained = [[i for b in shares[dp] for i in b["indices"]] for dp in range(DATA_PARALLEL)]
         assert all(trained) and not set(trained[0]) & set(trained[1]), name  # disjoint shares, both non-empty
         assert Counter(trained[0] + trained[1]) == Counter(range(NUM_SAMPLES)), name  # covering the stream once
+        assert sum(b["empty"] for b in shares[0]) > sum(b["empty"] for b in shares[1]), name  # rank 0's share fills
+        for start in range(0, len(shares[0]), ACCUMULATE):  # one normaliser a step: its total over both shares
+            step = [b for dp in range(DATA_PARALLEL) for b in shares[dp][start : start + ACCUMULATE]]
+            assert {b["step_loss_tokens"] for b in step} == {sum(b["loss_tokens"] for b in step)}, (name, start)
