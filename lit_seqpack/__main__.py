@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lit_seqpack._checks import check_int
 from lit_seqpack.config_resolvers import register_resolvers
+
+if TYPE_CHECKING:
+    from lit_seqpack.parallel import DataParallelLayout
 
 __all__ = ["build_inspect_parser", "inspect_command", "main"]
 
@@ -107,7 +110,7 @@ def _is_stream(data: Any) -> bool:
     return isinstance(data.pipeline, StreamPipeline)
 
 
-def _train_split(data: Any, max_samples: int, layout: Any) -> tuple[np.ndarray, np.ndarray, int]:
+def _train_split(data: Any, max_samples: int, layout: DataParallelLayout) -> tuple[np.ndarray, np.ndarray, int]:
     """Lengths and loss tokens of the training split, as ``SeqPackDataModule.setup`` prepares them (a stream: the
     samples training reads first on ``layout``)."""
     if _is_stream(data):
@@ -140,7 +143,7 @@ def _splits_by_rank(data: Any, world: int) -> bool:
     return world > 1 and data.settings.stream_split == "rank"
 
 
-def _stream_lines(data: Any, max_samples: int, kept: int, rows: Any, layout: Any) -> list[str]:
+def _stream_lines(data: Any, max_samples: int, kept: int, rows: Any, layout: DataParallelLayout) -> list[str]:
     """How the streaming loader packs the prefix (windows of ``window`` samples) against the offline plan: one plan
     for all ranks (``stream_split="replicate"``), or each rank's share alone in lock step (``"rank"``)."""
     world, accumulate = layout.world_size, layout.accumulate_grad_batches
