@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lit_seqpack._checks import check_int
 from lit_seqpack.config_resolvers import register_resolvers
+
+if TYPE_CHECKING:
+    from lit_seqpack.parallel import DataParallelLayout
 
 __all__ = ["build_inspect_parser", "inspect_command", "main"]
 
@@ -107,10 +110,11 @@ def _is_stream(data: Any) -> bool:
     return isinstance(data.pipeline, StreamPipeline)
 
 
-def _train_split(data: Any, max_samples: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Lengths and loss tokens of the training split, as ``SeqPackDataModule.setup`` prepares them."""
+def _train_split(data: Any, max_samples: int, layout: DataParallelLayout) -> tuple[np.ndarray, np.ndarray, int]:
+    """Lengths and loss tokens of the training split, as ``SeqPackDataModule.setup`` prepares them (a stream: the
+    samples training reads first on ``layout``)."""
     if _is_stream(data):
-        return (*data.pipeline.prefix(max_samples), 0)
+        return (*data.pipeline.prefix(max_samples, layout), 0)
     data.prepare_data()
     data.setup("fit")
     splits = data.splits
@@ -135,17 +139,36 @@ def _header(data: Any, lengths: np.ndarray, held_out: int, world: int, accumulat
     return "\n".join(lines)
 
 
-def _stream_line(data: Any, max_samples: int, kept: int, rows: Any, world: int, accumulate: int) -> str:
-    """How the streaming loader packs the prefix (windows of ``window`` samples) against the offline plan."""
-    from lit_seqpack.parallel import DataParallelLayout
+def _splits_by_rank(data: Any, world: int) -> bool:
+    return world > 1 and data.settings.stream_split == "rank"
 
-    streamed = data.pipeline.prefix_microbatches(max_samples, DataParallelLayout(world, 0, accumulate))
+
+def _stream_lines(data: Any, max_samples: int, kept: int, rows: Any, layout: DataParallelLayout) -> list[str]:
+    """How the streaming loader packs the prefix (windows of ``window`` samples) against the offline plan: one plan
+    for all ranks (``stream_split="replicate"``), or each rank's share alone in lock step (``"rank"``)."""
+    world, accumulate = layout.world_size, layout.accumulate_grad_batches
     offline = next(row for row in rows if row.configured).stats.num_steps * accumulate
-    return (
-        f"stream: {type(data.source).__name__}, first {kept:,} samples; windows of {data.settings.stream_window:,} "
-        f"samples train them in {streamed:,} microbatches a rank (the offline plan below: {offline:,}; "
-        f"ratio {offline / streamed:.4f})"
+    windows = f"windows of {data.settings.stream_window:,} samples"
+    if not _splits_by_rank(data, world):
+        streamed = data.pipeline.prefix_microbatches(max_samples, layout)
+        return [
+            f"stream: {type(data.source).__name__}, first {kept:,} samples; {windows} train them in {streamed:,} "
+            f"microbatches a rank (the offline plan below: {offline:,}; ratio {offline / streamed:.4f})"
+        ]
+    lock = data.pipeline.prefix_lock_step(max_samples, layout)
+    streamed = lock.microbatches_per_rank
+    shares = "; ".join(
+        f"rank {rank}: {share.samples:,} samples, {empty:,} of {streamed:,} microbatches empty"
+        for rank, (share, empty) in enumerate(zip(lock.shares, lock.empty_per_rank, strict=True))
     )
+    return [
+        f"stream: {type(data.source).__name__}, first {kept:,} samples of {world} rank shares (stream_split='rank': "
+        f"each rank reads its own share from its start, these are the first samples of each); {windows} of each "
+        f"share train them in {streamed:,} microbatches a rank in lock step (the offline plan below: {offline:,}; "
+        f"ratio {offline / streamed:.4f})",
+        f"stream shares: {shares} (the windows' and the lock-step fillers); efficiency {lock.efficiency:.4f} "
+        "(as in the table: real tokens / (microbatches x max_tokens))",
+    ]
 
 
 def inspect_command(argv: Sequence[str]) -> str:
@@ -156,6 +179,7 @@ def inspect_command(argv: Sequence[str]) -> str:
         ImportError: ``--plot`` without matplotlib.
     """
     from lit_seqpack.inspection import compare_plans, format_table, plot_inspection
+    from lit_seqpack.parallel import DataParallelLayout
 
     register_resolvers(list(argv))
     parser = build_inspect_parser()
@@ -182,7 +206,8 @@ def inspect_command(argv: Sequence[str]) -> str:
             f"world_size={world} must be a multiple of context_parallel_size x tensor_parallel_size={model_parallel}"
         )
     world //= model_parallel  # the plan is made for the data-parallel ranks
-    lengths, loss_tokens, held_out = _train_split(data, cfg.max_samples)
+    layout = DataParallelLayout(world, 0, accumulate)
+    lengths, loss_tokens, held_out = _train_split(data, cfg.max_samples, layout)
     rows = compare_plans(
         lengths,
         data.plan_config(world_size=world, accumulate_grad_batches=accumulate),
@@ -194,7 +219,7 @@ def inspect_command(argv: Sequence[str]) -> str:
     )
     parts = [_header(data, lengths, held_out, world, accumulate)] + ([note] if note else [])
     if _is_stream(data):
-        parts.append(_stream_line(data, cfg.max_samples, lengths.size, rows, world, accumulate))
+        parts += _stream_lines(data, cfg.max_samples, lengths.size, rows, layout)
     parts += ["", format_table(rows), "* the configured mode"]
     if cfg.plot:
         title = f"{type(data.source).__name__}: max_tokens={hp.max_tokens}, world_size={world}, accumulate={accumulate}"

@@ -17,6 +17,8 @@
 - :mod:`~lit_seqpack.data.streaming.rank_check`: the windows' digests, compared across ranks under
   ``stream_split="replicate"`` (every rank must read the same stream);
 - :mod:`~lit_seqpack.data.streaming.pipeline`: what the DataModule delegates to;
+- :mod:`~lit_seqpack.data.streaming.prefix`: the samples training reads first, planned as the loaders plan them
+  (``lit-seqpack inspect``);
 - ``_where.py``: each sample's stream number and file position, named by the errors.
 """
 

@@ -91,8 +91,8 @@ class StreamingDataLoader(DataLoader):
         # batches come collated: torch's default conversion would only walk each one (a tenth of the loader's time)
         super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=_as_collated, **kwargs)
         self.start_source, self.report_to, self.on_batch = start_source, report_to, on_batch
-        world_size = dataset.world_size
-        self.gather: Gather = gather or (lambda value: gather_object(value, world_size))
+        rank, world_size = dataset.data_parallel or (dataset.rank, dataset.world_size)
+        self.gather: Gather = gather or (lambda value: gather_object(value, world_size, rank))
         self._epoch, self._yielded = 0, 0
         self._windows: deque[dict[str, Any]] = deque(maxlen=KEPT_WINDOWS)
         self._overlong: dict[str, Any] | None = None

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,26 +60,70 @@ class ShareFacts:
     error: str | None = None
 
 
-def gather_object(value: Any, world_size: int) -> list[Any]:
+def gather_object(value: Any, world_size: int, rank: int) -> list[Any]:
     """Every data-parallel rank's ``value`` (one ``all_gather_object``); ``[value]`` without ``torch.distributed``.
 
+    Each process sends its data-parallel ``rank`` with its value, so the model-parallel (tensor / context parallel)
+    processes of a data-parallel rank are found wherever the strategy's device mesh places them
+    (:func:`_data_parallel`).
+
     Example:
-        >>> gather_object({"steps": 3}, world_size=1)
+        >>> gather_object({"steps": 3}, world_size=1, rank=0)
         [{'steps': 3}]
     """
     if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return [value]
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, value)
+    dist.all_gather_object(everyone, (rank, value))
     return _data_parallel(everyone, world_size)
 
 
-def _data_parallel(everyone: list[Any], world_size: int) -> list[Any]:
-    """One entry per data-parallel rank: the model-parallel ranks of a data-parallel rank (laid out innermost, as
-    :class:`~lit_seqpack.parallel.ParallelLayout` lays them) read the same share and send the same facts."""
-    if len(everyone) % world_size:
-        raise RuntimeError(f"{len(everyone)} processes cannot hold {world_size} data-parallel ranks")
-    return everyone[:: len(everyone) // world_size]
+def _data_parallel(everyone: Sequence[tuple[int, Any]], world_size: int) -> list[Any]:
+    """One value per data-parallel rank, in rank order, from every process's ``(data-parallel rank, value)``.
+
+    The model-parallel processes of a data-parallel rank read the same share and send the same value; where they
+    sit among the global ranks is the mesh's business (:class:`~lit_seqpack.parallel.ParallelLayout` and Lightning's
+    ``ModelParallelStrategy`` put them innermost, a custom mesh may not), so they are found by the rank they send.
+
+    Raises:
+        RuntimeError: on every process alike, when the processes do not hold ``world_size`` data-parallel ranks of
+            equal size, or the processes of one data-parallel rank sent different values (their shares diverged:
+            one failed to read, or a layout is wrong), naming the global ranks.
+
+    Example:
+        >>> _data_parallel([(0, "a"), (0, "a"), (1, "b"), (1, "b")], world_size=2)  # 2 data- x 2 tensor-parallel
+        ['a', 'b']
+    """
+    groups: dict[int, list[int]] = {}
+    for process, (rank, _) in enumerate(everyone):
+        groups.setdefault(rank, []).append(process)
+    sizes = {len(processes) for processes in groups.values()}
+    if sorted(groups) != list(range(world_size)) or len(sizes) != 1:
+        found = {rank: processes for rank, processes in sorted(groups.items())}
+        raise RuntimeError(
+            f"{len(everyone)} processes cannot hold {world_size} data-parallel ranks of equal size: the global ranks "
+            f"of each data-parallel rank are {found}"
+        )
+    values = []
+    for rank in range(world_size):
+        first, *peers = groups[rank]
+        differ = [process for process in peers if not _same(everyone[process][1], everyone[first][1])]
+        if differ:
+            raise RuntimeError(
+                f"the model-parallel processes of data-parallel rank {rank} (global ranks {groups[rank]}) read "
+                f"different stream shares: global rank {first} sent {everyone[first][1]!r}, global rank {differ[0]} "
+                f"sent {everyone[differ[0]][1]!r}"
+            )
+        values.append(everyone[first][1])
+    return values
+
+
+def _same(one: Any, other: Any) -> bool:
+    """Whether two gathered values are equal (by their pickles where ``==`` is ambiguous, e.g. numpy arrays inside)."""
+    try:
+        return bool(one == other)
+    except (TypeError, ValueError):
+        return pickle.dumps(one) == pickle.dumps(other)
 
 
 class LockStep:
@@ -100,7 +145,7 @@ class LockStep:
         gather: Gather | None = None,
     ) -> None:
         self.rank, self.world_size, self.epoch = rank, world_size, epoch
-        self.gather = gather or (lambda value: gather_object(value, world_size))
+        self.gather = gather or (lambda value: gather_object(value, world_size, rank))
         self.known = [0] * world_size  # each rank's steps read so far (the end of its last window's steps)
         self.ended = [False] * world_size
         self.any_step = False  # some rank had a step this iteration

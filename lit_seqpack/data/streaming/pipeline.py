@@ -9,21 +9,29 @@ run.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from lit_seqpack.data._trainer import read_layout, training_start
-from lit_seqpack.data.batching._samples import sample_loss_tokens
 from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.indexed._resume import plan_settings
 from lit_seqpack.data.settings import BatchingSettings
 from lit_seqpack.data.sources.streams import StreamSource, describe_stream
-from lit_seqpack.data.streaming.buffer import OverlongCounter, stream_windows
+from lit_seqpack.data.streaming.buffer import OverlongCounter
 from lit_seqpack.data.streaming.dataset import StreamingDataset
 from lit_seqpack.data.streaming.loader import StreamingDataLoader
+from lit_seqpack.data.streaming.prefix import (
+    LockStepPrefix,
+    SharePrefix,
+    plan_share_prefix,
+    prefix_lengths,
+    share_sizes,
+)
 from lit_seqpack.data.streaming.resume import RestoredLoopRewind, rewind_restored_loop
 from lit_seqpack.parallel import DataParallelLayout
+from lit_seqpack.planning.plan import PlanConfig
 
 __all__ = ["STREAM_STATE", "StreamPipeline"]
 
@@ -151,13 +159,14 @@ class StreamPipeline:
         self._loader = loader
         return loader
 
-    def _share(self) -> StreamSource:
-        """This rank's share of the stream (``stream_split="rank"``); the whole stream on one rank.
+    def _share(self, layout: DataParallelLayout | None = None) -> StreamSource:
+        """The share of the stream that ``layout``'s rank reads (``stream_split="rank"``; default: this rank's);
+        the whole stream on one rank.
 
         Raises:
             ValueError: on more than one rank, a stream without ``split(index, count)``, naming it.
         """
-        world_size, rank = self.layout.world_size, self.layout.rank
+        world_size, rank = (layout or self.layout).world_size, (layout or self.layout).rank
         if world_size == 1:
             return self.source
         split = getattr(self.source, "split", None)
@@ -261,37 +270,60 @@ class StreamPipeline:
             self._pending_state = loader_state
 
     # ------------------------------------------------------------------ inspection
-    def prefix(self, max_samples: int) -> tuple[np.ndarray, np.ndarray]:
-        """Lengths and loss tokens of the stream's first ``max_samples`` samples under the over-long policy.
+    def _prefix_readers(self, max_samples: int, layout: DataParallelLayout) -> list[Iterator[Mapping[str, Any]]]:
+        """The samples training reads first: the stream's first ``max_samples`` (replicated, or one rank), else the
+        first samples of each rank's share (:mod:`~lit_seqpack.data.streaming.prefix` says why)."""
+        if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
+            raise ValueError(f"max_samples must be an int >= 1 (the stream prefix to inspect), got {max_samples!r}")
+        if layout.world_size == 1 or self.settings.stream_split == "replicate":
+            return [itertools.islice(self.source.open(), max_samples)]
+        sizes = share_sizes(max_samples, layout.world_size)
+        return [
+            itertools.islice(self._share(layout._replace(rank=rank)).open(), size) for rank, size in enumerate(sizes)
+        ]
 
-        ``lit-seqpack inspect`` plans this prefix offline; :attr:`overlong_report` counts the policy over it.
+    def prefix(self, max_samples: int, layout: DataParallelLayout | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Lengths and loss tokens of the ``max_samples`` samples training on ``layout`` (default: one rank) reads
+        first, under the over-long policy (:meth:`_prefix_readers`); ``lit-seqpack inspect`` plans them offline and
+        :attr:`overlong_report` counts the policy over them.
 
         Raises:
             ValueError: ``max_samples`` is not an int >= 1, or the prefix holds no sample.
         """
-        if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
-            raise ValueError(f"max_samples must be an int >= 1 (the stream prefix to inspect), got {max_samples!r}")
-        counter = self._counter()
-        lengths, loss = [], []
-        for number, sample in enumerate(itertools.islice(self.source.open(), max_samples)):
-            kept = sample if counter is None else counter.admit(number, sample)
-            if kept is not None:
-                lengths.append(len(kept["input_ids"]))
-                loss.append(sample_loss_tokens(kept))
-        if not lengths:
+        readers = self._prefix_readers(max_samples, layout or DataParallelLayout())
+        lengths, loss, report = prefix_lengths(itertools.chain.from_iterable(readers), self._counter())
+        if not lengths.size:
             raise ValueError(f"the stream's first {max_samples} samples hold no sample to plan")
-        if counter is not None:
-            self.overlong_report = counter.report()
-        return np.array(lengths, dtype=np.int64), np.array(loss, dtype=np.int64)
+        self.overlong_report = report if report is not None else self.overlong_report
+        return lengths, loss
 
     def prefix_microbatches(self, max_samples: int, layout: DataParallelLayout) -> int:
-        """Microbatches per rank that the streaming loader trains the prefix in (windows of ``window`` samples)."""
-        windows = stream_windows(
-            itertools.islice(self.source.open(), max_samples),
-            config=self.settings.plan_config(layout),
-            window_size=self.settings.stream_window,
-            epoch=0,
-            counter=self._counter(),
-            document_multiple=self.settings.planned_document_multiple,
+        """Microbatches per rank that the streaming loader trains the prefix in (windows of ``window`` samples) under
+        ``stream_split="replicate"``: one plan of each window for every rank."""
+        whole = layout._replace(world_size=1, rank=0)  # every rank reads the whole stream
+        (stream,) = self._plan_prefix(max_samples, whole, self.settings.plan_config(layout))
+        return stream.microbatches
+
+    def _plan_prefix(self, max_samples: int, layout: DataParallelLayout, config: PlanConfig) -> tuple[SharePrefix, ...]:
+        """The prefix read on ``layout`` (:meth:`prefix`), each reader's samples planned in windows with ``config``."""
+        settings = self.settings
+        return tuple(
+            plan_share_prefix(
+                samples,
+                config=config,
+                window_size=settings.stream_window,
+                counter=self._counter(),
+                document_multiple=settings.planned_document_multiple,
+            )
+            for samples in self._prefix_readers(max_samples, layout)
         )
-        return sum(window.plan.microbatches_per_rank for window in windows)
+
+    def prefix_lock_step(self, max_samples: int, layout: DataParallelLayout) -> LockStepPrefix:
+        """How the loaders of ``stream_split="rank"`` train the prefix (:meth:`prefix`): each rank's share planned
+        alone in windows of ``window`` samples, every rank running the most steps of any rank."""
+        config = self.settings.plan_config(layout._replace(world_size=1, rank=0))
+        return LockStepPrefix(
+            shares=self._plan_prefix(max_samples, layout, config),
+            accumulate_grad_batches=layout.accumulate_grad_batches,
+            max_tokens=int(self.settings.max_tokens),
+        )

@@ -9,10 +9,13 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lit_seqpack.data.sources import GeneratorStream
 from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
+from lit_seqpack.data.streaming.lockstep import LockStep, ShareFacts, _data_parallel, gather_object
+from lit_seqpack.parallel import ParallelLayout
 from lit_seqpack.planning.plan import PlanConfig
 from tests._limits import COLLECTIVE_TIMEOUT, SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 
@@ -180,3 +183,47 @@ def test_a_state_of_another_layout_is_refused_naming_it() -> None:
     replicated = {k: v for k, v in states[0].items() if k != "shares"}
     with pytest.raises(ValueError, match=r"written with stream_split='replicate'"):
         _loader(Shares([[1], [2]]), 0, 2, ThreadGather(1)).load_state_dict(replicated)
+
+
+def _everyone(layout: ParallelLayout, processes: int, values: list[Any]) -> list[tuple[int, Any]]:
+    """What ``all_gather_object`` returns to every process: each global rank's (data-parallel rank, value)."""
+    return [(layout.coordinates(rank).data_parallel_rank, values[rank]) for rank in range(processes)]
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(tensor_parallel_size=2), ParallelLayout(context_parallel_size=2)])
+def test_one_value_per_data_parallel_rank_of_2_data_x_2_model_parallel_processes(layout: ParallelLayout) -> None:
+    facts = [ShareFacts(epoch=0, step_loss_tokens=(5,)), ShareFacts(epoch=0, ended=True)]
+    everyone = _everyone(layout, 4, [facts[0], facts[0], facts[1], facts[1]])  # model-parallel ranks innermost
+    assert _data_parallel(everyone, world_size=2) == facts
+    lock = LockStep(rank=1, world_size=2, epoch=0, gather=lambda value: _data_parallel(everyone, 2))
+    lock.exchange()
+    assert lock.known == [1, 0] and lock.ended == [False, True] and lock.step_loss_tokens(0) == 5
+
+
+def test_a_mesh_with_the_model_parallel_dimension_outermost_keeps_each_data_parallel_rank() -> None:
+    # mesh ("tensor_parallel", "data_parallel"): global ranks 0 and 2 are data-parallel rank 0, 1 and 3 rank 1
+    assert _data_parallel([(0, "a"), (1, "b"), (0, "a"), (1, "b")], world_size=2) == ["a", "b"]
+
+
+def test_processes_that_do_not_form_the_data_parallel_ranks_or_disagree_raise_naming_the_global_ranks() -> None:
+    with pytest.raises(
+        RuntimeError, match=r"3 processes cannot hold 2 data-parallel ranks of equal size.*\{0: \[0, 1\]"
+    ):
+        _data_parallel([(0, "a"), (0, "a"), (1, "b")], world_size=2)
+    with pytest.raises(RuntimeError, match=r"cannot hold 2 data-parallel ranks.*\{0: \[0, 1\], 2: \[2, 3\]\}"):
+        _data_parallel([(0, "a"), (0, "a"), (2, "b"), (2, "b")], world_size=2)
+    failed = ShareFacts(epoch=0, error="ValueError: bad line")
+    with pytest.raises(RuntimeError, match=r"data-parallel rank 1 \(global ranks \[2, 3\]\) read different stream"):
+        _data_parallel([(0, "a"), (0, "a"), (1, ShareFacts(epoch=0)), (1, failed)], world_size=2)
+
+
+def test_gather_object_without_a_process_group_is_this_ranks_value() -> None:
+    assert gather_object({"steps": 3}, world_size=2, rank=1) == [{"steps": 3}]
+
+
+def test_values_holding_arrays_are_compared_without_an_ambiguous_truth_value() -> None:
+    record = {"window": 0, "carried": [{"input_ids": np.arange(3)}]}
+    assert _data_parallel([(0, record), (0, record)], world_size=1) == [record]
+    other = {"window": 0, "carried": [{"input_ids": np.arange(4)}]}
+    with pytest.raises(RuntimeError, match="read different stream shares"):
+        _data_parallel([(0, record), (0, other)], world_size=1)
