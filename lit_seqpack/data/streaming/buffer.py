@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from lit_seqpack.data.batching._samples import sample_loss_tokens, token_arrays
+from lit_seqpack.data.batching._samples import token_arrays, window_loss_tokens
 from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.planning.algorithms import get_packer, packing_algorithm
 from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan
@@ -267,7 +267,7 @@ def stream_windows(
             keep = np.ones(len(samples), dtype=bool)
             keep[held] = False
             samples, planned = [s for s, k in zip(samples, keep, strict=True) if k], planned[keep]
-        loss = np.array([sample_loss_tokens(s) for s in samples], dtype=np.int64)
+        loss = window_loss_tokens(samples)
         plan = build_plan(planned, config, epoch=epoch, loss_tokens=loss) if samples else _empty_plan(config, epoch)
         yield StreamWindow(
             index=window,

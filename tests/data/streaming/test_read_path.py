@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lit_seqpack import SeqPackDataModule
+from lit_seqpack.data.batching._samples import sample_loss_tokens, window_loss_tokens
 from lit_seqpack.data.sources import JsonlStream
 
 
@@ -63,3 +64,21 @@ def test_a_bad_token_list_is_refused_naming_the_stream_sample(tmp_path: Path, ba
     module = SeqPackDataModule(source=JsonlStream(path), window=50, max_tokens=128, num_workers=0)
     with pytest.raises(ValueError, match=message):
         list(module.train_dataloader())
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [{"input_ids": np.array(x), "labels": np.array(y)} for x, y in [([5, 6, 7], [-100, 6, 7]), ([8], [8])]],
+        [{"input_ids": np.array([5, 6]), "labels": np.array([-100, -100])}, {"input_ids": np.array([1])}],
+        [{"input_ids": np.array([5, 6, 7]), "labels": np.zeros(0, dtype=np.int64)}],  # refused later, counted alike
+        [{"input_ids": [5, 6, 7]}, {"input_ids": np.array([4])}, {"input_ids": [1, 2]}],
+        [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": np.array([4, 5]), "labels": np.array([4, 5])}],
+        [{"input_ids": [5, 6], "labels": [5, -100]}, {"input_ids": np.array([4, 5]), "labels": np.array([4, 5])}],
+        [],
+    ],
+)
+def test_a_window_counts_the_loss_tokens_of_each_sample_as_one_sample_does(samples: list[dict]) -> None:
+    counts = window_loss_tokens(samples)
+    assert counts.dtype == np.int64
+    assert counts.tolist() == [sample_loss_tokens(sample) for sample in samples]
