@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from lit_seqpack.data.batching._samples import sample_names
@@ -32,7 +33,7 @@ def declare_fields(collator: Any) -> None:
 
 
 def read_collator_fields(
-    collator: Any, samples: Sequence[Mapping[str, Any]], docs: list[torch.Tensor], labels: torch.Tensor
+    collator: Any, samples: Sequence[Mapping[str, Any]], docs: Sequence[np.ndarray], labels: torch.Tensor
 ) -> FieldValues:
     """The declared fields of the samples, plus their ``loss_weights`` when a ``loss_weight_field`` is set."""
     names = sample_names(samples)

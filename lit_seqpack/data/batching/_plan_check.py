@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
+import numpy as np
 
 from lit_seqpack.data.batching._samples import sample_name
 
@@ -61,7 +61,7 @@ def check_planned_lengths(samples: Sequence[Any], sizes: Sequence[int], meta: An
     )
 
 
-def check_planned_budget(samples: Sequence[Any], docs: Sequence[torch.Tensor], slots: int, meta: Any) -> None:
+def check_planned_budget(samples: Sequence[Any], docs: Sequence[np.ndarray], slots: int, meta: Any) -> None:
     """Refuse a microbatch that takes more token slots than the plan's budget: its samples grew after planning.
 
     Catches what :func:`check_planned_lengths` cannot see when the plan's lengths did not travel with the

@@ -10,7 +10,15 @@ import torch
 
 from lit_seqpack.batch import IGNORE_INDEX
 
-__all__ = ["SampleName", "read_samples", "sample_loss_tokens", "sample_name", "sample_names", "token_arrays"]
+__all__ = [
+    "SampleName",
+    "read_samples",
+    "sample_loss_tokens",
+    "sample_name",
+    "sample_names",
+    "token_arrays",
+    "window_loss_tokens",
+]
 
 
 def _int_vector(value: Any, name: str, key: str, *, allow_bool: bool = False) -> torch.Tensor:
@@ -72,10 +80,17 @@ def token_arrays(sample: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     return converted if relocated is None else relocated(converted)
 
 
-def _first_bad(parts: Sequence[torch.Tensor], bad: torch.Tensor) -> int:
+def _first_bad(parts: Sequence[np.ndarray], bad: np.ndarray) -> int:
     """Index of the part that holds the first True of ``bad`` (a mask over the concatenation of ``parts``)."""
     ends = np.cumsum([len(p) for p in parts])
-    return int(np.searchsorted(ends, int(bad.nonzero()[0, 0]), side="right"))
+    return int(np.searchsorted(ends, int(np.flatnonzero(bad)[0]), side="right"))
+
+
+def _int_array(value: Any, name: str, key: str, *, allow_bool: bool = False) -> np.ndarray:
+    """:func:`_int_vector` as a numpy array; a stream's int64 arrays (:func:`token_arrays`) pass as they are."""
+    if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
+        return value
+    return _int_vector(value, name, key, allow_bool=allow_bool).numpy()
 
 
 def sample_name(samples: Sequence[Any], index: int) -> str:
@@ -117,11 +132,12 @@ def sample_names(samples: Sequence[Any]) -> list[SampleName]:
 
 def read_samples(
     samples: Sequence[Mapping[str, Any]], weighted_mask: bool = False
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+) -> tuple[list[np.ndarray], torch.Tensor, torch.Tensor]:
     """Validate the samples; return each document's ids and the concatenated ids and labels (no shift).
 
     With ``weighted_mask`` a ``loss_mask`` may hold weights (checked by :mod:`~lit_seqpack.data.batching.loss_weights`);
-    its zeros mask the labels.
+    its zeros mask the labels. The checks run in numpy: a few small torch operations cost more than the whole
+    microbatch's numpy work.
     """
     ids, labels = [], []
     for index, sample in enumerate(samples):
@@ -129,39 +145,40 @@ def read_samples(
         if not isinstance(sample, Mapping) or "input_ids" not in sample:
             found = sorted(sample) if isinstance(sample, Mapping) else type(sample).__name__
             raise ValueError(f"{name}: expected a mapping with 'input_ids', got {found}")
-        doc = _int_vector(sample["input_ids"], name, "input_ids")
+        doc = _int_array(sample["input_ids"], name, "input_ids")
         if doc.shape[0] == 0:
             raise ValueError(f"{name}: input_ids is empty (a document needs at least one token)")
-        if "labels" in sample and "loss_mask" in sample:
-            raise ValueError(f"{name}: give either 'labels' or 'loss_mask', not both")
         if "labels" in sample:
-            target = _int_vector(sample["labels"], name, "labels")
+            if "loss_mask" in sample:
+                raise ValueError(f"{name}: give either 'labels' or 'loss_mask', not both")
+            target = _int_array(sample["labels"], name, "labels")
         elif "loss_mask" in sample and weighted_mask:
-            mask = torch.from_numpy(np.asarray(sample["loss_mask"], dtype=np.float64)).reshape(-1)
-            target = torch.where(mask != 0, doc, IGNORE_INDEX) if len(mask) == len(doc) else mask
+            mask = np.asarray(sample["loss_mask"], dtype=np.float64).reshape(-1)
+            target = np.where(mask != 0, doc, IGNORE_INDEX) if len(mask) == len(doc) else mask
         elif "loss_mask" in sample:
-            mask = _int_vector(sample["loss_mask"], name, "loss_mask", allow_bool=True)
+            mask = _int_array(sample["loss_mask"], name, "loss_mask", allow_bool=True)
             if len(mask) == len(doc) and bool(((mask != 0) & (mask != 1)).any()):
-                raise ValueError(f"{name}: loss_mask must hold only 0 and 1, got {mask.unique().tolist()}")
-            target = torch.where(mask.bool(), doc, IGNORE_INDEX) if len(mask) == len(doc) else mask
+                raise ValueError(f"{name}: loss_mask must hold only 0 and 1, got {np.unique(mask).tolist()}")
+            target = np.where(mask != 0, doc, IGNORE_INDEX) if len(mask) == len(doc) else mask
         else:
             target = doc
-        if target.shape[0] != doc.shape[0]:  # shape, not len(): a tensor's len is a Python call
+        if target.shape[0] != doc.shape[0]:
             key = "labels" if "labels" in sample else "loss_mask"
             raise ValueError(f"{name}: {key} has {len(target)} entries but input_ids has {len(doc)}")
         ids.append(doc)
         labels.append(target)
-    all_ids, all_labels = torch.cat(ids), torch.cat(labels)
+    all_ids, all_labels = np.concatenate(ids), np.concatenate(labels)
     problems = []  # value checks run once on the concatenation; on failure, name the first bad sample
-    if bool((all_ids < 0).any()):
+    if all_ids.min() < 0:
         problems.append((_first_bad(ids, all_ids < 0), "input_ids must be >= 0 (found a negative id)"))
-    bad_labels = (all_labels < 0) & (all_labels != IGNORE_INDEX)
-    if bool(bad_labels.any()):
-        problems.append((_first_bad(labels, bad_labels), f"labels must be >= 0 or {IGNORE_INDEX}"))
+    if all_labels.min() < 0:
+        bad_labels = (all_labels < 0) & (all_labels != IGNORE_INDEX)
+        if bad_labels.any():
+            problems.append((_first_bad(labels, bad_labels), f"labels must be >= 0 or {IGNORE_INDEX}"))
     if problems:
         index, problem = min(problems)
         raise ValueError(f"{sample_name(samples, index)}: {problem}")
-    return ids, all_ids, all_labels
+    return ids, torch.from_numpy(all_ids), torch.from_numpy(all_labels)
 
 
 def sample_loss_tokens(sample: Mapping[str, Any]) -> int:
@@ -182,3 +199,29 @@ def sample_loss_tokens(sample: Mapping[str, Any]) -> int:
     if mask is not None:
         return int((np.asarray(mask)[1:] != 0).sum())
     return max(len(sample["input_ids"]) - 1, 0)
+
+
+def window_loss_tokens(samples: Sequence[Mapping[str, Any]]) -> np.ndarray:
+    """:func:`sample_loss_tokens` of each sample, counted in one pass when every ``labels`` is an int64 array.
+
+    A stream window's samples come out of :func:`token_arrays`, so their labels are arrays: one comparison over their
+    concatenation replaces a few small numpy calls per sample. Samples without ``labels`` or ``loss_mask`` count
+    ``length - 1``; any other mix is counted sample by sample.
+
+    Example:
+        >>> labels = [np.array([5, -100, 7]), np.array([9]), np.array([-100, 4])]
+        >>> window_loss_tokens([{"input_ids": x, "labels": x} for x in labels]).tolist()
+        [1, 0, 1]
+        >>> window_loss_tokens([{"input_ids": [5, 6, 7]}, {"input_ids": [8]}]).tolist()
+        [2, 0]
+    """
+    labels = [sample.get("labels") for sample in samples]
+    if all(x is None and sample.get("loss_mask") is None for x, sample in zip(labels, samples, strict=True)):
+        sizes = np.array([len(sample["input_ids"]) for sample in samples], dtype=np.int64)
+        return np.maximum(sizes - 1, 0)
+    if not all(type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1 for x in labels):
+        return np.array([sample_loss_tokens(sample) for sample in samples], dtype=np.int64)
+    sizes = np.array([x.shape[0] for x in labels], dtype=np.int64)
+    ends = np.cumsum(sizes)
+    trained = np.concatenate(([0], np.cumsum(np.concatenate(labels) != IGNORE_INDEX)))
+    return trained[ends] - trained[np.minimum(ends - sizes + 1, ends)]  # a sample's first token predicts nothing

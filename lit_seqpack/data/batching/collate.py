@@ -146,7 +146,7 @@ class PackedCollator:
 
     def _layout(
         self,
-        docs: list[torch.Tensor],
+        docs: Sequence[np.ndarray],
         ids: torch.Tensor,
         labels: torch.Tensor,
         fields: FieldValues,
@@ -154,7 +154,8 @@ class PackedCollator:
         dummy: int | None,
     ) -> dict[str, Any]:
         lengths = np.array([d.shape[0] for d in docs], dtype=np.int64)
-        padded = -(-lengths // (self.pad_document_to_multiple_of or 1)) * (self.pad_document_to_multiple_of or 1)
+        multiple = self.pad_document_to_multiple_of
+        padded = lengths if multiple is None else -(-lengths // multiple) * multiple
         body = int(padded.sum())
         total = dummy if dummy is not None else round_up(body, self.pad_to_multiple_of)
         segments = np.append(padded, total - body) if total > body else padded
@@ -173,12 +174,12 @@ class PackedCollator:
             "input_ids": input_ids[None],
             "labels": torch.from_numpy(out_labels)[None],
             "position_ids": position_ids[None],
-            "cu_seqlens": torch.from_numpy(cu_seqlens).to(torch.int32),
+            "cu_seqlens": torch.from_numpy(cu_seqlens.astype(np.int32)),
             "max_seqlen": int(segments.max()),
         }
         if self.pad_document_to_multiple_of is not None:
             real = np.append(lengths, 0) if len(segments) > len(lengths) else lengths
-            batch["cu_seqlens_unpadded"] = torch.from_numpy(np.concatenate([[0], np.cumsum(real)])).to(torch.int32)
+            batch["cu_seqlens_unpadded"] = torch.from_numpy(np.concatenate([[0], np.cumsum(real)]).astype(np.int32))
         pads = token_pads(self)
         for key, parts in fields.tokens.items():
             batch[key] = pad_token_field(parts, pads[key], (total,), where)[None]

@@ -255,7 +255,7 @@ class FieldValues:
 
 def read_fields(
     samples: Sequence[Mapping[str, Any]],
-    docs: Sequence[torch.Tensor],
+    docs: Sequence[np.ndarray],
     names: Sequence[str],
     token_fields: Mapping[str, float | int],
     sample_fields: Sequence[str],

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from lit_seqpack.data.batching._samples import sample_loss_tokens, token_arrays
+from lit_seqpack.data.batching._samples import token_arrays, window_loss_tokens
 from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.streaming.window_packing import carried_over, even_bins, packer_seed
 from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan, plan_packed
@@ -240,7 +240,7 @@ def stream_windows(
             keep = np.ones(len(samples), dtype=bool)
             keep[held] = False
             samples, planned = [s for s, k in zip(samples, keep, strict=True) if k], planned[keep]
-        loss = np.array([sample_loss_tokens(s) for s in samples], dtype=np.int64)
+        loss = window_loss_tokens(samples)
         if bins is not None:  # planned as packed: a second packing could make other bins
             plan = plan_packed(planned, bins, config, epoch=epoch, loss_tokens=loss)
         else:

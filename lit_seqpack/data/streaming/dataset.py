@@ -205,10 +205,11 @@ class StreamingDataset(IterableDataset):
         samples = [window.samples[i] for i in planned.indices]
         names = StreamSampleNames(samples, self.source)
         batch = self.collator(Microbatch(samples, meta=meta, indices=names))
-        if self.vocab_size is not None and planned.indices and int(batch["input_ids"].max()) >= self.vocab_size:
+        top_id = int(batch["input_ids"].numpy().max()) if self.vocab_size is not None and planned.indices else 0
+        if self.vocab_size is not None and top_id >= self.vocab_size:  # numpy: a torch max costs more here
             top = max(range(len(samples)), key=lambda k: max(samples[k]["input_ids"]))
             raise ValueError(
-                f"token id {int(batch['input_ids'].max())} of {names.describe(top)} (in stream window "
+                f"token id {top_id} of {names.describe(top)} (in stream window "
                 f"{window.index}) is outside the model's vocab_size={self.vocab_size}: raise the model's vocab_size "
                 "or the stream's vocab_size"
             )

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lit_seqpack import SeqPackDataModule
+from lit_seqpack.data.batching._samples import sample_loss_tokens, window_loss_tokens
 from lit_seqpack.data.sources import JsonlStream
 
 
@@ -63,3 +64,68 @@ def test_a_bad_token_list_is_refused_naming_the_stream_sample(tmp_path: Path, ba
     module = SeqPackDataModule(source=JsonlStream(path), window=50, max_tokens=128, num_workers=0)
     with pytest.raises(ValueError, match=message):
         list(module.train_dataloader())
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [{"input_ids": np.array(x), "labels": np.array(y)} for x, y in [([5, 6, 7], [-100, 6, 7]), ([8], [8])]],
+        [{"input_ids": np.array([5, 6]), "labels": np.array([-100, -100])}, {"input_ids": np.array([1])}],
+        [{"input_ids": np.array([5, 6, 7]), "labels": np.zeros(0, dtype=np.int64)}],  # refused later, counted alike
+        [{"input_ids": [5, 6, 7]}, {"input_ids": np.array([4])}, {"input_ids": [1, 2]}],
+        [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": np.array([4, 5]), "labels": np.array([4, 5])}],
+        [{"input_ids": [5, 6], "labels": [5, -100]}, {"input_ids": np.array([4, 5]), "labels": np.array([4, 5])}],
+        [],
+    ],
+)
+def test_a_window_counts_the_loss_tokens_of_each_sample_as_one_sample_does(samples: list[dict]) -> None:
+    counts = window_loss_tokens(samples)
+    assert counts.dtype == np.int64
+    assert counts.tolist() == [sample_loss_tokens(sample) for sample in samples]
+
+
+def _read_line(tmp_path: Path, line: str) -> dict:
+    path = tmp_path / "one.jsonl"
+    path.write_text(line + "\n")
+    return next(JsonlStream(str(path)).open())
+
+
+def test_the_jsonl_reader_hands_on_plain_integer_token_lists_as_writable_int64_arrays(tmp_path: Path) -> None:
+    extremes = [0, 1, -100, 2**63 - 1, -(2**63)]
+    sample = _read_line(tmp_path, json.dumps({"input_ids": extremes, "labels": [], "loss_mask": [0, 1], "n": 3}))
+    for key, values in (("input_ids", extremes), ("labels", [])):
+        assert type(sample[key]) is np.ndarray and sample[key].dtype == np.int64 and sample[key].flags.writeable
+        assert sample[key].tolist() == values
+    assert sample["loss_mask"] == [0, 1] and sample["n"] == 3  # only the token lists are converted
+
+
+@pytest.mark.parametrize(
+    ("key", "bad"),
+    [
+        ("input_ids", [5, True, 7]),  # a JSON true reads as 1 once converted: the line's `true` keeps the list
+        ("labels", [5, False]),
+        ("labels", [5, 6.0]),
+        ("input_ids", [5, 1e3]),
+        ("input_ids", [[5, 6]]),
+        ("input_ids", [5, 2**63]),
+        ("labels", [5, None]),
+        ("input_ids", [5, "6"]),
+    ],
+)
+def test_the_jsonl_reader_leaves_a_token_list_that_is_not_plain_integers_for_the_checks(
+    tmp_path: Path, key: str, bad: list
+) -> None:
+    sample = _read_line(tmp_path, json.dumps({"input_ids": [5, 6], "labels": [-100, 6]} | {key: bad}))
+    assert type(sample[key]) is list and sample[key] == bad
+
+
+def test_a_bool_elsewhere_on_a_line_keeps_its_tokens_checked_the_slow_way_and_trained_alike(tmp_path: Path) -> None:
+    """``true`` in another field (a bool, a text) only skips the reader's conversion: the same batches."""
+    plain = _samples(40)
+    flagged = [{**s, "reviewed": True, "text": "false"} for s in plain]
+    settings = {"window": 20, "max_tokens": 128, "num_workers": 0}
+    batches = [
+        [b["input_ids"].tolist() for b in SeqPackDataModule(source=JsonlStream(path), **settings).train_dataloader()]
+        for path in (_write(tmp_path / "plain.jsonl", plain), _write(tmp_path / "flagged.jsonl", flagged))
+    ]
+    assert batches[0] == batches[1] and batches[0]
