@@ -230,7 +230,17 @@ def slot_window(
     config: PlanConfig,
     seeds: np.random.SeedSequence,
 ) -> WindowPlan:
-    """A window's microbatches (``local``, ``sizes``: a whole number of steps) on the ``(step, rank, slot)`` grid."""
+    """A window's microbatches on the ``(step, rank, slot)`` grid, balanced as :func:`plan_window` balances them.
+
+    Args:
+        window_lengths: lengths of the window's samples (or of the whole dataset, with ``positions``).
+        loss_tokens: loss tokens, indexed like ``window_lengths``; ``None``: ``max(length - 1, 0)``.
+        positions: dataset indices of the window's samples, or ``None`` (members are positions in the window).
+        local: positions in the window, microbatch by microbatch.
+        sizes: samples per microbatch (``0``: an empty lock-step filler), a whole number of steps.
+        config: the plan configuration.
+        seeds: the window's seeds (:func:`window_seeds`): the balancing rng of a shuffled plan.
+    """
     members, figures = _figures(window_lengths, loss_tokens, positions, local, sizes, config)
     rng = np.random.default_rng(seeds) if config.shuffle else None
     grid = assign_slots(figures["cost"], config.world_size, config.accumulate_grad_batches, rng)
