@@ -235,7 +235,8 @@ def plan_packed(
         loss_tokens: tokens that carry a loss in each sample; default ``max(length - 1, 0)``.
 
     Raises:
-        ValueError: ``config`` is not a packing plan, or a bin holds more than ``max_tokens``.
+        ValueError: ``config`` is not a packing plan, the bins do not hold every sample once (or one is empty), a bin
+            holds more than ``max_tokens``, or a sample's loss tokens exceed its length.
 
     Example:
         >>> cfg = PlanConfig(mode="packing", max_tokens=8, world_size=2, shuffle=False)
@@ -248,7 +249,14 @@ def plan_packed(
     check_int("epoch", epoch, minimum=0)
     lengths = as_counts("lengths", lengths)
     loss = None if loss_tokens is None else as_counts("loss_tokens", loss_tokens, lengths.size)
+    if loss is not None and bool((loss > lengths).any()):
+        i = int(np.flatnonzero(loss > lengths)[0])
+        raise ValueError(f"loss_tokens[{i}] = {int(loss[i])} exceeds the sample's length {int(lengths[i])}")
     flat, ends = (np.asarray(part, dtype=np.int64) for part in bins)
+    if flat.size != lengths.size or not np.array_equal(np.sort(flat), np.arange(lengths.size)):
+        raise ValueError(f"the bins must hold each of the {lengths.size} samples once, got {flat.size} entries")
+    if ends.size and (ends[-1] != flat.size or bool((np.diff(ends, prepend=0) < 1).any())):
+        raise ValueError(f"bin ends {ends.tolist()[:8]} must rise by at least 1 and end at {flat.size}")
     starts = np.concatenate(([0], ends[:-1]))
     fills = np.add.reduceat(lengths[flat], starts) if ends.size else np.zeros(0, dtype=np.int64)
     if fills.size and int(fills.max()) > config.max_tokens:

@@ -48,5 +48,13 @@ def test_bins_short_of_whole_steps_are_split_fullest_first_or_padded_with_filler
 def test_bad_bins_and_modes_are_refused_naming_them() -> None:
     with pytest.raises(ValueError, match="bin 0 holds 70 tokens, more than max_tokens=64"):
         plan_packed(np.array([40, 30]), (np.array([0, 1]), np.array([2])), _config(), epoch=0)
+    with pytest.raises(ValueError, match="the bins must hold each of the 3 samples once, got 2 entries"):
+        plan_packed(np.array([4, 5, 6]), (np.array([0, 2]), np.array([2])), _config(), epoch=0)  # sample 1 lost
+    with pytest.raises(ValueError, match="the bins must hold each of the 2 samples once"):
+        plan_packed(np.array([4, 5]), (np.array([0, 0]), np.array([2])), _config(), epoch=0)
+    with pytest.raises(ValueError, match="must rise by at least 1"):
+        plan_packed(np.array([4, 5]), (np.array([0, 1]), np.array([0, 2])), _config(), epoch=0)
+    with pytest.raises(ValueError, match=r"loss_tokens\[1\] = 9 exceeds"):
+        plan_packed(np.array([4, 5]), (np.array([0, 1]), np.array([2])), _config(), epoch=0, loss_tokens=[1, 9])
     with pytest.raises(ValueError, match="mode='dynamic'"):
         plan_packed(np.array([4]), (np.array([0]), np.array([1])), _config(mode="dynamic", algorithm=None), epoch=0)

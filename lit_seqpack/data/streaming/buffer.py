@@ -5,7 +5,8 @@ accumulation at once (in packing mode as packed by :mod:`~lit_seqpack.data.strea
 rows wait for the next window, the last window is spread evenly; other modes by
 :func:`~lit_seqpack.planning.plan.build_plan`), so:
 
-- memory holds one window of samples (plus the reader's own, e.g. one Parquet row group);
+- memory holds one window of samples, up to half a window read ahead in packing mode (a stream ending there
+  joins the window), and the reader's own (e.g. one Parquet row group);
 - every optimizer step's microbatches come from one window, so its loss-token total over all ranks
   (``step_loss_tokens``, the exact-loss normaliser) is known before the step starts, without a collective;
 - every rank gets the same number of microbatches per window (the plan adds empty lock-step fillers when a short

@@ -98,8 +98,8 @@ def even_bins(planned: np.ndarray, config: PlanConfig, *, seed: int = 0) -> tupl
     """The last window's samples over as many bins as the planner would make, as evenly as they go.
 
     The bin count is the packer's own, rounded up to whole optimizer steps; the samples are dealt longest first,
-    each to the least-full bin (ties: the lower bin). ``None`` when that would overfill a bin (very long samples) or
-    leave one empty: the window is then planned as usual.
+    each to the least-full bin (ties: the lower bin), so the first ``count`` samples open one bin each. ``None`` when
+    that would overfill a bin (very long samples): the window is then planned as usual.
 
     Args:
         planned: the planned length of each sample of the window.
@@ -133,8 +133,6 @@ def even_bins(planned: np.ndarray, config: PlanConfig, *, seed: int = 0) -> tupl
             return None
         bins[b].append(i)
         heapq.heappush(heap, (fill, b))
-    if not all(bins):
-        return None
     return np.fromiter((i for members in bins for i in members), np.int64, planned.size), np.cumsum(
         [len(members) for members in bins]
     )
