@@ -184,7 +184,7 @@ class PackedCollator:
         for key, parts in fields.tokens.items():
             batch[key] = pad_token_field(parts, pads[key], (total,), where)[None]
         batch |= fields.samples
-        loss = int((out_labels != IGNORE_INDEX).sum())
+        loss = int(np.count_nonzero(out_labels != IGNORE_INDEX))
         stats = _scalars(meta, documents=len(docs), real=len(ids), total=total, loss=loss, is_empty=dummy is not None)
         return batch | stats | weight_scalars(self, batch, meta, stats)
 
@@ -264,7 +264,7 @@ class PaddedCollator:
             "position_ids": torch.arange(width).expand(rows, width).contiguous(),
         }
         batch |= self._fields(fields, (rows, width), where)
-        loss = int((out_labels != IGNORE_INDEX).sum())
+        loss = int(np.count_nonzero(out_labels != IGNORE_INDEX))
         stats = _scalars(meta, documents=rows, real=len(ids), total=rows * width, loss=loss, is_empty=False)
         return batch | stats | weight_scalars(self, batch, meta, stats)
 

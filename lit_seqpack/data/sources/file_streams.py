@@ -26,6 +26,10 @@ _TOKEN_KEYS = ("input_ids", "labels")
 """The token lists a JSONL reader hands on as int64 arrays (a ``loss_mask`` may hold booleans: it stays a list)."""
 
 
+_NUMBER_BYTES = b"0123456789,- "
+"""What a JSON list of integers is made of: none of it is in the literals ``true`` and ``false``."""
+
+
 def _expand(paths: str | Sequence[str], suffixes: tuple[str, ...], setting: str) -> list[str]:
     """Files of ``paths`` (a glob, a folder, a file or a list of them) in sorted order, or a ``ValueError``."""
     items = [paths] if isinstance(paths, (str, Path)) else list(paths)
@@ -98,17 +102,34 @@ def _with_token_arrays(sample: Any, line: bytes) -> Any:
         >>> _with_token_arrays({"input_ids": [5, True]}, b'{"input_ids": [5, true]}')
         {'input_ids': [5, True]}
     """
-    if type(sample) is not dict or b"true" in line or b"false" in line:
+    if type(sample) is not dict:
         return sample
+    literals = line.translate(None, _NUMBER_BYTES)  # searching the few bytes left is 2x faster than the whole line
+    if b"true" in literals or b"false" in literals:
+        return sample
+    ids, labels = sample.get("input_ids"), sample.get("labels")
+    if type(ids) is list and type(labels) is list:  # both in one call (one array; each key a view of its part)
+        try:
+            tokens = _int64_array(struct.pack(f"{len(ids) + len(labels)}q", *ids, *labels))
+        except struct.error:  # one of them is not plain ints: each is tried alone below
+            pass
+        else:
+            sample["input_ids"], sample["labels"] = tokens[: len(ids)], tokens[len(ids) :]
+            return sample
     for key in _TOKEN_KEYS:
         value = sample.get(key)
         if type(value) is list:
             try:
-                packed = bytearray(struct.pack(f"{len(value)}q", *value))  # a bytearray: a writable array
+                sample[key] = _int64_array(struct.pack(f"{len(value)}q", *value))
             except struct.error:  # not plain ints: left for the checks that name the sample
                 continue
-            sample[key] = np.frombuffer(packed, dtype=np.int64)
     return sample
+
+
+def _int64_array(packed: bytes) -> np.ndarray:
+    """The int64 array of ``packed``, owning its memory: a view of the bytes would keep objects the garbage collector
+    tracks alive per sample (numpy's memoryview and buffer), which made full collections a fifth of a stream's time."""
+    return np.frombuffer(packed, dtype=np.int64).copy()
 
 
 def _line_at(path: str, offset: int) -> int:

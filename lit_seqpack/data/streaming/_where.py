@@ -46,6 +46,8 @@ class LocatedReader(Iterator[Mapping[str, Any]]):
 
     def __next__(self) -> Mapping[str, Any]:
         position = getattr(self._reader, "position", None)
+        if type(position) is list:  # a tuple of numbers is one object fewer for the garbage collector to walk
+            position = tuple(position)
         sample = next(self._reader)
         number, self._number = self._number, self._number + 1
         if type(sample) is not dict:
@@ -65,7 +67,7 @@ def describe_position(source: Any, position: Any) -> str | None:
         'a.parquet, row group 2, row 5'
     """
     files = getattr(source, "files", None)
-    if not isinstance(files, list) or not isinstance(position, list) or not position:
+    if not isinstance(files, list) or not isinstance(position, (list, tuple)) or not position:
         return None
     if not isinstance(position[0], int) or not 0 <= position[0] < len(files):
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from lit_seqpack import SeqPackDataModule
 from lit_seqpack.data.batching._samples import sample_loss_tokens, window_loss_tokens
 from lit_seqpack.data.sources import JsonlStream
+from lit_seqpack.data.streaming._where import LocatedReader
 
 
 def _write(path: Path, samples: list[dict]) -> str:
@@ -117,6 +119,31 @@ def test_the_jsonl_reader_leaves_a_token_list_that_is_not_plain_integers_for_the
 ) -> None:
     sample = _read_line(tmp_path, json.dumps({"input_ids": [5, 6], "labels": [-100, 6]} | {key: bad}))
     assert type(sample[key]) is list and sample[key] == bad
+    other = "labels" if key == "input_ids" else "input_ids"
+    if b"true" not in json.dumps(bad).encode() and b"false" not in json.dumps(bad).encode():
+        assert type(sample[other]) is np.ndarray  # the other list is still converted on its own
+
+
+def test_the_two_token_arrays_of_a_line_are_independent_and_hold_nothing_the_garbage_collector_walks(
+    tmp_path: Path,
+) -> None:
+    """A window holds thousands of samples: an object the collector tracks per sample (a numpy view of a buffer
+    holds two) made its full collections a fifth of a stream's time. Only the tagged sample itself is tracked."""
+    path = _write(tmp_path / "data.jsonl", [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}])
+    sample = next(LocatedReader(JsonlStream(path).open(), 0))
+    sample["input_ids"][0] = 9  # writable, and not shared with the labels
+    assert sample["input_ids"].tolist() == [9, 6, 7] and sample["labels"].tolist() == [-100, 6, 7]
+    gc.collect()  # untracks the tuples of plain numbers (the sample's position)
+    reachable, tracked, todo = set(), [], [sample]
+    while todo:
+        item = todo.pop()
+        if id(item) in reachable:
+            continue
+        reachable.add(id(item))
+        tracked += [item] if gc.is_tracked(item) else []
+        todo += [x for x in gc.get_referents(item) if not isinstance(x, type)]
+        todo += [item.base] if isinstance(item, np.ndarray) and item.base is not None else []  # not a referent
+    assert tracked == [sample], [type(x).__name__ for x in tracked]
 
 
 def test_a_bool_elsewhere_on_a_line_keeps_its_tokens_checked_the_slow_way_and_trained_alike(tmp_path: Path) -> None:
