@@ -74,18 +74,18 @@ def test_a_cache_dir_for_a_dataset_without_fingerprint_names_the_setting(tmp_pat
 
 
 def _trainer(**kwargs) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
+    settings = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 2,
+        "use_distributed_sampler": False,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    return L.Trainer(**(settings | kwargs))
 
 
 class _Lengths(L.Callback):
@@ -164,3 +164,46 @@ def test_a_dataset_that_declares_changing_lengths_resumes_at_an_epoch_boundary(t
     fit(2, first)
     fit(3, resumed, ckpt_path=tmp_path / "last.ckpt")
     assert first.seen == {0: [7] * 24, 1: [24] * 24} and resumed.seen == {2: [14] * 24}
+
+
+class _Rows(L.Callback):
+    """Each training batch's epoch and token rows, in order (and stops the fit after ``stop_at`` steps)."""
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.rows: list[tuple[int, list[list[int]]]] = []
+        self.stop_at = stop_at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.rows.append((trainer.current_epoch, batch["input_ids"].tolist()))
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.stop_at:
+            trainer.should_stop = True
+
+
+def test_a_dataset_that_declares_changing_lengths_resumes_mid_epoch_exactly(tmp_path):
+    """Stopped after 8 steps (3 of epoch 0's, 5 of epoch 1's, whose samples are 3x longer) and resumed from the last
+    checkpoint: epoch 1 is re-scanned and re-planned for the resume, so the rows and the weights are the
+    uninterrupted run's."""
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(rows: _Rows, folder: str, ckpt_path=None) -> ReferenceLM:
+        L.seed_everything(0)
+        model = ReferenceLM(
+            vocab_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, intermediate_size=32, max_seq_len=64
+        )
+        every_step = ModelCheckpoint(dirpath=tmp_path / folder, every_n_train_steps=1, save_last=True, save_top_k=0)
+        trainer = _trainer(reload_dataloaders_every_n_epochs=1, callbacks=[rows, every_step], enable_checkpointing=True)
+        data = GrowingPrompt({0: 3, 1: 20}, declare=True)
+        trainer.fit(model, datamodule=SeqPackDataModule(source=data, max_tokens=64), ckpt_path=ckpt_path)
+        return model
+
+    whole, first, resumed = _Rows(), _Rows(stop_at=8), _Rows()
+    reference = fit(whole, "whole")
+    fit(first, "stopped")
+    model = fit(resumed, "stopped", ckpt_path=tmp_path / "stopped" / "last.ckpt")
+    assert [epoch for epoch, _ in first.rows] == [0] * 3 + [1] * 5 and len(resumed.rows) == 7
+    assert first.rows + resumed.rows == whole.rows
+    for name, value in reference.state_dict().items():
+        assert torch.equal(value, model.state_dict()[name]), name
