@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +65,9 @@ def sampled_indices(num_samples: int, count: int, seed: int = 0) -> np.ndarray:
     return np.sort(candidates[np.sort(first)][:count])
 
 
-def content_digest(dataset: object, count: int, seed: int = 0) -> str:
+def content_digest(
+    dataset: object, count: int, seed: int = 0, *, read: Callable[[Any, int], Mapping[str, Any]] | None = None
+) -> str:
     """A short SHA-256 of the tokens (``input_ids``, and ``labels``/``loss_mask`` when present) of ``count`` samples.
 
     Ranks that read different data with the same lengths (another file version, tokenizer or preprocessing)
@@ -73,6 +77,8 @@ def content_digest(dataset: object, count: int, seed: int = 0) -> str:
         dataset: a map-style dataset of mappings with ``input_ids``.
         count: samples to read (:func:`sampled_indices`).
         seed: picks the samples.
+        read: ``(dataset, index) -> sample`` (default ``dataset[index]``; the data layer passes one whose errors name
+            the index).
 
     Example:
         >>> data = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]
@@ -83,7 +89,7 @@ def content_digest(dataset: object, count: int, seed: int = 0) -> str:
     """
     digest = hashlib.sha256(f"content|{count}|{seed}".encode())
     for i in sampled_indices(len(dataset), count, seed).tolist():
-        sample = dataset[i]
+        sample = dataset[i] if read is None else read(dataset, i)  # type: ignore[index]
         digest.update(f"|{i}".encode())
         for key in ("input_ids", "labels", "loss_mask"):
             if sample.get(key) is not None:

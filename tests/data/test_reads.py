@@ -53,3 +53,15 @@ def test_an_exception_whose_type_takes_no_message_is_wrapped_naming_the_index():
 
     with pytest.raises(RuntimeError, match=r"dataset\[17\] \(Failing\) raised TwoArgumentError: shard-3.bin"):
         SeqPackDataModule(source=Failing(broken=False), max_tokens=32).setup("fit")
+
+
+def test_an_exception_in_the_cross_rank_content_digest_names_the_index():
+    """The digest ranks compare before their first epoch reads a few samples again (``content_check_samples``)."""
+    data = Broken(broken=False)
+    dm = SeqPackDataModule(source=data, max_tokens=32, content_check_samples=40)  # every index: 17 among them
+    dm.setup("fit")
+    digest = dm.train_dataloader().batch_sampler.content_digest
+    assert isinstance(digest(), str)
+    data.broken = True
+    with pytest.raises(KeyError, match=r"dataset\[17\] \(Broken\) raised KeyError: 'text'"):
+        digest()

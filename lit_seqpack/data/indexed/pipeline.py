@@ -27,6 +27,7 @@ from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.indexed._changing import check_changing_lengths
 from lit_seqpack.data.indexed._eval_data import eval_sources, eval_split
 from lit_seqpack.data.indexed._loader import ResumableDataLoader
+from lit_seqpack.data.indexed._reads import read_sample
 from lit_seqpack.data.indexed._resume import LOADER_STATE, PLAN_STATE, check_resume, layout_state, plan_settings
 from lit_seqpack.data.indexed.lengths import cached_scan
 from lit_seqpack.data.indexed.planned_dataset import PlannedDataset
@@ -304,7 +305,7 @@ class IndexedPipeline:
         config = settings.plan_config(self.layout, train=train)
         planned = planned_lengths(lengths, settings.document_multiple) if settings.mode == "packing" else lengths
         count = settings.content_check_samples
-        content = functools.partial(content_digest, data, count, settings.seed) if count else None
+        content = functools.partial(content_digest, data, count, settings.seed, read=read_sample) if count else None
         sampler = _SAMPLERS[settings.mode].from_config(
             planned, config, rank=self.layout.rank, loss_tokens=loss_tokens, content_digest=content
         )
