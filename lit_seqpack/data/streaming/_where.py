@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["LocatedReader", "StreamSampleNames", "describe_position"]
+__all__ = ["LocatedReader", "ReadSample", "StreamSampleNames", "describe_position", "stream_sample_name"]
 
 
 class _Located(dict):
@@ -29,16 +29,55 @@ class _Located(dict):
         return located
 
 
+def stream_sample_name(number: int, position: Any, source: Any, share: tuple[int, int] | None = None) -> str:
+    """``stream sample 33, data.jsonl, line 34``: the sample's number, in rank 1's share when ranks read their own
+    shares (``share=(rank, world_size)``, more than one rank), and its place in its file when the source has files.
+
+    Example:
+        >>> stream_sample_name(33, None, object()), stream_sample_name(4, None, object(), share=(1, 2))
+        ('stream sample 33', "sample 4 of rank 1's share of the stream")
+    """
+    where = describe_position(source, position)
+    return _numbered(number, share) + (f", {where}" if where else "")
+
+
+def _numbered(number: int, share: tuple[int, int] | None) -> str:
+    if share is not None and share[1] > 1:
+        return f"sample {number} of rank {share[0]}'s share of the stream"
+    return f"stream sample {number}"
+
+
+class ReadSample:
+    """The name of the sample a :class:`LocatedReader` read last (:func:`stream_sample_name`), worked out only when an
+    error message formats it: the checks right after the read name the sample with it."""
+
+    __slots__ = ("number", "position", "share", "source")
+
+    def __init__(self, source: Any, share: tuple[int, int] | None) -> None:
+        self.source, self.share, self.number, self.position = source, share, 0, None
+
+    def __str__(self) -> str:
+        where = describe_position(self.source, self.position)
+        return _numbered(self.number, self.share) + (f" ({where})" if where else "")
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
 class LocatedReader(Iterator[Mapping[str, Any]]):
     """A stream reader whose samples know their stream number (from ``first``) and position.
 
     Args:
         reader: the source's reader.
         first: the stream number of the reader's next sample.
+        source: the stream (or this rank's share of it) that ``reader`` reads, to name the file of a sample.
+        share: ``(rank, world_size)`` when ``source`` is this rank's share (numbers then count in the share).
     """
 
-    def __init__(self, reader: Any, first: int) -> None:
+    def __init__(self, reader: Any, first: int, *, source: Any = None, share: tuple[int, int] | None = None) -> None:
         self._reader, self._number = reader, first
+        self.last = ReadSample(source, share)
+        """The name of the sample read last (updated at every read, not a new object: a read costs microseconds)."""
 
     @property
     def position(self) -> Any:
@@ -50,6 +89,7 @@ class LocatedReader(Iterator[Mapping[str, Any]]):
             position = tuple(position)
         sample = next(self._reader)
         number, self._number = self._number, self._number + 1
+        self.last.number, self.last.position = number, position
         if type(sample) is not dict:
             return sample
         located = _Located(sample)
@@ -90,10 +130,11 @@ class StreamSampleNames(Sequence[int]):
     Args:
         samples: the microbatch's samples (tagged by :class:`LocatedReader`, or not when carried in by a resume).
         source: the stream source (its ``files`` name the file).
+        share: ``(rank, world_size)`` when ``source`` is this rank's share of the stream.
     """
 
-    def __init__(self, samples: Sequence[Mapping[str, Any]], source: Any) -> None:
-        self._samples, self._source = list(samples), source
+    def __init__(self, samples: Sequence[Mapping[str, Any]], source: Any, share: tuple[int, int] | None = None) -> None:
+        self._samples, self._source, self._share = list(samples), source, share
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -109,5 +150,4 @@ class StreamSampleNames(Sequence[int]):
         number = getattr(sample, "number", None)
         if number is None:
             return "a stream sample carried over from before the resume"
-        where = describe_position(self._source, getattr(sample, "position", None))
-        return f"stream sample {number}" + (f", {where}" if where else "")
+        return stream_sample_name(number, getattr(sample, "position", None), self._source, self._share)

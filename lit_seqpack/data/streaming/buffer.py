@@ -56,17 +56,25 @@ class OverlongCounter:
     tokens_cut: int = 0
     shown: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
-    def admit(self, number: int, sample: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        """The sample under the policy (``None``: dropped); raises under ``"error"`` for an over-long sample."""
+    def admit(self, number: int, sample: Mapping[str, Any], name: object = None) -> Mapping[str, Any] | None:
+        """The sample under the policy (``None``: dropped); raises under ``"error"`` for an over-long sample.
+
+        Args:
+            number: the sample's number in the stream (what the report lists).
+            sample: the sample read.
+            name: what an error calls the sample (default ``sample <number> of the stream``).
+        """
         length = len(sample["input_ids"])
+        if name is None:
+            name = f"sample {number} of the stream"
         if length == 0:
-            raise ValueError(f"sample {number} of the stream has no token: input_ids must hold at least one token")
+            raise ValueError(f"{name} has no token: input_ids must hold at least one token")
         self.num_samples += 1
         if length <= self.max_tokens:
             return sample
         if self.policy == "error":
             raise ValueError(
-                f"sample {number} of the stream has {length} tokens, more than max_tokens={self.max_tokens}; "
+                f"{name} has {length} tokens, more than max_tokens={self.max_tokens}; "
                 "raise max_tokens, or set overlong='truncate' or overlong='drop'"
             )
         self.num_overlong += 1
@@ -80,7 +88,7 @@ class OverlongCounter:
         for key in cut:
             if sample.get(key) is not None and len(sample[key]) != length:
                 raise ValueError(
-                    f"sample {number} of the stream: {key} has {len(sample[key])} entries but input_ids has {length} "
+                    f"{name}: {key} has {len(sample[key])} entries but input_ids has {length} "
                     f"tokens (before overlong='truncate' cuts both to max_tokens={self.max_tokens})"
                 )
         truncated = {k: v[: self.max_tokens] if k in cut and v is not None else v for k, v in sample.items()}
@@ -202,6 +210,7 @@ def stream_windows(
     seed = packer_seed(config, epoch)
     pending: list[Mapping[str, Any]] = []  # read ahead for the next window
     mark = (getattr(reader, "position", None), number, None if counter is None else counter.state())
+    last = getattr(reader, "last", None)
 
     def read(into: list[Mapping[str, Any]], size: int) -> bool:
         """Read into ``into`` until it holds ``size`` samples; ``False`` when the stream ends first."""
@@ -210,8 +219,9 @@ def stream_windows(
             sample = next(reader, None)
             if sample is None:
                 return False
-            sample = token_arrays(sample, f"sample {number} of the stream")  # converted once, not at every use
-            kept = sample if counter is None else counter.admit(number, sample)
+            name = f"sample {number} of the stream" if last is None else last  # a LocatedReader names its file
+            sample = token_arrays(sample, name)  # converted once, not at every use
+            kept = sample if counter is None else counter.admit(number, sample, name)
             number += 1
             if kept is not None:
                 into.append(kept)

@@ -165,7 +165,12 @@ class StreamingDataset(IterableDataset):
         if record is not None:
             numbers = (record["window"], record["first_sample"], record["first_microbatch"], record["first_step"])
         return stream_windows(
-            LocatedReader(self.source.open(None if record is None else record["start"]), numbers[1]),
+            LocatedReader(
+                self.source.open(None if record is None else record["start"]),
+                numbers[1],
+                source=self.source,
+                share=self.data_parallel,
+            ),
             config=self.config,
             window_size=self.window_size,
             epoch=self.start.epoch,
@@ -203,7 +208,7 @@ class StreamingDataset(IterableDataset):
             loss_tokens=int(window.loss_tokens[planned.indices].sum()) if planned.indices else 0,
         )
         samples = [window.samples[i] for i in planned.indices]
-        names = StreamSampleNames(samples, self.source)
+        names = StreamSampleNames(samples, self.source, self.data_parallel)
         batch = self.collator(Microbatch(samples, meta=meta, indices=names))
         top_id = int(batch["input_ids"].numpy().max()) if self.vocab_size is not None and planned.indices else 0
         if self.vocab_size is not None and top_id >= self.vocab_size:  # numpy: a torch max costs more here

@@ -228,7 +228,7 @@ def test_a_token_field_of_another_length_than_the_tokens_is_refused_before_the_c
 
     module = _module(source=GeneratorStream(samples, vocab_size=script.VOCAB), overlong="truncate",
                      token_fields={"score": 0.0})  # fmt: skip
-    with pytest.raises(ValueError, match="sample 0 of the stream: score has 300 entries but input_ids has 200"):
+    with pytest.raises(ValueError, match="stream sample 0: score has 300 entries but input_ids has 200"):
         next(iter(module.train_dataloader()))
 
 

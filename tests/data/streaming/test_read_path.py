@@ -55,16 +55,16 @@ def test_a_checkpointed_stream_state_with_carried_samples_loads_weights_only(tmp
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
-        ({"input_ids": [5, True, 7]}, "sample 3 of the stream: input_ids must hold integers, found a bool"),
-        ({"input_ids": [5, 6], "labels": [5, 6.5]}, "sample 3 of the stream: labels must hold integers, got dtype"),
-        ({"input_ids": [[5, 6]]}, r"sample 3 of the stream: input_ids must be 1-D, got shape \(1, 2\)"),
-        ({"input_ids": [5, 2**70]}, "sample 3 of the stream: input_ids is not a sequence of integers"),
+        ({"input_ids": [5, True, 7]}, "input_ids must hold integers, found a bool"),
+        ({"input_ids": [5, 6], "labels": [5, 6.5]}, "labels must hold integers, got dtype"),
+        ({"input_ids": [[5, 6]]}, r"input_ids must be 1-D, got shape \(1, 2\)"),
+        ({"input_ids": [5, 2**70]}, "input_ids is not a sequence of integers"),
     ],
 )
 def test_a_bad_token_list_is_refused_naming_the_stream_sample(tmp_path: Path, bad: dict, message: str) -> None:
     path = _write(tmp_path / "data.jsonl", [*_samples(3), bad, *_samples(2)])
     module = SeqPackDataModule(source=JsonlStream(path), window=50, max_tokens=128, num_workers=0)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=r"stream sample 3 \(\S*data\.jsonl, line 4\): " + message):
         list(module.train_dataloader())
 
 

@@ -102,3 +102,22 @@ def test_good_samples_are_never_located_in_their_file(tmp_path, monkeypatch):
     monkeypatch.setattr(_where, "describe_position", lambda *args: located.append(args))
     _read_all(_source(tmp_path, "jsonl", bad_id=7))
     assert located == []
+
+
+@pytest.mark.parametrize("bad", ["negative", "overlong"])
+def test_a_bad_sample_in_a_ranks_share_names_the_share_and_its_true_line(tmp_path, bad):
+    """Under stream_split="rank" a sample's number counts in its rank's share; the file and line are the stream's."""
+    records = [{"input_ids": [1 + i % 5] * (2 + i % 4)} for i in range(40)]
+    records[33] = {"input_ids": [3, -1, 4]} if bad == "negative" else {"input_ids": [3] * 20}
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    share = JsonlStream(str(path)).split(1, 2)
+    config = PlanConfig(mode="packing", max_tokens=16, shuffle=False)
+    dataset = StreamingDataset(
+        share, config=config, rank=0, window_size=50, collator=PackedCollator(), data_parallel=(1, 2)
+    )
+    number = 33 - sum(1 for _ in JsonlStream(str(path)).split(0, 2).open())  # rank 0's share comes first
+    where = rf"sample {number} of rank 1's share of the stream,? \(?\S*d\.jsonl, line 34"
+    problem = "input_ids must be >= 0" if bad == "negative" else "has 20 tokens, more than max_tokens=16"
+    with pytest.raises(ValueError, match=rf"{where}\)?:? {problem}"):
+        list(dataset)
