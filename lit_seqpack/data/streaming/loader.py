@@ -112,7 +112,9 @@ class StreamingDataLoader(DataLoader):
             yield from self._lock_step(start)
         report = self.overlong_report
         if report is not None and report.num_overlong:
-            log.warning("lit_seqpack: stream epoch %d: %s", self._epoch, report.summary())
+            share = self.dataset.data_parallel  # the report counts this rank's share; its numbers count in the share
+            whose = f", rank {share[0]}'s share" if share is not None and share[1] > 1 else ""
+            log.warning("lit_seqpack: stream epoch %d%s: %s", self._epoch, whose, report.summary())
         self._epoch, self._yielded = self._epoch + 1, 0
         self._windows.clear()
 

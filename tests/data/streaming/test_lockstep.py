@@ -227,3 +227,32 @@ def test_values_holding_arrays_are_compared_without_an_ambiguous_truth_value() -
     other = {"window": 0, "carried": [{"input_ids": np.arange(4)}]}
     with pytest.raises(RuntimeError, match="read different stream shares"):
         _data_parallel([(0, record), (0, other)], world_size=1)
+
+
+def test_the_over_long_summary_of_a_share_says_which_rank_it_counts(caplog: pytest.LogCaptureFixture) -> None:
+    """Each rank counts the over-long samples of its own share, numbered in the share: the epoch's log says whose."""
+    shares = [list(range(0, 40)), list(range(40, 80))]
+
+    def task(rank: int, gather: ThreadGather) -> list[Any]:
+        source = Shares(shares).split(rank, 2)
+
+        def samples() -> Any:
+            return ({**s, "input_ids": [1] * 300} if s["index"] == 50 else s for s in source.open())
+
+        long = GeneratorStream(samples)
+        dataset = StreamingDataset(
+            long,
+            config=PlanConfig(mode="packing", max_tokens=MAX_TOKENS),
+            rank=0,
+            window_size=16,
+            collator=_collate,
+            overlong="truncate",
+            data_parallel=(rank, 2),
+        )
+        return list(StreamingDataLoader(dataset, gather=gather.of(rank)))
+
+    with caplog.at_level("WARNING", logger="lit_seqpack.data.streaming.loader"):
+        _run(2, task)
+    summaries = [r.getMessage() for r in caplog.records if "longer than max_tokens" in r.getMessage()]
+    assert summaries == ["lit_seqpack: stream epoch 0, rank 1's share: 1 of 40 samples are longer than max_tokens=256 "
+                         "(first: #10: 300); overlong='truncate' cut 1 samples (44 tokens)"]  # fmt: skip
