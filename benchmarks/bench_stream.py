@@ -51,7 +51,7 @@ import numpy as np
 from _common import machine_summary, markdown_table
 
 from lit_seqpack import SeqPackDataModule
-from lit_seqpack.data.sources import JsonlStream, SyntheticStream
+from lit_seqpack.data.sources import JsonlStream, ParquetStream, SyntheticStream
 from lit_seqpack.data.streaming import OverlongCounter, stream_windows
 from lit_seqpack.planning.plan import PlanConfig, build_plan
 
@@ -174,6 +174,14 @@ def read_path_table(args: argparse.Namespace) -> str:
             module = SeqPackDataModule(source=JsonlStream(path, vocab_size=512), window=1_000, **settings)
             return sum(int(batch["num_documents"]) for batch in module.train_dataloader())
 
+        def parquet_reader() -> int:
+            return sum(1 for _ in ParquetStream(parquet).open())
+
+        def parquet_loader() -> int:
+            settings = {"max_tokens": args.max_tokens, "algorithm": "best_fit_decreasing", "num_workers": 0, "seed": 0}
+            module = SeqPackDataModule(source=ParquetStream(parquet, vocab_size=512), window=1_000, **settings)
+            return sum(int(batch["num_documents"]) for batch in module.train_dataloader())
+
         config = PlanConfig(mode="packing", max_tokens=args.max_tokens, algorithm="best_fit_decreasing", seed=0)
         stages = {
             "json.loads of each line (floor)": floor,
@@ -181,6 +189,9 @@ def read_path_table(args: argparse.Namespace) -> str:
             "reader + windows (checked, planned)": windows,
             "stream loader (collated microbatches)": loader,
         }
+        parquet = f"{folder}/stream.parquet"
+        if _write_parquet(path, parquet):  # the same rows, row groups of 2,000
+            stages |= {"ParquetStream reader (same rows)": parquet_reader, "Parquet stream loader": parquet_loader}
         best = dict.fromkeys(stages, float("inf"))
         for _ in range(args.repeats):  # interleaved, so a busy machine slows every stage alike
             for name, stage in stages.items():
@@ -195,6 +206,19 @@ def read_path_table(args: argparse.Namespace) -> str:
         f"best of {args.repeats}"
     )
     return f"{title}\n\n{markdown_table(['stage', 'CPU us / sample', 'x floor'], rows)}"
+
+
+def _write_parquet(jsonl: str, path: str) -> bool:
+    """The rows of ``jsonl`` as a Parquet file (row groups of 2,000); ``False`` without pyarrow."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return False
+    with open(jsonl, "rb") as lines:
+        rows = [json.loads(line) for line in lines]
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=2_000)
+    return True
 
 
 def _write_shards(args: argparse.Namespace, folder: Path) -> list[int]:

@@ -259,6 +259,8 @@ def test_bench_stream_prints_the_packing_loader_read_path_and_ranks_tables():
         "JsonlStream reader",
         "reader + windows (checked, planned)",
         "stream loader (collated microbatches)",
+        "ParquetStream reader (same rows)",
+        "Parquet stream loader",
     ]
     assert float(read_path[1][2]) == 1.0 and all(float(row[1]) > 0 for row in read_path[1:])
     assert [row[:2] for row in ranks[1:]] == [["2", "replicate"], ["2", "rank"], ["3 (threads)", "rank"]]

@@ -210,7 +210,7 @@ class _ParquetReader(StreamReader):
                     if group >= handle.num_row_groups:
                         self._rows, self.position = None, [file + 1, 0, 0]
                         continue
-                    self._rows = handle.read_row_group(group).to_pylist()  # one row group in memory at a time
+                    self._rows = _row_group_samples(handle.read_row_group(group))  # one row group in memory
                 except (require("pyarrow", purpose="streaming Parquet files").ArrowException, OSError) as err:
                     raise ValueError(
                         f"{self._files[file]}: not a readable Parquet file (row group {group}; "
@@ -221,6 +221,46 @@ class _ParquetReader(StreamReader):
                 continue
             self.position = [file, group, row + 1]
             return self._rows[row]
+
+
+def _row_group_samples(table: Any) -> list[Sample]:
+    """The rows of one Parquet row group as samples, with each integer token list column as int64 array views.
+
+    ``to_pylist`` turns every token into a Python int that the stream then converts back; a column of integer lists
+    without nulls is converted once, as a whole (each row's array a view of the column's one owned array, which
+    holds nothing the garbage collector walks). Any other column, or a token column with nulls, bools, floats or
+    ``uint64`` ids, is read as lists for the stream's checks to refuse by name.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> rows = _row_group_samples(pa.table({"input_ids": [[5, 6], [7]], "score": [[0.5], [1.0]]}))
+        >>> rows[1]["input_ids"], rows[1]["score"]
+        (array([7]), [1.0])
+    """
+    tokens = {key: arrays for key in _TOKEN_KEYS if key in table.column_names and (arrays := _int_lists(table[key]))}
+    rows = table.drop_columns(list(tokens)).to_pylist() if tokens else table.to_pylist()
+    for key, arrays in tokens.items():
+        for row, array in zip(rows, arrays, strict=True):
+            row[key] = array
+    return rows
+
+
+def _int_lists(column: Any) -> list[np.ndarray] | None:
+    """Each row's int64 array of a column of integer lists without nulls (``None``: read the column as lists)."""
+    pa = require("pyarrow", purpose="streaming Parquet files")
+    kind = column.type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or len(column) == 0:
+        return None
+    if not pa.types.is_integer(kind.value_type) or kind.value_type == pa.uint64():  # uint64 may not fit int64
+        return None
+    lists = column.combine_chunks()
+    values = lists.flatten()  # the rows' values, whatever the array's slice offset
+    if lists.null_count or values.null_count:
+        return None
+    tokens = np.array(values.to_numpy(), dtype=np.int64)  # owned and writable, as a JSONL line's arrays
+    ends = np.cumsum(require("pyarrow.compute", purpose="streaming Parquet files").list_value_length(lists))
+    starts = np.concatenate(([0], ends[:-1]))
+    return [tokens[start:end] for start, end in zip(starts.tolist(), ends.tolist(), strict=True)]
 
 
 class ParquetStream:

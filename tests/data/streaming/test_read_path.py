@@ -13,7 +13,7 @@ import torch
 
 from lit_seqpack import SeqPackDataModule
 from lit_seqpack.data.batching._samples import sample_loss_tokens, window_loss_tokens
-from lit_seqpack.data.sources import JsonlStream
+from lit_seqpack.data.sources import JsonlStream, ParquetStream
 from lit_seqpack.data.streaming._where import LocatedReader
 
 
@@ -133,17 +133,7 @@ def test_the_two_token_arrays_of_a_line_are_independent_and_hold_nothing_the_gar
     sample = next(LocatedReader(JsonlStream(path).open(), 0))
     sample["input_ids"][0] = 9  # writable, and not shared with the labels
     assert sample["input_ids"].tolist() == [9, 6, 7] and sample["labels"].tolist() == [-100, 6, 7]
-    gc.collect()  # untracks the tuples of plain numbers (the sample's position)
-    reachable, tracked, todo = set(), [], [sample]
-    while todo:
-        item = todo.pop()
-        if id(item) in reachable:
-            continue
-        reachable.add(id(item))
-        tracked += [item] if gc.is_tracked(item) else []
-        todo += [x for x in gc.get_referents(item) if not isinstance(x, type)]
-        todo += [item.base] if isinstance(item, np.ndarray) and item.base is not None else []  # not a referent
-    assert tracked == [sample], [type(x).__name__ for x in tracked]
+    _assert_only_the_sample_is_tracked(sample)
 
 
 def test_a_bool_elsewhere_on_a_line_keeps_its_tokens_checked_the_slow_way_and_trained_alike(tmp_path: Path) -> None:
@@ -156,3 +146,75 @@ def test_a_bool_elsewhere_on_a_line_keeps_its_tokens_checked_the_slow_way_and_tr
         for path in (_write(tmp_path / "plain.jsonl", plain), _write(tmp_path / "flagged.jsonl", flagged))
     ]
     assert batches[0] == batches[1] and batches[0]
+
+
+def _parquet_rows(tmp_path: Path, columns: dict, row_group_size: int = 2) -> list[dict]:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table(columns), tmp_path / "d.parquet", row_group_size=row_group_size)
+    return list(ParquetStream(str(tmp_path / "d.parquet")).open())
+
+
+@pytest.mark.parametrize("value_type", ["int64", "int32", "uint8", "large_list"])
+def test_the_parquet_reader_hands_on_integer_list_columns_as_writable_int64_arrays(
+    tmp_path: Path, value_type: str
+) -> None:
+    pa = pytest.importorskip("pyarrow")
+    ids, labels = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14], [15]], [[-100, 6, 7], [8], [9, -100], [1, 2, 3, 4], [0]]
+    if value_type == "large_list":
+        kind = pa.large_list(pa.int64())
+    else:
+        kind = pa.list_(getattr(pa, value_type)())
+        labels = labels if value_type != "uint8" else [[max(x, 0) for x in row] for row in labels]
+    rows = _parquet_rows(tmp_path, {"input_ids": pa.array(ids, kind), "labels": pa.array(labels, kind), "n": range(5)})
+    for row, want_ids, want_labels, n in zip(rows, ids, labels, range(5), strict=True):
+        for key, want in (("input_ids", want_ids), ("labels", want_labels)):
+            assert type(row[key]) is np.ndarray and row[key].dtype == np.int64 and row[key].flags.writeable
+            assert row[key].tolist() == want
+        assert row["n"] == n
+    rows[0]["input_ids"][-1] = 99  # a view of its row group's array: only its own tokens
+    assert rows[1]["input_ids"].tolist() == [8]
+    _assert_only_the_sample_is_tracked(rows[2])
+
+
+@pytest.mark.parametrize(
+    "column",
+    [[[5, 6], [7.5]], [[True, False], [True]], [[5, 6], None], [[5, None], [7]], [[5, 6], [2**64 - 1]]],
+    ids=["float", "bool", "null list", "null id", "uint64"],
+)
+def test_the_parquet_reader_reads_other_token_columns_as_lists_for_the_checks(tmp_path: Path, column: list) -> None:
+    pa = pytest.importorskip("pyarrow")
+    typed = pa.array(column, pa.list_(pa.uint64())) if column[-1] == [2**64 - 1] else column
+    rows = _parquet_rows(tmp_path, {"input_ids": typed})
+    assert [row["input_ids"] for row in rows] == column
+
+
+def _assert_only_the_sample_is_tracked(sample: dict) -> None:
+    gc.collect()  # untracks the tuples of plain numbers (a sample's position)
+    reachable, tracked, todo = set(), [], [sample]
+    while todo:
+        item = todo.pop()
+        if id(item) in reachable:
+            continue
+        reachable.add(id(item))
+        tracked += [item] if gc.is_tracked(item) else []
+        todo += [x for x in gc.get_referents(item) if not isinstance(x, type)]
+        todo += [item.base] if isinstance(item, np.ndarray) and item.base is not None else []  # not a referent
+    assert [type(x).__name__ for x in tracked if x is not sample] == []  # a plain dict of arrays is not tracked either
+
+
+def test_a_parquet_stream_trains_the_same_batches_as_the_jsonl_stream_of_its_rows(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    samples = _samples(300)
+    columns = {key: [s[key] for s in samples] for key in ("input_ids", "labels")}
+    pq.write_table(pa.table(columns), tmp_path / "d.parquet", row_group_size=37)
+    settings = {"window": 50, "max_tokens": 128, "num_workers": 0}
+    batches = [
+        [{k: v.tolist() for k, v in b.items() if hasattr(v, "tolist")} for b in module.train_dataloader()]
+        for module in (
+            SeqPackDataModule(source=JsonlStream(_write(tmp_path / "d.jsonl", samples)), **settings),
+            SeqPackDataModule(source=ParquetStream(str(tmp_path / "d.parquet")), **settings),
+        )
+    ]
+    assert batches[0] == batches[1] and len(batches[0]) > 10
