@@ -4,6 +4,7 @@ step of a clipped policy loss equals one big padded batch, through Lightning's D
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lit_seqpack.rl import RolloutPlanner
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
+from tests._ranks import free_port, join_ranks
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
 from tests.rl._policies import AutomaticPolicy, ManualPolicy, RolloutBatches, one_item_loader, prefixed
 from tests.rl._rollouts import (
@@ -85,11 +87,12 @@ def test_gathered_logprobs_equal_each_sample_alone_on_two_ranks(tmp_path: Path) 
                 torch.testing.assert_close(gathered[index], want, rtol=0, atol=1e-5, msg=f"{case} sample {index}")
 
 
-def _ddp_trainer(use_distributed_sampler: bool = False, **kwargs) -> Trainer:
+def _ddp_trainer(use_distributed_sampler: bool = False, *, spawn: bool = True, **kwargs) -> Trainer:
+    """A 2-rank DDP Trainer for one optimizer step; ``spawn=False`` in a process that already is a rank."""
     return Trainer(
         accelerator="cpu",
         devices=WORLD,
-        strategy=DDPStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT),
+        strategy=DDPStrategy(start_method="spawn" if spawn else "popen", timeout=COLLECTIVE_TIMEOUT),
         precision="32-true",
         max_steps=1,
         use_distributed_sampler=use_distributed_sampler,
@@ -101,21 +104,17 @@ def _ddp_trainer(use_distributed_sampler: bool = False, **kwargs) -> Trainer:
     )
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(TEST_TIMEOUT_S)
-@pytest.mark.parametrize(
-    ("normalize", "mode", "weight_field", "silent"),
-    [
-        ("token", "packing", None, []),
-        ("group", "dynamic", None, []),
-        ("token", "packing", "weights", []),
-        ("sequence", "packing", None, [0, 1, 5, 9]),  # samples without a loss: truncated completions
-        ("group", "dynamic", "weights", [2, 3, 6]),  # all-zero weights: group 1 (samples 2, 3) has none at all
-    ],
-)
-def test_automatic_ddp_step_equals_the_big_padded_batch(
-    normalize: str, mode: str, weight_field: str | None, silent: list[int], tmp_path: Path
-) -> None:
+AUTOMATIC_CASES = [  # (normalize, mode, weight_field, silent samples)
+    ("token", "packing", None, []),
+    ("group", "dynamic", None, []),
+    ("token", "packing", "weights", []),
+    ("sequence", "packing", None, [0, 1, 5, 9]),  # samples without a loss: truncated completions
+    ("group", "dynamic", "weights", [2, 3, 6]),  # all-zero weights: group 1 (samples 2, 3) has none at all
+]
+
+
+def _automatic_case(normalize: str, mode: str, weight_field: str | None, silent: list[int]) -> tuple[Any, Any, dict]:
+    """The seeded policy, the rollout (``silent`` samples without a loss) and the planner's arguments of a case."""
     _, rollout = _policy_rollout()
     kwargs = {"train_max_tokens": 48, "mode": mode, "accumulate_grad_batches": 4, "loss_weight_field": weight_field}
     if weight_field is not None:
@@ -126,30 +125,73 @@ def test_automatic_ddp_step_equals_the_big_padded_batch(
     else:
         rollout = without_loss(rollout, silent)
     torch.manual_seed(0)
-    module = AutomaticPolicy(normalize)
-    samples = [list(range(len(rollout)))]
-    expected = padded_reference_gradients(module, rollout, samples, normalize, weight_field)
-    path = tmp_path / "grads.pt"
-    _ddp_trainer(accumulate_grad_batches=4, callbacks=[GradientCapture(str(path))]).fit(
-        module, datamodule=RolloutBatches(rollout, kwargs)
-    )
-    assert_gradients_match(torch.load(path), prefixed(expected), rtol=1e-5)
+    return AutomaticPolicy(normalize), rollout, kwargs
+
+
+MANUAL_KWARGS = {"train_max_tokens": 40, "mode": "packing", "steps_per_rollout": 2}
+MANUAL_NORMALIZATIONS = ["token", "sequence", "group"]
+
+
+def _manual_policy(save_dir: str | None = None) -> tuple[ManualPolicy, Any]:
+    """The seeded manual policy (every normalisation, the optimizer never steps) and its rollout."""
+    _, rollout = _policy_rollout()
+    torch.manual_seed(0)
+    return ManualPolicy(MANUAL_NORMALIZATIONS, rollout, MANUAL_KWARGS, save_dir=save_dir), rollout
+
+
+def _steps_worker(rank: int, port: int, out_dir: str) -> None:
+    """Every automatic case, then the manual policy, on one pair of ranks, one Trainer after the other: rank 0's
+    gradients of automatic case ``i`` before its optimizer step go to ``grads{i}.pt``, each rank's manual step
+    gradients to ``manual{rank}.pt``."""
+    join_ranks(rank, WORLD, port)
+    for index, case in enumerate(AUTOMATIC_CASES):
+        module, rollout, kwargs = _automatic_case(*case)
+        capture = GradientCapture(str(Path(out_dir, f"grads{index}.pt")))
+        try:
+            trainer = _ddp_trainer(spawn=False, accumulate_grad_batches=4, callbacks=[capture])
+            trainer.fit(module, datamodule=RolloutBatches(rollout, kwargs))
+        except Exception as err:
+            raise RuntimeError(f"rank {rank}, automatic case {case}: {err}") from err
+    module, _ = _manual_policy(save_dir=out_dir)
+    try:
+        _ddp_trainer(spawn=False, max_epochs=1).fit(
+            module, one_item_loader()
+        )  # no optimizer step: max_steps never counts
+    except Exception as err:
+        raise RuntimeError(f"rank {rank}, the manual policy: {err}") from err
+
+
+@pytest.fixture(scope="module")
+def ddp_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the gradients of every automatic case and of the manual policy (one spawned pair of ranks for
+    all of them: ~7 s of start-up each)."""
+    out = tmp_path_factory.mktemp("ddp_steps")
+    mp.spawn(_steps_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_manual_ddp_steps_equal_the_big_padded_batch_for_every_normalisation(tmp_path: Path) -> None:
-    _, rollout = _policy_rollout()
-    kwargs = {"train_max_tokens": 40, "mode": "packing", "steps_per_rollout": 2}
-    normalizations = ["token", "sequence", "group"]
-    torch.manual_seed(0)
-    module = ManualPolicy(normalizations, rollout, kwargs, save_dir=str(tmp_path))
-    plan = RolloutPlanner(**kwargs, world_size=WORLD, rank=0).plan(rollout)
+@pytest.mark.parametrize(("normalize", "mode", "weight_field", "silent"), AUTOMATIC_CASES)
+def test_automatic_ddp_step_equals_the_big_padded_batch(
+    normalize: str, mode: str, weight_field: str | None, silent: list[int], ddp_steps: Path
+) -> None:
+    case = (normalize, mode, weight_field, silent)
+    module, rollout, _ = _automatic_case(*case)
+    expected = padded_reference_gradients(module, rollout, [list(range(len(rollout)))], normalize, weight_field)
+    grads = torch.load(ddp_steps / f"grads{AUTOMATIC_CASES.index(case)}.pt")
+    assert_gradients_match(grads, prefixed(expected), rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_manual_ddp_steps_equal_the_big_padded_batch_for_every_normalisation(ddp_steps: Path) -> None:
+    module, rollout = _manual_policy()  # the ranks' weights: their optimizer never steps
+    plan = RolloutPlanner(**MANUAL_KWARGS, world_size=WORLD, rank=0).plan(rollout)
     steps = [sorted(i for rank in step for mb in rank for i in mb) for step in plan.microbatches]
-    _ddp_trainer(max_epochs=1).fit(module, one_item_loader())  # no optimizer step: max_steps never counts
-    saved = [torch.load(tmp_path / f"manual{rank}.pt") for rank in range(WORLD)]
-    assert len(saved[0]) == len(saved[1]) == 2 * len(normalizations)
-    for k, normalize in enumerate(normalizations):
+    saved = [torch.load(ddp_steps / f"manual{rank}.pt") for rank in range(WORLD)]
+    assert len(saved[0]) == len(saved[1]) == 2 * len(MANUAL_NORMALIZATIONS)
+    for k, normalize in enumerate(MANUAL_NORMALIZATIONS):
         for s, samples in enumerate(steps):
             expected = padded_reference_gradients(module, rollout, [samples], normalize)
             for rank in range(WORLD):
