@@ -33,44 +33,58 @@ WORLD = 2
 CASES = [("packing", "longest"), ("packing", "larger"), ("dynamic", "longest"), ("dynamic", "larger")]
 
 
-def _logprob_worker(rank: int, init_file: str, out_dir: str) -> None:
+def _planner_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """The planner's collectives on one pair of ranks: the gathered log-probs, then the rollout checks."""
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
     )
     try:
-        module, rollout = make_policy("reference"), make_rollout(count=11, seed=7)
-        longest = int(rollout.lengths.max())
-        results = {}
-        for mode, budget in CASES:
-            planner = RolloutPlanner(train_max_tokens=longest if budget == "longest" else 3 * longest, mode=mode)
-            assert planner.world == (WORLD, rank)  # from torch.distributed
-            mine = [b["sample_indices"] for b in planner.logprob_microbatches(rollout)]
-            local = planner.compute_per_token(policy_logprobs(module), rollout)
-            gathered = planner.compute_per_token(policy_logprobs(module), rollout, gather=True)
-            results[(mode, budget)] = {"microbatches": mine, "local": local, "gathered": gathered}
-        other = make_rollout(count=11, seed=7 + rank)  # each rank a different rollout: refused, not mixed
-        forwards = []
-
-        def counted(batch):
-            forwards.append(batch["sample_indices"])
-            return policy_logprobs(module)(batch)
-
-        try:
-            planner.compute_per_token(counted, other, gather=True)
-            results["mismatch"] = "no error"
-        except RuntimeError as err:
-            results["mismatch"] = str(err)
-        results["forwards_before_the_error"] = len(forwards)
-        torch.save(results, Path(out_dir, f"logprobs{rank}.pt"))
+        _logprobs(rank, out_dir)
+        _rollout_checks(rank, out_dir)
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def planner_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of :func:`_planner_worker`'s results (``logprobs{rank}.pt``, ``check{rank}.pt``)."""
+    out = tmp_path_factory.mktemp("planner")
+    mp.spawn(_planner_worker, args=(str(out / "init"), str(out)), nprocs=WORLD, join=True)
+    return out
+
+
+def _logprobs(rank: int, out_dir: str) -> None:
+    """Each case's local and gathered log-probs, then a gathered pass over another rollout (``logprobs{rank}.pt``)."""
+    module, rollout = make_policy("reference"), make_rollout(count=11, seed=7)
+    longest = int(rollout.lengths.max())
+    results = {}
+    for mode, budget in CASES:
+        planner = RolloutPlanner(train_max_tokens=longest if budget == "longest" else 3 * longest, mode=mode)
+        assert planner.world == (WORLD, rank)  # from torch.distributed
+        mine = [b["sample_indices"] for b in planner.logprob_microbatches(rollout)]
+        local = planner.compute_per_token(policy_logprobs(module), rollout)
+        gathered = planner.compute_per_token(policy_logprobs(module), rollout, gather=True)
+        results[(mode, budget)] = {"microbatches": mine, "local": local, "gathered": gathered}
+    other = make_rollout(count=11, seed=7 + rank)  # each rank a different rollout: refused, not mixed
+    forwards = []
+
+    def counted(batch):
+        forwards.append(batch["sample_indices"])
+        return policy_logprobs(module)(batch)
+
+    try:
+        planner.compute_per_token(counted, other, gather=True)
+        results["mismatch"] = "no error"
+    except RuntimeError as err:
+        results["mismatch"] = str(err)
+    results["forwards_before_the_error"] = len(forwards)
+    torch.save(results, Path(out_dir, f"logprobs{rank}.pt"))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_gathered_logprobs_equal_each_sample_alone_on_two_ranks(tmp_path: Path) -> None:
-    mp.spawn(_logprob_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
-    results = [torch.load(tmp_path / f"logprobs{rank}.pt") for rank in range(WORLD)]
+def test_gathered_logprobs_equal_each_sample_alone_on_two_ranks(planner_runs: Path) -> None:
+    results = [torch.load(planner_runs / f"logprobs{rank}.pt") for rank in range(WORLD)]
     module, rollout = make_policy("reference"), make_rollout(count=11, seed=7)
     expected = alone_logprobs(module, rollout)
     assert all("the ranks planned different rollouts" in results[rank]["mismatch"] for rank in range(WORLD))
@@ -198,36 +212,30 @@ def test_manual_ddp_steps_equal_the_big_padded_batch_for_every_normalisation(ddp
                 assert_gradients_match(saved[rank][2 * k + s], prefixed(expected), rtol=1e-5)
 
 
-def _check_worker(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
-    )
-    try:
-        same, other = make_rollout(count=8, seed=3), make_rollout(count=8, seed=3 + rank)
-        results = {"same": len(list(RolloutPlanner(train_max_tokens=64).train_microbatches(same)))}
-        for name, planner in (
-            ("train", RolloutPlanner(train_max_tokens=64)),
-            ("logprob", RolloutPlanner(train_max_tokens=64, check_rollout=True)),
-        ):
-            batches = planner.train_microbatches if name == "train" else planner.logprob_microbatches
-            try:
-                next(batches(other))
-                results[name] = "no error"
-            except RuntimeError as err:
-                results[name] = str(err)
-        unchecked = RolloutPlanner(train_max_tokens=64, check_rollout=False)
-        results["unchecked"] = len(list(unchecked.train_microbatches(other)))  # the opt-out: no collective
-        dist.barrier()  # every rank got here: nobody waits in a check the other skipped
-        torch.save(results, Path(out_dir, f"check{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rollout_checks(rank: int, out_dir: str) -> None:
+    """The planners' outcomes on the same rollout and on a different one on each rank (``check{rank}.pt``)."""
+    same, other = make_rollout(count=8, seed=3), make_rollout(count=8, seed=3 + rank)
+    results = {"same": len(list(RolloutPlanner(train_max_tokens=64).train_microbatches(same)))}
+    for name, planner in (
+        ("train", RolloutPlanner(train_max_tokens=64)),
+        ("logprob", RolloutPlanner(train_max_tokens=64, check_rollout=True)),
+    ):
+        batches = planner.train_microbatches if name == "train" else planner.logprob_microbatches
+        try:
+            next(batches(other))
+            results[name] = "no error"
+        except RuntimeError as err:
+            results[name] = str(err)
+    unchecked = RolloutPlanner(train_max_tokens=64, check_rollout=False)
+    results["unchecked"] = len(list(unchecked.train_microbatches(other)))  # the opt-out: no collective
+    dist.barrier()  # every rank got here: nobody waits in a check the other skipped
+    torch.save(results, Path(out_dir, f"check{rank}.pt"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_different_rollouts_on_two_ranks_raise_on_both(tmp_path: Path) -> None:
-    mp.spawn(_check_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
-    results = [torch.load(tmp_path / f"check{rank}.pt") for rank in range(WORLD)]
+def test_different_rollouts_on_two_ranks_raise_on_both(planner_runs: Path) -> None:
+    results = [torch.load(planner_runs / f"check{rank}.pt") for rank in range(WORLD)]
     for rank in range(WORLD):
         assert results[rank]["same"] > 0 and results[rank]["unchecked"] > 0
         for name in ("train", "logprob"):
