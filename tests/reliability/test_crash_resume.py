@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -26,6 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_seqpack import PackedBatchSampler
 from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S, stages_timeout
+from tests._ranks import free_port
 from tests.reliability import _train_script as script
 
 SCRIPT = Path(script.__file__)
@@ -33,14 +33,8 @@ ROOT = SCRIPT.parents[2]
 KILL_AT = 10  # optimizer steps; checkpoints every 4 steps, so the last one before the kill is step 8 (epoch 1)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start(script: Path, out: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK"):
         env.pop(key, None)
     out.mkdir(parents=True)
