@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from lit_seqpack import PackingMonitor
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
+from tests._ranks import free_port, join_ranks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -184,8 +186,10 @@ def trainer(tmp_path: Path, monitor: PackingMonitor, **kwargs) -> Trainer:
     return Trainer(**(options | kwargs))
 
 
-def read_rows(trainer: Trainer, key: str) -> list[dict[str, float]]:
-    with open(Path(trainer.logger.log_dir, "metrics.csv")) as handle:
+def read_rows(trainer: Trainer | Path, key: str) -> list[dict[str, float]]:
+    """The logged rows holding ``key``, from a Trainer's CSV logger or from its log folder."""
+    log_dir = trainer if isinstance(trainer, Path) else Path(trainer.logger.log_dir)
+    with open(log_dir / "metrics.csv") as handle:
         rows = [row for row in csv.DictReader(handle) if row.get(key)]
     return [{k: float(v) for k, v in row.items() if v != ""} for row in rows]
 
@@ -361,22 +365,41 @@ class RankModule(TinyModule):
         return loader(PACKED if self.global_rank == 0 else PACKED[:2] * 2)
 
 
+def _ddp(**kwargs) -> dict:
+    """The Trainer arguments of a 2-rank DDP fit in a process that already is one of the ranks."""
+    strategy = DDPStrategy(process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    return {"strategy": strategy, "devices": 2, "use_distributed_sampler": False, "enable_progress_bar": False} | kwargs
+
+
+def _ranks_worker(rank: int, port: int, out_dir: str) -> None:
+    """Both 2-rank fits on one pair of ranks, one after the other: ``aggregate/`` logs every 4 steps (CSV, version
+    0), ``checkpoint/`` saves the monitor's state at step 3 (``ckpt/step3.ckpt``)."""
+    join_ranks(rank, 2, port)
+    out = Path(out_dir)
+    seed_everything(0, verbose=False)  # the same weights on both ranks, as ddp_spawn's copies of one module
+    clock = FakeClock()
+    logger = CSVLogger(out / "aggregate", version=0)
+    trainer(out / "aggregate", PackingMonitor(clock=clock), **_ddp(max_steps=4, logger=logger)).fit(RankModule(clock))
+    seed_everything(0, verbose=False)
+    monitor = PackingMonitor(clock=FakeClock())
+    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", filename="step3", every_n_train_steps=3)
+    options = _ddp(max_steps=4, callbacks=[monitor, checkpoint], enable_checkpointing=True)
+    trainer(out / "checkpoint", monitor, **options).fit(RankModule(FakeClock()))
+
+
+@pytest.fixture(scope="module")
+def ranks_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of :func:`_ranks_worker`'s fits (one spawned pair of ranks for both tests)."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    mp.spawn(_ranks_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_two_ranks_log_the_true_aggregate(tmp_path):
-    clock = FakeClock()
-    fit = trainer(
-        tmp_path,
-        PackingMonitor(clock=clock),
-        max_steps=4,
-        strategy=DDPStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT),
-        devices=2,
-        logger=CSVLogger(tmp_path, version=0),  # the main process must find the directory rank 0 wrote
-        use_distributed_sampler=False,
-        enable_progress_bar=False,
-    )
-    fit.fit(RankModule(clock))
-    (row,) = read_rows(fit, "train/padding_ratio")
+def test_two_ranks_log_the_true_aggregate(ranks_runs: Path) -> None:
+    logged = ranks_runs / "aggregate" / "lightning_logs" / "version_0"
+    (row,) = read_rows(logged, "train/padding_ratio")
     # rank 0: 40 real / 56 computed tokens in 4 x 0.5 s; rank 1: 64 real / 64 computed in 4 x 1.0 s
     assert row["train/tokens_per_sec"] == pytest.approx((40 + 64) / 4.0)  # rank 0 x 2 would say 40
     assert row["train/computed_tokens_per_sec"] == pytest.approx((56 + 64) / 4.0)
@@ -385,7 +408,7 @@ def test_two_ranks_log_the_true_aggregate(tmp_path):
     per_step = [16 / 15, 16 / 13, 16 / 8, 16 / 16]  # rank 1's 16 tokens over the mean of each step
     assert row["train/rank_imbalance"] == pytest.approx(sum(per_step) / 4, rel=1e-6)
     assert row["train/rank_imbalance_max"] == pytest.approx(2.0)
-    (val,) = read_rows(fit, "val/padding_ratio")
+    (val,) = read_rows(logged, "val/padding_ratio")
     # rank 0 validates 40 real of 56 tokens, rank 1 48 of 64; 4 batches x 1 s on each rank
     assert val["val/padding_ratio"] == pytest.approx((16 + 16) / 120)
     assert val["val/tokens_per_sec"] == pytest.approx((40 + 48) / 4.0)
@@ -393,23 +416,10 @@ def test_two_ranks_log_the_true_aggregate(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_a_checkpoint_between_log_steps_holds_the_totals_of_both_ranks(tmp_path):
+def test_a_checkpoint_between_log_steps_holds_the_totals_of_both_ranks(ranks_runs: Path) -> None:
     """Saved at step 3 (logs every 4): the state reduces the open window over the ranks (both take part)."""
-    monitor = PackingMonitor(clock=FakeClock())
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="step3", every_n_train_steps=3)
-    fit = trainer(
-        tmp_path,
-        monitor,
-        max_steps=4,
-        callbacks=[monitor, checkpoint],
-        enable_checkpointing=True,
-        strategy=DDPStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT),
-        devices=2,
-        use_distributed_sampler=False,
-        enable_progress_bar=False,
-    )
-    fit.fit(RankModule(FakeClock()))
-    saved = torch.load(tmp_path / "ckpt" / "step3.ckpt", weights_only=False)["callbacks"][monitor.state_key]
+    state_key = PackingMonitor(clock=FakeClock()).state_key  # the ranks' monitor: the same settings
+    saved = torch.load(ranks_runs / "ckpt" / "step3.ckpt", weights_only=False)["callbacks"][state_key]
     totals = saved["totals"]
     # steps 1-3: rank 0 trains 14 + 10 + 0 real tokens (2 + 6 + 8 padding), rank 1 3 x 16 real tokens
     assert (totals["real_tokens"], totals["padding_tokens"], totals["num_bins"], totals["steps"]) == (72, 16, 6, 3)

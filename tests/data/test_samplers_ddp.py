@@ -12,55 +12,71 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.pytorch.strategies import DDPStrategy
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lit_seqpack import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
 from lit_seqpack.batch import Microbatch
 from lit_seqpack.data import PlannedDataset
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
+from tests._ranks import free_port, join_ranks
 
 WORLD = 2
 LENGTHS = np.random.default_rng(7).integers(1, 200, 120).tolist()
 
 
-def _gloo_worker(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
-    )
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    """Both checks on one pair of ranks: the samplers under plain ``torch.distributed`` (``gloo{rank}.json``), then a
+    Lightning DDP fit in the same process group (``rank{rank}.json``, written by :class:`RecordingModule`)."""
+    join_ranks(rank, WORLD, port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
     try:
-        outcome: dict[str, object] = {}
-        samplers = {
-            "packing": PackedBatchSampler(LENGTHS, max_tokens=256, accumulate_grad_batches=2),
-            "dynamic": DynamicBatchSampler(LENGTHS, max_tokens=256, accumulate_grad_batches=3),
-            "padded": PaddedBatchSampler(LENGTHS, batch_size=7, accumulate_grad_batches=2),
-        }
-        for mode, sampler in samplers.items():
-            assert (sampler.config.world_size, sampler.rank) == (WORLD, rank)  # resolved from torch.distributed
-            mine = [list(mb) for mb in sampler]
-            everyone: list[list[list[int]] | None] = [None] * WORLD
-            dist.all_gather_object(everyone, mine)
-            outcome[mode] = {
-                "counts": [len(b) for b in everyone],
-                "indices": sorted(i for b in everyone for mb in b for i in mb),
-            }
-        # a rank with different settings: every rank must fail loudly instead of hanging or training on garbage
-        odd = PackedBatchSampler(LENGTHS, max_tokens=256, seed=rank)
-        try:
-            next(iter(odd))
-            outcome["mismatch"] = "no error"
-        except RuntimeError as err:
-            outcome["mismatch"] = str(err)
-        Path(out_dir, f"gloo{rank}.json").write_text(json.dumps(outcome))
+        _samplers(rank, out_dir)
+        _fit(out_dir)
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of :func:`_worker`'s results (one spawned pair of ranks for both tests)."""
+    out = tmp_path_factory.mktemp("samplers_ddp")
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    return out
+
+
+def _samplers(rank: int, out_dir: str) -> None:
+    """Each sampler's microbatches gathered over the ranks, and a rank with other settings."""
+    outcome: dict[str, object] = {}
+    samplers = {
+        "packing": PackedBatchSampler(LENGTHS, max_tokens=256, accumulate_grad_batches=2),
+        "dynamic": DynamicBatchSampler(LENGTHS, max_tokens=256, accumulate_grad_batches=3),
+        "padded": PaddedBatchSampler(LENGTHS, batch_size=7, accumulate_grad_batches=2),
+    }
+    for mode, sampler in samplers.items():
+        assert (sampler.config.world_size, sampler.rank) == (WORLD, rank)  # resolved from torch.distributed
+        mine = [list(mb) for mb in sampler]
+        everyone: list[list[list[int]] | None] = [None] * WORLD
+        dist.all_gather_object(everyone, mine)
+        outcome[mode] = {
+            "counts": [len(b) for b in everyone],
+            "indices": sorted(i for b in everyone for mb in b for i in mb),
+        }
+    # a rank with different settings: every rank must fail loudly instead of hanging or training on garbage
+    odd = PackedBatchSampler(LENGTHS, max_tokens=256, seed=rank)
+    try:
+        next(iter(odd))
+        outcome["mismatch"] = "no error"
+    except RuntimeError as err:
+        outcome["mismatch"] = str(err)
+    Path(out_dir, f"gloo{rank}.json").write_text(json.dumps(outcome))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_samplers_under_torch_distributed(tmp_path):
-    mp.spawn(_gloo_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+def test_samplers_under_torch_distributed(runs: Path) -> None:
     for rank in range(WORLD):
-        outcome = json.loads((tmp_path / f"gloo{rank}.json").read_text())
+        outcome = json.loads((runs / f"gloo{rank}.json").read_text())
         for mode in ("packing", "dynamic", "padded"):
             assert len(set(outcome[mode]["counts"])) == 1
             assert outcome[mode]["indices"] == list(range(len(LENGTHS)))
@@ -98,32 +114,38 @@ class RecordingModule(L.LightningModule):
         Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(self.seen))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_lightning_ddp_fit_sees_every_sample_once_per_epoch(tmp_path):
-    accumulate, epochs = 2, 2
+ACCUMULATE, EPOCHS = 2, 2
+
+
+def _fit(out_dir: str) -> None:
+    """A Lightning DDP fit of :class:`RecordingModule` (``EPOCHS`` epochs, accumulation ``ACCUMULATE``)."""
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD,
-        strategy="ddp_spawn",
-        max_epochs=epochs,
-        accumulate_grad_batches=accumulate,
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT),
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=ACCUMULATE,
         use_distributed_sampler=False,
         enable_checkpointing=False,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(RecordingModule(str(tmp_path), accumulate))
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for epoch in range(epochs):
+    trainer.fit(RecordingModule(out_dir, ACCUMULATE))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_lightning_ddp_fit_sees_every_sample_once_per_epoch(runs: Path) -> None:
+    seen = [json.loads((runs / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for epoch in range(EPOCHS):
         per_rank = [[rec for rec in records if rec["epoch"] == epoch] for records in seen]
         assert len({len(records) for records in per_rank}) == 1  # lock-step: no hang, same count
-        assert len(per_rank[0]) % accumulate == 0
+        assert len(per_rank[0]) % ACCUMULATE == 0
         assert [rec["step"] for rec in per_rank[0]] == [rec["step"] for rec in per_rank[1]]
         indices = Counter(i for records in per_rank for rec in records for i in rec["indices"])
         assert indices == Counter(range(len(LENGTHS)))  # every sample exactly once per epoch
     # Lightning's set_epoch reached the batch sampler: the second epoch is planned differently
     for records in seen:
-        orders = [[rec["indices"] for rec in records if rec["epoch"] == e] for e in range(epochs)]
+        orders = [[rec["indices"] for rec in records if rec["epoch"] == e] for e in range(EPOCHS)]
         assert orders[0] != orders[1]

@@ -12,7 +12,6 @@ into one batch, through the plain model (no packing, no CP), token-mean cross-en
 from __future__ import annotations
 
 import copy
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +26,7 @@ from lit_seqpack.data.batching.collate import PackedCollator
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.parallel import shard_packed_batch
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
+from tests._ranks import free_port, join_ranks
 from tests.model.test_exact_loss import (
     assert_gradients_match,
     loss_tokens,
@@ -39,12 +39,6 @@ from tests.model.test_exact_loss import (
 CP = 2
 # 2 data-parallel ranks x 2 microbatches (accumulation); data-parallel rank 1 ends on a lock-step dummy
 GROUPS = [[[0, 1, 2], [3, 4, 5, 6]], [[7, 8, 9, 10, 11, 12, 13], []]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _packed_step(samples: list[dict[str, list[int]]]) -> list[list[dict[str, Any]]]:
@@ -61,39 +55,57 @@ def _packed_step(samples: list[dict[str, list[int]]]) -> list[list[dict[str, Any
     ]
 
 
-def _worker(cp_rank: int, port: int, out_path: str) -> None:
-    """One CP rank; the 2 data-parallel ranks are simulated one after the other, each on its own model copy."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=cp_rank, world_size=CP, timeout=COLLECTIVE_TIMEOUT
-    )
+KNOBS = {"mode": "packing", "max_tokens": 64, "context_parallel_size": CP, "seed": 1}
+"""The DataModule's settings in the Lightning step."""
+
+
+def _worker(cp_rank: int, port: int, out_dir: str) -> None:
+    """Both CP steps on one pair of processes: by hand (``manual.pt``), then through Lightning (``lightning.pt``)."""
+    join_ranks(cp_rank, CP, port)
+    dist.init_process_group("gloo", rank=cp_rank, world_size=CP, timeout=COLLECTIVE_TIMEOUT)
     try:
-        module = make_module("reference")  # float32, identical on both processes (seeded)
-        batches = _packed_step(make_samples(count=14, seed=3))
-        summed = {name: torch.zeros_like(p) for name, p in module.named_parameters()}
-        for dp_batches in batches:
-            model = copy.deepcopy(module)
-            for batch in dp_batches:
-                loss = model.training_step(shard_packed_batch(batch, CP, cp_rank), 0)
-                (loss / len(dp_batches)).backward()  # Lightning divides by accumulate_grad_batches
-            for name, p in model.named_parameters():
-                summed[name] += p.grad
-        for grad in summed.values():  # DDP: the mean over all dp x cp ranks
-            dist.all_reduce(grad)
-            grad /= len(batches) * CP
-        if cp_rank == 0:
-            torch.save(summed, out_path)
+        _manual_step(cp_rank, Path(out_dir, "manual.pt"))
+        data = SeqPackDataModule(source=make_samples(count=20, seed=4), **KNOBS)
+        trainer = spawned_step_trainer(CP, str(Path(out_dir, "lightning.pt")), start_method="popen")
+        trainer.fit(make_module("reference"), datamodule=data)
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def cp_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of :func:`_worker`'s gradients (one spawned pair of processes for both tests)."""
+    out = tmp_path_factory.mktemp("cp_training")
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=CP, join=True)
+    return out
+
+
+def _manual_step(cp_rank: int, out_path: Path) -> None:
+    """One CP rank; the 2 data-parallel ranks are simulated one after the other, each on its own model copy."""
+    module = make_module("reference")  # float32, identical on both processes (seeded)
+    batches = _packed_step(make_samples(count=14, seed=3))
+    summed = {name: torch.zeros_like(p) for name, p in module.named_parameters()}
+    for dp_batches in batches:
+        model = copy.deepcopy(module)
+        for batch in dp_batches:
+            loss = model.training_step(shard_packed_batch(batch, CP, cp_rank), 0)
+            (loss / len(dp_batches)).backward()  # Lightning divides by accumulate_grad_batches
+        for name, p in model.named_parameters():
+            summed[name] += p.grad
+    for grad in summed.values():  # DDP: the mean over all dp x cp ranks
+        dist.all_reduce(grad)
+        grad /= len(batches) * CP
+    if cp_rank == 0:
+        torch.save(summed, out_path)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_two_process_cp_step_equals_the_unsharded_step(tmp_path: Path) -> None:
+def test_two_process_cp_step_equals_the_unsharded_step(cp_steps: Path) -> None:
     samples = make_samples(count=14, seed=3)
     expected = reference_gradients(make_module("reference"), samples)
-    path = tmp_path / "grads.pt"
-    mp.spawn(_worker, args=(_free_port(), str(path)), nprocs=CP, join=True)
-    assert_gradients_match(torch.load(path), expected, rtol=1e-5)  # float32 CP vs float64 ground truth
+    grads = torch.load(cp_steps / "manual.pt")
+    assert_gradients_match(grads, expected, rtol=1e-5)  # float32 CP vs float64 ground truth
 
 
 def test_the_same_loop_without_cp_matches_too() -> None:
@@ -113,12 +125,10 @@ def test_the_same_loop_without_cp_matches_too() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_lightning_ddp_with_the_datamodule_cp_knob_equals_the_unsharded_step(tmp_path: Path) -> None:
-    """End to end: SeqPackDataModule(context_parallel_size=2) + ReferenceLM under a 2-process ddp_spawn Trainer."""
+def test_lightning_ddp_with_the_datamodule_cp_knob_equals_the_unsharded_step(cp_steps: Path) -> None:
+    """End to end: SeqPackDataModule(context_parallel_size=2) + ReferenceLM under a 2-process DDP Trainer."""
     samples = make_samples(count=20, seed=4)
-    knobs = {"mode": "packing", "max_tokens": 64, "context_parallel_size": CP, "seed": 1}
-
-    planner = SeqPackDataModule(source=samples, **knobs)  # the same plan, read in this process
+    planner = SeqPackDataModule(source=samples, **KNOBS)  # the same plan, read in this process
     planner.trainer = SimpleNamespace(
         world_size=CP,
         global_rank=0,
@@ -131,8 +141,4 @@ def test_lightning_ddp_with_the_datamodule_cp_knob_equals_the_unsharded_step(tmp
     view = planner.pipeline.splits["train"][0]
     module = make_module("reference")
     expected = reference_gradients(module, [view[i] for micro in step for i in micro])
-
-    path = tmp_path / "grads.pt"
-    trainer = spawned_step_trainer(CP, str(path))
-    trainer.fit(module, datamodule=SeqPackDataModule(source=samples, **knobs))
-    assert_gradients_match(torch.load(path), expected, rtol=1e-5)
+    assert_gradients_match(torch.load(cp_steps / "lightning.pt"), expected, rtol=1e-5)

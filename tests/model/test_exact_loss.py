@@ -142,12 +142,13 @@ def one_step_trainer(accumulate: int, capture: GradientCapture, precision: str =
     )
 
 
-def spawned_step_trainer(devices: int, path: str) -> Trainer:
-    """A ``ddp_spawn`` CPU Trainer for one fp64 optimizer step (accumulation 2) that saves rank 0's gradients."""
+def spawned_step_trainer(devices: int, path: str, start_method: str = "spawn") -> Trainer:
+    """A ``ddp_spawn`` CPU Trainer for one fp64 optimizer step (accumulation 2) that saves rank 0's gradients;
+    ``start_method="popen"`` in a process that already is one of the ranks (``tests._ranks.join_ranks``)."""
     return Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=DDPStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT),
+        strategy=DDPStrategy(start_method=start_method, timeout=COLLECTIVE_TIMEOUT),
         precision="64-true",
         max_steps=1,
         accumulate_grad_batches=2,

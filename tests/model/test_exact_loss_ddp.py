@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from lightning.pytorch import LightningDataModule
 
 from tests._limits import TEST_TIMEOUT_S
+from tests._ranks import free_port, join_ranks
 from tests.model.test_exact_loss import (
     assert_gradients_match,
     make_module,
@@ -39,15 +41,29 @@ class PerRankBatches(LightningDataModule):
         return torch.utils.data.DataLoader(self.batches[self.trainer.global_rank], batch_size=None)
 
 
+CASES = [("reference", "packed"), ("reference", "dynamic")]
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    """Every case on one pair of ranks, one Trainer after the other: rank 0's gradients to ``{kind}-{mode}.pt``."""
+    join_ranks(rank, 2, port)
+    samples = make_samples(count=14, seed=3)
+    for kind, mode in CASES:
+        trainer = spawned_step_trainer(2, str(Path(out_dir, f"{kind}-{mode}.pt")), start_method="popen")
+        trainer.fit(make_module(kind), datamodule=PerRankBatches(step_batches(samples, GROUPS, mode)))
+
+
+@pytest.fixture(scope="module")
+def ddp_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of every case's gradients (one spawned pair of ranks for all the cases)."""
+    out = tmp_path_factory.mktemp("exact_loss_ddp")
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-@pytest.mark.parametrize(("kind", "mode"), [("reference", "packed"), ("reference", "dynamic")])
-def test_ddp_step_equals_the_big_padded_batch(kind: str, mode: str, tmp_path: Path) -> None:
-    samples = make_samples(count=14, seed=3)
-    module = make_module(kind)
-    expected = reference_gradients(module, samples)
-    batches = step_batches(samples, GROUPS, mode)
-    path = tmp_path / "grads.pt"
-    trainer = spawned_step_trainer(2, str(path))
-    trainer.fit(module, datamodule=PerRankBatches(batches))
-    assert_gradients_match(torch.load(path), expected, rtol=1e-5)
+@pytest.mark.parametrize(("kind", "mode"), CASES)
+def test_ddp_step_equals_the_big_padded_batch(kind: str, mode: str, ddp_steps: Path) -> None:
+    expected = reference_gradients(make_module(kind), make_samples(count=14, seed=3))  # the ranks' initial weights
+    assert_gradients_match(torch.load(ddp_steps / f"{kind}-{mode}.pt"), expected, rtol=1e-5)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import math
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from lit_seqpack.data.indexed.samplers import PackedBatchSampler
 from lit_seqpack.data.sources import TokenizedSource
 from lit_seqpack.parallel import gather_packed_batches, shard_packed_batch
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
+from tests._ranks import free_port, join_ranks
 from tests.model.test_exact_loss import (
     PACKED_GROUPS,
     VOCAB,
@@ -214,15 +214,11 @@ def test_real_sampler_with_planned_step_weights_end_to_end() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_weighted_ddp_step_on_two_gloo_ranks_equals_the_big_padded_batch(tmp_path: Path) -> None:
+def test_weighted_ddp_step_on_two_gloo_ranks_equals_the_big_padded_batch(two_ranks: Path) -> None:
     """Real DDP (2 spawned gloo processes, accumulation 2): the averaged gradient is the weighted big-batch one."""
     samples = weighted_samples("weights", count=14, seed=3)
-    module = make_module("reference")
-    expected = reference_weighted_gradients(module, samples, "weights")
-    batches = weighted_step_batches(samples, GROUPS, "packed", "weights")
-    path = tmp_path / "grads.pt"
-    spawned_step_trainer(2, str(path)).fit(module, datamodule=PerRankBatches(batches))
-    assert_gradients_match(torch.load(path), expected, rtol=1e-6)
+    expected = reference_weighted_gradients(make_module("reference"), samples, "weights")
+    assert_gradients_match(torch.load(two_ranks / "ddp.pt"), expected, rtol=1e-6)
 
 
 def test_datamodule_weighted_step_equals_the_big_padded_batch() -> None:
@@ -260,41 +256,53 @@ def test_datamodule_refuses_file_loss_mask_weights_and_undeclared_weight_fields(
         SeqPackDataModule(loss_weight_field="w")
 
 
-def _cp_weighted_worker(cp_rank: int, port: int, out_path: str) -> None:
-    """One of 2 CP ranks (gloo); the 2 data-parallel ranks of GROUPS are simulated one after the other."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=cp_rank, world_size=2, timeout=COLLECTIVE_TIMEOUT
-    )
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    """Both 2-process steps on one pair of processes: the CP step by hand (``cp.pt``), then the Lightning DDP step
+    (``ddp.pt``)."""
+    join_ranks(rank, 2, port)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
     try:
-        module = make_module("reference")
-        samples = weighted_samples("weights", count=14, seed=3)
-        batches = weighted_step_batches(samples, GROUPS, "packed-cp", "weights")
-        summed = {name: torch.zeros_like(p) for name, p in module.named_parameters()}
-        for dp_batches in batches:
-            model = copy.deepcopy(module)
-            for batch in dp_batches:
-                shard = shard_packed_batch(batch, 2, cp_rank, token_fields={"weights": 0.0})
-                (model.training_step(shard, 0) / len(dp_batches)).backward()  # Lightning's division
-            for name, p in model.named_parameters():
-                summed[name] += p.grad
-        for grad in summed.values():  # DDP: the mean over all dp x cp ranks
-            dist.all_reduce(grad)
-            grad /= len(batches) * 2
-        if cp_rank == 0:
-            torch.save(summed, out_path)
+        _cp_weighted_step(rank, Path(out_dir, "cp.pt"))
+        batches = weighted_step_batches(weighted_samples("weights", count=14, seed=3), GROUPS, "packed", "weights")
+        trainer = spawned_step_trainer(2, str(Path(out_dir, "ddp.pt")), start_method="popen")
+        trainer.fit(make_module("reference"), datamodule=PerRankBatches(batches))
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of :func:`_worker`'s gradients (one spawned pair of processes for both tests)."""
+    out = tmp_path_factory.mktemp("exact_weighted_loss")
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    return out
+
+
+def _cp_weighted_step(cp_rank: int, out_path: Path) -> None:
+    """One of 2 CP ranks (gloo); the 2 data-parallel ranks of GROUPS are simulated one after the other."""
+    module = make_module("reference")
+    samples = weighted_samples("weights", count=14, seed=3)
+    batches = weighted_step_batches(samples, GROUPS, "packed-cp", "weights")
+    summed = {name: torch.zeros_like(p) for name, p in module.named_parameters()}
+    for dp_batches in batches:
+        model = copy.deepcopy(module)
+        for batch in dp_batches:
+            shard = shard_packed_batch(batch, 2, cp_rank, token_fields={"weights": 0.0})
+            (model.training_step(shard, 0) / len(dp_batches)).backward()  # Lightning's division
+        for name, p in model.named_parameters():
+            summed[name] += p.grad
+    for grad in summed.values():  # DDP: the mean over all dp x cp ranks
+        dist.all_reduce(grad)
+        grad /= len(batches) * 2
+    if cp_rank == 0:
+        torch.save(summed, out_path)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_two_process_context_parallel_weighted_step_equals_the_big_padded_batch(tmp_path: Path) -> None:
+def test_two_process_context_parallel_weighted_step_equals_the_big_padded_batch(two_ranks: Path) -> None:
     """The loss weights score targets: under CP each rank uses shift_loss_weights, as it uses shift_labels."""
     samples = weighted_samples("weights", count=14, seed=3)
     expected = reference_weighted_gradients(make_module("reference"), samples, "weights")
-    path = tmp_path / "grads.pt"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_cp_weighted_worker, args=(port, str(path)), nprocs=2, join=True)
-    assert_gradients_match(torch.load(path), expected, rtol=1e-5)  # float32 CP vs float64 ground truth
+    grads = torch.load(two_ranks / "cp.pt")
+    assert_gradients_match(grads, expected, rtol=1e-5)  # float32 CP vs float64 ground truth

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Si
 from lit_seqpack import ReferenceLM
 from lit_seqpack.planning.plan import build_plan
 from tests._limits import SUBPROCESS_TIMEOUT_S
+from tests._ranks import free_port
 from tests.reliability import _train_script as script
 
 ACCUMULATE = 2
@@ -196,13 +196,6 @@ def compare(resumed: list[dict[str, Any]], expected: list[dict[str, Any]], *, lo
         if diff:
             return f"at epoch {want['epoch']} microbatch {want['batch_idx']}: {diff}"
     return None
-
-
-def free_port() -> int:
-    """A free TCP port on localhost (for a process group's ``MASTER_PORT``)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(command: list[str], logs: Path, what: str) -> None:

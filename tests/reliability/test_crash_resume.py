@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -26,6 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_seqpack import PackedBatchSampler
 from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S, stages_timeout
+from tests._ranks import free_port
 from tests.reliability import _train_script as script
 
 SCRIPT = Path(script.__file__)
@@ -33,14 +33,8 @@ ROOT = SCRIPT.parents[2]
 KILL_AT = 10  # optimizer steps; checkpoints every 4 steps, so the last one before the kill is step 8 (epoch 1)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start(script: Path, out: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK"):
         env.pop(key, None)
     out.mkdir(parents=True)
@@ -68,15 +62,37 @@ def run_killed_and_resumed(script: Path, root: Path, kill_at: int, *args: str) -
     """Run ``script`` uninterrupted (``reference``) and SIGKILLed after step ``kill_at`` (``killed``) side by side,
     then resume the killed run from its last checkpoint (``resumed``); return the three output folders. ``args``
     go to all three runs."""
-    dirs = {name: root / name for name in ("reference", "killed", "resumed")}
-    reference = _start(script, dirs["reference"], *args)
-    killed = _start(script, dirs["killed"], "--kill-at-step", str(kill_at), *args)
-    codes = {"reference": _wait(reference, dirs["reference"]), "killed": _wait(killed, dirs["killed"])}
-    assert codes["reference"] == 0, (dirs["reference"] / "stdout.txt").read_text()[-4000:]
-    assert codes["killed"] == -signal.SIGKILL, (dirs["killed"] / "stdout.txt").read_text()[-4000:]
-    resumed = _start(script, dirs["resumed"], "--ckpt-path", str(dirs["killed"] / "checkpoints" / "last.ckpt"), *args)
-    assert _wait(resumed, dirs["resumed"]) == 0, (dirs["resumed"] / "stdout.txt").read_text()[-4000:]
-    return dirs
+    return run_variants_killed_and_resumed(script, root, kill_at, {"": list(args)})[""]
+
+
+def run_variants_killed_and_resumed(
+    script: Path, root: Path, kill_at: int, variants: dict[str, list[str]]
+) -> dict[str, dict[str, Path]]:
+    """:func:`run_killed_and_resumed` for several variants of a run that train the same microbatches with the same
+    losses (``variants``: name -> the arguments of its runs), sharing one reference run (with the first variant's
+    arguments): the killed runs and the reference side by side, then the resumes side by side. Return each
+    variant's ``reference``, ``killed`` and ``resumed`` folders (the variant's name is their suffix, if any)."""
+    first = next(iter(variants.values()))
+    dirs = {
+        name: {run: root / "_".join(filter(None, (run, name))) for run in ("killed", "resumed")} for name in variants
+    }
+    reference = root / "reference"
+    started = {reference: _start(script, reference, *first)}
+    for name, args in variants.items():
+        started[dirs[name]["killed"]] = _start(script, dirs[name]["killed"], "--kill-at-step", str(kill_at), *args)
+    codes = {out: _wait(process, out) for out, process in started.items()}
+    assert codes.pop(reference) == 0, (reference / "stdout.txt").read_text()[-4000:]
+    for out, code in codes.items():
+        assert code == -signal.SIGKILL, (out / "stdout.txt").read_text()[-4000:]
+    resumed = {
+        dirs[name]["resumed"]: _start(
+            script, dirs[name]["resumed"], "--ckpt-path", str(dirs[name]["killed"] / "checkpoints" / "last.ckpt"), *args
+        )
+        for name, args in variants.items()
+    }
+    for out, process in resumed.items():
+        assert _wait(process, out) == 0, (out / "stdout.txt").read_text()[-4000:]
+    return {name: {"reference": reference, **runs} for name, runs in dirs.items()}
 
 
 @pytest.fixture(scope="module")

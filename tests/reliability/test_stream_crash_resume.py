@@ -4,7 +4,9 @@ The same protocol as ``test_crash_resume`` with ``_stream_train_script`` (a gene
 40 samples, each rank reading its own share (``stream_split="rank"``), 2 or 0 loader workers per rank): the
 checkpointed prefix of the killed run plus the resumed run train the
 same microbatches with bitwise the same losses as the uninterrupted run, every sample exactly once per epoch over
-both ranks, the same number of microbatches on each rank, and end with the same weights.
+both ranks, the same number of microbatches on each rank, and end with the same weights. The workers never change a
+batch, so the killed runs of both worker counts are held to one uninterrupted run (with 2 workers), run side by side
+with them.
 """
 
 from __future__ import annotations
@@ -17,16 +19,27 @@ import torch
 
 from tests._limits import stages_timeout
 from tests.reliability import _stream_train_script as script
-from tests.reliability.test_crash_resume import _key, _records, run_killed_and_resumed
+from tests.reliability.test_crash_resume import _key, _records, run_variants_killed_and_resumed
 
 SCRIPT = Path(script.__file__)
 KILL_AT = 18  # 12 steps an epoch, checkpoints every 4: the last one before the kill is step 16 (epoch 1, mid-stream)
 
 
-@pytest.fixture(scope="module", params=[2, 0], ids=["2_workers", "0_workers"])
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+WORKERS = {"2_workers": 2, "0_workers": 0}
+
+
+@pytest.fixture(scope="module")
+def worker_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    """The killed and resumed runs of each loader-worker count, against one reference run with 2 workers: the
+    workers never change a batch, so one uninterrupted run is the reference of both."""
     root = tmp_path_factory.mktemp("stream_crash_resume")
-    return run_killed_and_resumed(SCRIPT, root, KILL_AT, "--num-workers", str(request.param))
+    variants = {name: ["--num-workers", str(count)] for name, count in WORKERS.items()}
+    return run_variants_killed_and_resumed(SCRIPT, root, KILL_AT, variants)
+
+
+@pytest.fixture(params=list(WORKERS))
+def runs(request: pytest.FixtureRequest, worker_runs: dict[str, dict[str, Path]]) -> dict[str, Path]:
+    return worker_runs[request.param]
 
 
 @pytest.mark.slow

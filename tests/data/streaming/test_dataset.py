@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+import json
+import pickle
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.sources import GeneratorStream
+from lit_seqpack.data.sources import GeneratorStream, JsonlStream, ParquetStream
 from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
 from lit_seqpack.planning.plan import PlanConfig
 from tests.model.test_exact_loss import assert_gradients_match, make_module, make_samples, reference_gradients
@@ -46,6 +49,41 @@ def test_workers_give_the_batches_of_the_main_process_in_order(mode: str) -> Non
     with_workers = [b["sample_indices"] for b in StreamingDataLoader(_dataset(mode), num_workers=2)]
     assert with_workers == plain
     assert sorted(i for b in plain for i in b) == list(range(len(SAMPLES)))
+
+
+def _indexed_samples() -> Iterator[dict[str, Any]]:
+    """``SAMPLES`` with their stream numbers (a module-level function: a ``spawn`` worker unpickles it by name)."""
+    return ({**s, "index": i} for i, s in enumerate(SAMPLES))
+
+
+def _stream_batches(source: Any, **loader: Any) -> list[list[int]]:
+    """The sample numbers of each packed batch a loader over ``source`` yields (``loader``: its arguments)."""
+    config = PlanConfig(max_tokens=48, accumulate_grad_batches=2, seed=1)
+    collator = WithIndices(PackedCollator())
+    dataset = StreamingDataset(source, config=config, rank=0, window_size=25, collator=collator, check_samples=4)
+    return [b["sample_indices"] for b in StreamingDataLoader(dataset, **loader)]
+
+
+@pytest.mark.slow
+def test_a_dataset_pickled_into_a_spawned_worker_gives_the_batches_of_the_main_process(tmp_path: Path) -> None:
+    """A worker started with ``spawn`` (macOS, ``multiprocessing_context="spawn"``; Python 3.14 defaults to
+    ``forkserver``) unpickles the dataset. The DDP tests' ranks fork their workers (``tests/_ranks.py``), so the
+    streams they read are checked here: one in a real spawned worker, the others (the shares of files read by rank)
+    through the same pickle round trip, which is what such a worker receives."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = list(_indexed_samples())
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data.parquet", row_group_size=30)
+    generator = GeneratorStream(_indexed_samples)
+    plain = _stream_batches(generator)
+    assert sorted(i for b in plain for i in b) == list(range(len(SAMPLES)))
+    assert _stream_batches(generator, num_workers=1, multiprocessing_context="spawn") == plain
+    for share in (JsonlStream(str(tmp_path / "data.jsonl")), ParquetStream(str(tmp_path / "data.parquet"))):
+        share = share.split(1, 2)
+        read = _stream_batches(share)
+        assert read and _stream_batches(pickle.loads(pickle.dumps(share))) == read, share
 
 
 def test_the_stream_facts_never_reach_the_model() -> None:

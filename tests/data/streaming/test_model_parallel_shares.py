@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from lit_seqpack import SeqPackDataModule
 from lit_seqpack.data.sources import JsonlStream
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
-from tests.reliability._resume_harness import free_port
+from tests._ranks import free_port
 from tests.reliability._train_script import WithIndices
 
 pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from lit_seqpack.data.streaming.buffer import stream_windows
 from lit_seqpack.data.streaming.rank_check import window_digest
 from lit_seqpack.planning.plan import PlanConfig
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
+from tests._ranks import free_port, join_ranks
 
 WORLD, VOCAB, MAX_TOKENS, BUFFER, NUM_SAMPLES = 2, 64, 128, 10, 120
 
@@ -125,9 +124,7 @@ def _later_window(rank: int) -> str:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD)})
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "OMP_NUM_THREADS": "1"})
-    torch.set_num_threads(1)
+    join_ranks(rank, WORLD, port)
     outcome = {
         "equal": _fit(_stream()),
         "different": _fit(_stream(0 if rank else None)),
@@ -137,12 +134,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _first_window_holding(sample: int) -> int:
     return next(w.index for w in _windows(_stream()) if w.samples_read > sample)
 
@@ -150,7 +141,7 @@ def _first_window_holding(sample: int) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_ranks_reading_different_streams_fail_on_every_rank_and_equal_streams_train(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert outcome["equal"] == "trained"

@@ -10,8 +10,6 @@ groups) or an empty stream end on both ranks without a hang. The process group c
 from __future__ import annotations
 
 import json
-import os
-import socket
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lit_seqpack import SeqPackDataModule
 from lit_seqpack.data.sources import JsonlStream, ParquetStream
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
+from tests._ranks import free_port, join_ranks
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match, make_module, reference_gradients
 from tests.reliability._train_script import WithIndices
 
@@ -116,9 +115,7 @@ class Unsplittable:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD)})
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "OMP_NUM_THREADS": "1"})
-    torch.set_num_threads(1)
+    join_ranks(rank, WORLD, port)
     folder = Path(out_dir)
     jsonl = JsonlStream(str(folder / "data.jsonl"), vocab_size=64)
     outcome = {
@@ -132,12 +129,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         "unsplittable": _fit(Unsplittable(), max_epochs=1),
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _check_lock_step(outcomes: list[dict[str, Any]], count: int, epochs: int) -> None:
@@ -157,7 +148,7 @@ def _check_lock_step(outcomes: list[dict[str, Any]], count: int, epochs: int) ->
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_ranks_read_their_own_shares_in_lock_step_with_the_exact_loss(tmp_path: Path) -> None:
     _write_streams(tmp_path)
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
     case = {key: [o[key] for o in outcomes] for key in outcomes[0]}
     assert not any("error" in o for key in ("even", "even_no_workers", "unequal", "one_group") for o in case[key])

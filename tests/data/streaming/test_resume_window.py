@@ -8,19 +8,17 @@ which makes Lightning fetch the stream's first batch before it restores the loop
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 import lightning as L
 import pytest
-import torch
 import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 from lit_seqpack import ReferenceLM
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
+from tests._ranks import free_port, join_ranks
 from tests.reliability import _stream_train_script as script
 
 ACCUMULATE = 2
@@ -111,9 +109,7 @@ def test_a_checkpoint_written_at_the_end_of_an_epoch_resumes_at_the_next_epochs_
 
 
 def _ddp_worker(rank: int, port: int, root: str) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"})
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "OMP_NUM_THREADS": "1"})
-    torch.set_num_threads(1)
+    join_ranks(rank, 2, port)
     run = Path(root)
     _fit(run / "reference", "cosine", [], devices=2)
     saver = OnExceptionCheckpoint(run / "ckpt")
@@ -130,10 +126,7 @@ def test_two_ddp_ranks_resume_an_exception_checkpoint_inside_a_window_from_the_s
     tmp_path: Path,
 ) -> None:
     """The cosine schedule fetches each rank's first batch before the restore, as in the streaming crash tests."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         expected, resumed = _records(tmp_path / "reference", rank), _records(tmp_path / "resumed", rank)
         assert _batch_idx(resumed[0]) == 6, rank

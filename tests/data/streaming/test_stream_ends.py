@@ -13,8 +13,6 @@ instead of hanging the suite.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from lit_seqpack.data.sources import GeneratorStream, JsonlStream
 from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
 from lit_seqpack.planning.plan import PlanConfig
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
+from tests._ranks import free_port, join_ranks
 
 WORLD, VOCAB, MAX_TOKENS, WINDOW, NUM_SAMPLES = 2, 64, 128, 10, 60
 
@@ -101,9 +100,7 @@ def _read(source: Any, rank: int) -> dict[str, Any]:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD)})
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "OMP_NUM_THREADS": "1"})
-    torch.set_num_threads(1)
+    join_ranks(rank, WORLD, port)
     files = Path(out_dir, f"files{rank}")
 
     def stream(name: str, count: int) -> JsonlStream:
@@ -121,16 +118,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_streams_that_differ_in_the_tail_or_are_empty_raise_on_every_rank(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
     print({k: [o[k].get("seconds") for o in outcomes] for k in outcomes[0]})  # seconds until each rank's fit ended
     windows = NUM_SAMPLES // WINDOW  # dynamic batching: windows of exactly WINDOW samples
