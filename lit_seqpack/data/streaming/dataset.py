@@ -138,6 +138,7 @@ class StreamingDataset(IterableDataset):
         self.start = StreamStart()
         self.lanes = 0
         """Lanes the share is read in, one a loader worker (set by the loader; 0: no lanes)."""
+        self._named: tuple[int, ...] | None = data_parallel  # how errors number a sample (its share, its lane)
 
     @property
     def world_size(self) -> int:
@@ -179,7 +180,7 @@ class StreamingDataset(IterableDataset):
                 source.open(None if record is None else record["start"]),
                 numbers[1],
                 source=source,
-                share=self.data_parallel,
+                share=self._named,
             ),
             config=self.config,
             window_size=self.window_size,
@@ -216,6 +217,7 @@ class StreamingDataset(IterableDataset):
             )
         lane = start.lane_of(worker)
         source = lane_source(self.source, lane, self.lanes)
+        self._named = (*(self.data_parallel or (0, 1)), lane, self.lanes)  # this worker's copy of the dataset
         first = start.lanes[lane]
         skip = int(first["skip"])
         for window in self._windows_of(source, first["record"]):
@@ -265,7 +267,7 @@ class StreamingDataset(IterableDataset):
             loss_tokens=int(window.loss_tokens[planned.indices].sum()) if planned.indices else 0,
         )
         samples = [window.samples[i] for i in planned.indices]
-        names = StreamSampleNames(samples, self.source, self.data_parallel)
+        names = StreamSampleNames(samples, self.source, self._named)
         batch = self.collator(Microbatch(samples, meta=meta, indices=names))
         top_id = int(batch["input_ids"].numpy().max()) if self.vocab_size is not None and planned.indices else 0
         if self.vocab_size is not None and top_id >= self.vocab_size:  # numpy: a torch max costs more here

@@ -59,7 +59,13 @@ def lane_source(share: Any, lane: int, lanes: int) -> Any:
             f"worker, but {describe_stream(reader)} splits itself among DataLoader workers (by shard) and would read "
             "another part than its lane: set num_workers=0"
         )
-    return share.split(lane, lanes)
+    try:
+        return share.split(lane, lanes)
+    except ValueError as err:
+        raise ValueError(
+            f"stream_split='rank' with num_workers={lanes} splits each rank's share into {lanes} lanes, one a loader "
+            f"worker: {err}; set num_workers=0 or 1"
+        ) from err
 
 
 def _splits_by_worker(source: Any) -> Any:

@@ -185,3 +185,10 @@ def test_inspect_plans_each_lane_as_the_loader_workers_do(tmp_path: Path) -> Non
     for rank, batches in enumerate(per_rank):
         documents, empty = sum(int(b["num_documents"]) for b in batches), sum(bool(b["is_empty"]) for b in batches)
         assert f"rank {rank}: {documents} samples, {empty} of {trained} microbatches empty" in shares
+
+
+def test_an_error_names_the_sample_in_its_lane() -> None:
+    samples = [{"input_ids": [1] * (0 if n == 5 else 3), "index": n} for n in range(40)]
+    per_rank = _run(1, lambda rank, gather: list(_loader(GeneratorStream(lambda: iter(samples)), 0, 1, gather, 2)))
+    assert isinstance(per_rank[0], Exception), per_rank  # sample 5 is sample 2 of lane 1 (samples 1, 3, 5, ...)
+    assert "sample 2 of lane 1 of the stream has no token" in str(per_rank[0])
