@@ -56,9 +56,17 @@ def test_lanes_train_every_sample_once_in_lock_step_with_the_step_totals_over_ra
     assert per_rank != _train(Shares(SHARES), 0)  # the lanes' windows, not the share's: another (exact) order
 
 
-def test_one_rank_reads_its_stream_in_lanes_every_sample_once() -> None:
+def test_every_epoch_reads_the_lanes_again_every_sample_once() -> None:
     stream = GeneratorStream(lambda: ({"input_ids": [1] * (2 + n * 37 % 200), "index": n} for n in range(150)))
-    _check(_train(stream, 2, world=1), set(range(150)))
+
+    def epochs(rank: int, gather: ThreadGather) -> list[list[dict[str, Any]]]:
+        loader = _loader(stream, rank, 2, gather, 2)
+        return [list(loader), list(loader)]
+
+    first, second = zip(*_run(2, epochs), strict=True)
+    _check(list(first), set(range(150)))
+    _check(list(second), set(range(150)))
+    _check(_train(stream, 2, world=1), set(range(150)))  # one rank reads its stream in lanes too
 
 
 def _jsonl(tmp_path: Path, count: int) -> str:
