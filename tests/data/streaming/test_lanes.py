@@ -4,6 +4,7 @@ same ``num_workers`` and a refused one at another, and ``lit-seqpack inspect`` p
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections import Counter
@@ -13,7 +14,15 @@ from typing import Any
 import pytest
 
 from lit_seqpack import SeqPackDataModule
-from lit_seqpack.data.sources import GeneratorStream, JsonlStream, MixtureStream, file_streams
+from lit_seqpack.data.sources import (
+    GeneratorStream,
+    JsonlStream,
+    MixtureStream,
+    ParquetStream,
+    SyntheticStream,
+    file_streams,
+)
+from lit_seqpack.data.sources.litdata import LitDataStream, write_litdata
 from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
 from lit_seqpack.data.streaming.lanes import LaneHistory, lane_source
 from lit_seqpack.parallel import DataParallelLayout
@@ -200,3 +209,54 @@ def test_an_error_names_the_sample_in_its_lane() -> None:
     per_rank = _run(1, lambda rank, gather: list(_loader(GeneratorStream(lambda: iter(samples)), 0, 1, gather, 2)))
     assert isinstance(per_rank[0], Exception), per_rank  # sample 5 is sample 2 of lane 1 (samples 1, 3, 5, ...)
     assert "sample 2 of lane 1 of the stream has no token" in str(per_rank[0])
+
+
+def _by_tokens(microbatch: Any) -> dict[str, Any]:
+    """The test collator, each sample named by its tokens (streams without an index)."""
+    meta = microbatch.meta
+    return {
+        "indices": [tuple(int(t) for t in s["input_ids"]) for s in microbatch],
+        "loss_tokens": meta.loss_tokens,
+        "step_loss_tokens": meta.step_loss_tokens,
+        "is_empty": meta.is_empty,
+        "world_size": meta.world_size,
+    }
+
+
+def _sources(tmp_path: Path) -> dict[str, Any]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"input_ids": [1 + n % 7] * (2 + n * 37 % 120), "labels": [n % 5] * (2 + n * 37 % 120)} for n in range(150)]
+    for part in range(3):
+        pq.write_table(
+            pa.Table.from_pylist(rows[part * 50 : (part + 1) * 50]), tmp_path / f"p{part}.parquet", row_group_size=10
+        )
+    sources = {
+        "parquet": ParquetStream(str(tmp_path)),
+        "synthetic": SyntheticStream(num_samples=150, vocab_size=50, median_length=40, max_length=200),
+        "mixture": MixtureStream(
+            [SyntheticStream(num_samples=60, max_length=200, seed=1), ParquetStream(str(tmp_path))], [1, 2]
+        ),
+    }
+    if importlib.util.find_spec("litdata") is not None:
+        write_litdata(rows, tmp_path / "litdata", chunk_bytes=4096)
+        sources["litdata"] = LitDataStream(str(tmp_path / "litdata"))
+    return sources
+
+
+@pytest.mark.parametrize("kind", ["parquet", "synthetic", "mixture", "litdata"])
+def test_every_source_is_read_in_lanes_every_sample_once(tmp_path: Path, kind: str) -> None:
+    sources = _sources(tmp_path)
+    if kind not in sources:
+        pytest.skip("litdata is not installed")
+    source = sources[kind]
+
+    def drain(rank: int, gather: ThreadGather) -> list[dict[str, Any]]:
+        loader = _loader(source, rank, 2, gather, 2)
+        loader.dataset.collator = _by_tokens
+        return list(loader)
+
+    per_rank = _run(2, drain)
+    assert not any(isinstance(batches, Exception) for batches in per_rank), per_rank
+    _check(per_rank, [tuple(int(t) for t in s["input_ids"]) for s in source.open()])
