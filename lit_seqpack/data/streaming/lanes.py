@@ -84,9 +84,10 @@ class LanesStart:
     """Where each lane starts an iteration, and which lane the first worker reads.
 
     Args:
-        lanes: per lane ``{"record": window record or None, "skip": microbatches of that window already trained}``;
-            a record re-reads its window (plans are deterministic) and yields the microbatches after ``skip``
-            (none when ``skip`` covers the window: the lane goes on with its next window).
+        lanes: per lane ``{"record": window record or None, "skip": microbatches of that window already trained,
+            "overlong": the lane's over-long counts so far}``; a record re-reads its window (plans are deterministic)
+            and yields the microbatches after ``skip`` (none when ``skip`` covers the window: the lane goes on with its
+            next window).
         first: the lane worker 0 reads (worker ``k`` reads lane ``(first + k) % len(lanes)``).
         microbatch: the rank's microbatch number of the first window that arrives (at its microbatch 0).
         step: the rank's step number of that window's first step.
@@ -100,7 +101,7 @@ class LanesStart:
     @classmethod
     def fresh(cls, lanes: int) -> LanesStart:
         """Every lane from its start."""
-        return cls(lanes=tuple({"record": None, "skip": 0} for _ in range(lanes)))
+        return cls(lanes=tuple(_done(None) for _ in range(lanes)))
 
     def lane_of(self, worker: int) -> int:
         """The lane that ``worker`` reads."""
@@ -132,6 +133,7 @@ class LaneHistory:
             "first_step": step,
             "microbatches": int(item["microbatches"]),
             "steps": len(item["step_loss_tokens"]),
+            "overlong_after": item["overlong_after"],
         }
         while self.arrivals and self.arrivals[-1]["first_microbatch"] >= microbatch:  # read ahead before a resume
             self.arrivals.pop()
@@ -177,7 +179,7 @@ class LaneHistory:
         current = arrivals[at]
         lane, skip = current["lane"], position - current["first_microbatch"]
         if skip < current["microbatches"]:  # inside the current window: its lane is read first, from ``skip``
-            lanes[lane] = {"record": current["record"], "skip": skip}
+            lanes[lane] = {"record": current["record"], "skip": skip, "overlong": current["record"]["overlong_before"]}
             first, microbatch, step = lane, current["first_microbatch"], current["first_step"]
         else:  # at its end (the rank's last window so far): the next lane is read first
             lanes[lane] = _done(current)
@@ -190,8 +192,8 @@ class LaneHistory:
 def _done(entry: Mapping[str, Any] | None) -> dict[str, Any]:
     """A lane's start after ``entry`` (its last window that arrived, trained in full; ``None``: the lane's start)."""
     if entry is None:
-        return {"record": None, "skip": 0}
-    return {"record": entry["record"], "skip": entry["microbatches"]}
+        return {"record": None, "skip": 0, "overlong": None}
+    return {"record": entry["record"], "skip": entry["microbatches"], "overlong": entry["overlong_after"]}
 
 
 def merged_overlong(states: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:

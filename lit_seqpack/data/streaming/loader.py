@@ -107,6 +107,11 @@ class StreamingDataLoader(DataLoader):
         dataset.lanes = num_workers if share else 0
         if dataset.lanes:
             lane_source(dataset.source, 0, dataset.lanes)  # refused here (not in a worker) if it cannot be split
+            if kwargs.get("in_order") is False:
+                raise ValueError(
+                    "in_order=False would return the lanes' windows in another order on every run (and resume): "
+                    "leave in_order=True with stream_split='rank' and num_workers >= 2"
+                )
         # the loader's lead is at most W x P windows (and the loop's): the history covers it
         lead = num_workers * (kwargs.get("prefetch_factor") or 2)
         self._history = LaneHistory(dataset.lanes, kept=KEPT_WINDOWS + lead) if dataset.lanes else None
@@ -258,9 +263,7 @@ class StreamingDataLoader(DataLoader):
             history.reset()
         self._epoch, self._yielded = epoch, position
         lanes = history.start_at(position)
-        self._lane_overlong = [
-            None if lane["record"] is None else lane["record"]["overlong_before"] for lane in lanes.lanes
-        ]
+        self._lane_overlong = [lane["overlong"] for lane in lanes.lanes]
         self._overlong = merged_overlong(self._lane_overlong)
         return StreamStart(epoch=epoch, microbatch=position, lanes=lanes)
 

@@ -142,15 +142,20 @@ def _module(source: Any, **kwargs: Any) -> SeqPackDataModule:
 
 def test_the_datamodule_resumes_its_lanes_exactly_and_refuses_another_num_workers(tmp_path: Path) -> None:
     stream = JsonlStream(_jsonl(tmp_path, 160), vocab_size=8)
-    reference = [b["input_ids"].tolist() for b in _module(stream).train_dataloader()]
-    first = _module(stream)
+    cut = {"max_tokens": 64, "overlong": "truncate"}  # the over-long counts are summed over the lanes
+    whole = _module(stream, **cut)
+    reference = [b["input_ids"].tolist() for b in whole.train_dataloader()]
+    counted = whole.overlong_report
+    assert counted is not None and counted.num_samples == 160 and counted.num_truncated > 0
+    first = _module(stream, **cut)
     batches = iter(first.train_dataloader())
     head = [next(batches)["input_ids"].tolist() for _ in range(7)]
     state = first.state_dict()
-    resumed = _module(stream)
+    resumed = _module(stream, **cut)
     resumed.load_state_dict(state)
     assert head + [b["input_ids"].tolist() for b in resumed.train_dataloader()] == reference
-    other = _module(stream, num_workers=1)
+    assert resumed.overlong_report == counted
+    other = _module(stream, num_workers=1, **cut)
     other.load_state_dict(state)
     with pytest.raises(ValueError, match=r"num_workers=2 .*this run has num_workers=1"):
         other.train_dataloader()
@@ -170,12 +175,19 @@ def test_a_stream_that_splits_itself_among_workers_is_refused_naming_num_workers
 def test_the_history_keeps_one_record_a_lane_before_its_last_arrivals() -> None:
     history = LaneHistory(2, kept=2)
     for n in range(4):  # lanes 0, 1, 0, 1; 2 microbatches (1 step) each
-        item = {"microbatches": 2, "step_loss_tokens": (5,)}
-        history.arrive(n % 2, {"window": n // 2}, microbatch=2 * n, step=n, item=item)
+        item = {"microbatches": 2, "step_loss_tokens": (5,), "overlong_after": {"read": n}}
+        history.arrive(
+            n % 2, {"window": n // 2, "overlong_before": {"read": n - 1}}, microbatch=2 * n, step=n, item=item
+        )
     assert [e["record"]["window"] for e in history.base] == [0, 0] and len(history.arrivals) == 2
     start = history.start_at(5)  # inside the 3rd window (lane 0's second): lane 0 first, from its microbatch 1
     assert (start.first, start.microbatch, start.step) == (0, 4, 2)
-    assert start.lanes[0] == {"record": {"window": 1}, "skip": 1} and start.lanes[1]["skip"] == 2
+    assert start.lanes[0] == {
+        "record": {"window": 1, "overlong_before": {"read": 1}},
+        "skip": 1,
+        "overlong": {"read": 1},
+    }
+    assert start.lanes[1]["skip"] == 2 and start.lanes[1]["overlong"] == {"read": 1}  # its window 0, read in full
     end = history.start_at(8)  # after the last window: lane 0 goes on first
     assert (end.first, end.microbatch, end.step) == (0, 8, 4)
     with pytest.raises(RuntimeError, match="no window starting at or before it"):
