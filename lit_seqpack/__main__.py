@@ -149,6 +149,8 @@ def _stream_lines(data: Any, max_samples: int, kept: int, rows: Any, layout: Dat
     world, accumulate = layout.world_size, layout.accumulate_grad_batches
     offline = next(row for row in rows if row.configured).stats.num_steps * accumulate
     windows = f"windows of {data.settings.stream_window:,} samples"
+    if data.settings.stream_split == "rank" and data.settings.num_workers > 1:
+        windows += f" (of each of the {data.settings.num_workers} lanes its loader workers read)"
     if not _splits_by_rank(data, world):
         streamed = data.pipeline.prefix_microbatches(max_samples, layout)
         return [

@@ -253,6 +253,9 @@ class HFIterableStream:
         vocab_size: the vocabulary the samples need (optional).
     """
 
+    splits_by_worker = True
+    """Inside a DataLoader worker ``datasets`` reads only that worker's shards: a lane is not read exactly there."""
+
     def __init__(self, dataset: Any, *, vocab_size: int | None = None) -> None:
         if not hasattr(dataset, "skip") or not hasattr(dataset, "__iter__"):
             raise ValueError(f"dataset must be a datasets.IterableDataset, got {type(dataset).__name__}")

@@ -41,9 +41,13 @@ def stream_sample_name(number: int, position: Any, source: Any, share: tuple[int
     return _numbered(number, share) + (f", {where}" if where else "")
 
 
-def _numbered(number: int, share: tuple[int, int] | None) -> str:
+def _numbered(number: int, share: tuple[int, ...] | None) -> str:
+    """``share`` may name a lane too, ``(rank, world_size, lane, lanes)`` (numbers then count in the lane)."""
+    lane = f"lane {share[2]} of " if share is not None and len(share) == 4 and share[3] > 1 else ""
     if share is not None and share[1] > 1:
-        return f"sample {number} of rank {share[0]}'s share of the stream"
+        return f"sample {number} of {lane}rank {share[0]}'s share of the stream"
+    if lane:
+        return f"sample {number} of {lane}the stream"
     return f"stream sample {number}"
 
 

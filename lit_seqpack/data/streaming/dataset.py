@@ -4,9 +4,11 @@ Under ``stream_split="replicate"`` every rank (and every DataLoader worker) read
 windows (:func:`~lit_seqpack.data.streaming.buffer.stream_windows`); rank ``r`` keeps its own microbatches of each
 window's plan, so ranks need no communication to agree, and each sample is trained by exactly one rank. Under
 ``stream_split="rank"`` the source is the rank's own share, planned for this rank alone (``data_parallel``); the
-loader keeps the ranks in lock step (:mod:`~lit_seqpack.data.streaming.lockstep`). With ``W`` workers,
-worker ``k`` collates the rank's microbatches ``k, k + W, ...`` (counted from the start of the iteration), which a
-DataLoader's round robin over its workers returns in order. Each worker therefore holds one window.
+loader keeps the ranks in lock step (:mod:`~lit_seqpack.data.streaming.lockstep`); with ``W >= 2`` workers each
+worker reads, plans and collates only its own lane of the share and sends one item per window
+(:mod:`~lit_seqpack.data.streaming.lanes`). Otherwise (``"replicate"``, or a share without ``split``), with ``W``
+workers, worker ``k`` collates the rank's microbatches ``k, k + W, ...`` (counted from the start of the iteration),
+which a DataLoader's round robin over its workers returns in order. Each worker therefore holds one window.
 
 Every batch carries, under :data:`STREAM_KEY`, where it comes from (its window's start position in the stream and
 its microbatch number, and with a window's first batch the window's digest for the cross-rank check, which every
@@ -29,6 +31,7 @@ from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.sources.streams import StreamSource
 from lit_seqpack.data.streaming._where import LocatedReader, StreamSampleNames
 from lit_seqpack.data.streaming.buffer import OverlongCounter, StreamWindow, stream_windows
+from lit_seqpack.data.streaming.lanes import LanesStart, lane_source
 from lit_seqpack.data.streaming.rank_check import WindowDigest, window_digest
 from lit_seqpack.planning.plan import PlanConfig
 
@@ -47,11 +50,13 @@ class StreamStart:
         window: the window record a resume re-reads (``None``: the stream's start); its keys are those of
             :func:`window_record`.
         microbatch: this rank's first microbatch (numbered in the epoch; ``>= window["first_microbatch"]``).
+        lanes: where each lane starts when workers read lanes of the rank's share (then ``window`` is ``None``).
     """
 
     epoch: int = 0
     window: Mapping[str, Any] | None = None
     microbatch: int = 0
+    lanes: LanesStart | None = None
 
 
 def window_record(window: StreamWindow) -> dict[str, Any]:
@@ -131,6 +136,9 @@ class StreamingDataset(IterableDataset):
             )
         self.data_parallel = data_parallel
         self.start = StreamStart()
+        self.lanes = 0
+        """Lanes the share is read in, one a loader worker (set by the loader; 0: no lanes)."""
+        self._named: tuple[int, ...] | None = data_parallel  # how errors number a sample (its share, its lane)
 
     @property
     def world_size(self) -> int:
@@ -153,7 +161,10 @@ class StreamingDataset(IterableDataset):
 
     def windows(self) -> Iterator[StreamWindow]:
         """The planned windows from :attr:`start` (every rank and worker gets the same)."""
-        record = self.start.window
+        return self._windows_of(self.source, self.start.window)
+
+    def _windows_of(self, source: StreamSource, record: Mapping[str, Any] | None) -> Iterator[StreamWindow]:
+        """The planned windows of ``source`` (the stream, the rank's share or a lane) from ``record`` (its start)."""
         counter = None
         if self.document_budget is not None:
             counter = OverlongCounter(
@@ -166,10 +177,10 @@ class StreamingDataset(IterableDataset):
             numbers = (record["window"], record["first_sample"], record["first_microbatch"], record["first_step"])
         return stream_windows(
             LocatedReader(
-                self.source.open(None if record is None else record["start"]),
+                source.open(None if record is None else record["start"]),
                 numbers[1],
-                source=self.source,
-                share=self.data_parallel,
+                source=source,
+                share=self._named,
             ),
             config=self.config,
             window_size=self.window_size,
@@ -183,6 +194,9 @@ class StreamingDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        if self.lanes:
+            yield from self._lane_windows(worker, workers)
+            return
         first = self.start.microbatch
         for window in self.windows():
             record: dict[str, Any] | None = window_record(window)  # sent with this worker's first batch of it
@@ -193,9 +207,54 @@ class StreamingDataset(IterableDataset):
                 yield self._collate(window, position, number, record)
                 record = None
 
+    def _lane_windows(self, worker: int, workers: int) -> Iterator[dict[str, Any]]:
+        """This worker's lane, one item a window: its remaining microbatches collated and its lock-step facts."""
+        start = self.start.lanes if self.start.lanes is not None else LanesStart.fresh(self.lanes)
+        if workers != self.lanes or len(start.lanes) != self.lanes:
+            raise RuntimeError(
+                f"the stream's share is read in {self.lanes} lanes but the loader runs {workers} workers: build the "
+                "loader with num_workers equal to the lanes"
+            )
+        lane = start.lane_of(worker)
+        source = lane_source(self.source, lane, self.lanes)
+        self._named = (*(self.data_parallel or (0, 1)), lane, self.lanes)  # this worker's copy of the dataset
+        first = start.lanes[lane]
+        skip = int(first["skip"])
+        for window in self._windows_of(source, first["record"]):
+            plan = window.plan
+            count = plan.microbatches_per_rank
+            if skip >= count:  # trained before the resume (or no microbatch at all)
+                skip = 0
+                continue
+            yield {
+                "lane": lane,
+                "epoch": self.start.epoch,
+                "record": window_record(window),
+                "skip": skip,
+                "microbatches": count,
+                "step_loss_tokens": tuple(plan.step_loss_tokens.tolist()),
+                "overlong_after": window.overlong_after,
+                "batches": [self._batch(window, position) for position in range(skip, count)],
+            }
+            skip = 0
+
     def _collate(
         self, window: StreamWindow, position: int, number: int, record: dict[str, Any] | None
     ) -> dict[str, Any]:
+        batch = self._batch(window, position)
+        batch[STREAM_KEY] = {
+            "epoch": self.start.epoch,
+            "microbatch": number,
+            "record": record,
+            "overlong_after": window.overlong_after,
+            "digest": self._digest(window) if record is not None and self.data_parallel is None else None,
+            # the window's steps for the lock step of ranks reading their own shares
+            "steps": (window.first_step, tuple(window.plan.step_loss_tokens.tolist())) if record is not None else None,
+        }
+        return batch
+
+    def _batch(self, window: StreamWindow, position: int) -> dict[str, Any]:
+        """The collated microbatch ``position`` of ``window``'s plan for this rank."""
         config, plan = self.config, window.plan
         planned = plan.microbatch(self.rank, position)
         meta = MicrobatchMeta(
@@ -208,7 +267,7 @@ class StreamingDataset(IterableDataset):
             loss_tokens=int(window.loss_tokens[planned.indices].sum()) if planned.indices else 0,
         )
         samples = [window.samples[i] for i in planned.indices]
-        names = StreamSampleNames(samples, self.source, self.data_parallel)
+        names = StreamSampleNames(samples, self.source, self._named)
         batch = self.collator(Microbatch(samples, meta=meta, indices=names))
         top_id = int(batch["input_ids"].numpy().max()) if self.vocab_size is not None and planned.indices else 0
         if self.vocab_size is not None and top_id >= self.vocab_size:  # numpy: a torch max costs more here
@@ -218,15 +277,6 @@ class StreamingDataset(IterableDataset):
                 f"{window.index}) is outside the model's vocab_size={self.vocab_size}: raise the model's vocab_size "
                 "or the stream's vocab_size"
             )
-        batch[STREAM_KEY] = {
-            "epoch": self.start.epoch,
-            "microbatch": number,
-            "record": record,
-            "overlong_after": window.overlong_after,
-            "digest": self._digest(window) if record is not None and self.data_parallel is None else None,
-            # the window's steps for the lock step of ranks reading their own shares
-            "steps": (window.first_step, tuple(plan.step_loss_tokens.tolist())) if record is not None else None,
-        }
         return batch
 
     def _digest(self, window: StreamWindow) -> WindowDigest:

@@ -11,7 +11,10 @@ one more; :data:`KEPT_WINDOWS` windows (each at least one microbatch) cover that
 With ``stream_split="rank"`` the state also holds every rank's window records (``"shares"``, gathered when the
 state is built, which every rank does at a checkpoint), and the loader keeps the ranks in lock step
 (:mod:`~lit_seqpack.data.streaming.lockstep`): one collective whenever a rank reads its next window, fillers once a
-rank's share has ended, ``step_loss_tokens`` summed over the ranks.
+rank's share has ended, ``step_loss_tokens`` summed over the ranks. There, with ``W >= 2`` workers, each worker reads
+its own lane of the rank's share and sends one item a window (:mod:`~lit_seqpack.data.streaming.lanes`): a prefetch of
+``P`` then holds up to ``W x P`` windows of collated microbatches, and the state holds each lane's window records
+(``"lanes"``) instead of ``"windows"``; a resume with another ``num_workers`` is refused.
 
 Under ``stream_split="replicate"`` and ``torch.distributed`` the loader compares each window's digest across ranks
 in the main process
@@ -36,6 +39,7 @@ from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.sources.streams import describe_stream
 from lit_seqpack.data.streaming.buffer import OverlongCounter
 from lit_seqpack.data.streaming.dataset import STREAM_KEY, StreamingDataset, StreamStart
+from lit_seqpack.data.streaming.lanes import LaneHistory, lane_source, merged_overlong, splits_into_lanes
 from lit_seqpack.data.streaming.lockstep import Gather, LockStep, ShareFacts, gather_object
 from lit_seqpack.data.streaming.rank_check import WindowDigest, check_ranks_agree, stream_end
 
@@ -60,7 +64,8 @@ class StreamingDataLoader(DataLoader):
 
     Args:
         dataset: the rank's streaming dataset.
-        num_workers: worker processes (each reads the stream and holds one window).
+        num_workers: worker processes (each reads the stream and holds one window; under ``stream_split="rank"``
+            each reads its own lane of the rank's share, :mod:`~lit_seqpack.data.streaming.lanes`).
         start_source: asked at each iteration's first batch where to start (the DataModule passes the Trainer's
             epoch and batch counter); ``None``: the loader's own position.
         report_to: called with the over-long report whenever a new window arrives (the DataModule keeps it in
@@ -98,6 +103,19 @@ class StreamingDataLoader(DataLoader):
         self._overlong: dict[str, Any] | None = None
         self._saved: dict[str, Any] | None = None
         self._checked: WindowDigest | None = None  # the window last compared across ranks this iteration
+        share = dataset.data_parallel is not None and num_workers > 1 and splits_into_lanes(dataset.source)
+        dataset.lanes = num_workers if share else 0
+        if dataset.lanes:
+            lane_source(dataset.source, 0, dataset.lanes)  # refused here (not in a worker) if it cannot be split
+            if kwargs.get("in_order") is False:
+                raise ValueError(
+                    "in_order=False would return the lanes' windows in another order on every run (and resume): "
+                    "leave in_order=True with stream_split='rank' and num_workers >= 2"
+                )
+        # the loader's lead is at most W x P windows (and the loop's): the history covers it
+        lead = num_workers * (kwargs.get("prefetch_factor") or 2)
+        self._history = LaneHistory(dataset.lanes, kept=KEPT_WINDOWS + lead) if dataset.lanes else None
+        self._lane_overlong: list[dict[str, Any] | None] = [None] * dataset.lanes
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict[str, Any]]:  # type: ignore[override]
@@ -117,6 +135,8 @@ class StreamingDataLoader(DataLoader):
             log.warning("lit_seqpack: stream epoch %d%s: %s", self._epoch, whose, report.summary())
         self._epoch, self._yielded = self._epoch + 1, 0
         self._windows.clear()
+        if self._history is not None:
+            self._history.reset()
 
     def _replicated(self, start: StreamStart) -> Iterator[dict[str, Any]]:
         """Every rank reads the whole stream: the windows' digests and the stream's end are compared across ranks."""
@@ -141,7 +161,7 @@ class StreamingDataLoader(DataLoader):
         rank, world_size = dataset.data_parallel  # type: ignore[misc]
         accumulate = dataset.config.accumulate_grad_batches
         lock = LockStep(rank=rank, world_size=world_size, epoch=start.epoch, gather=self.gather)
-        batches, pending = super().__iter__(), None
+        batches, pending = (self._lane_batches(start) if dataset.lanes else super().__iter__()), None
         number = start.microbatch
         while True:
             step = number // accumulate
@@ -176,6 +196,32 @@ class StreamingDataLoader(DataLoader):
         if not lock.any_step and start.microbatch == 0:
             self._refuse_empty(start.epoch)
 
+    def _lane_batches(self, start: StreamStart) -> Iterator[dict[str, Any]]:
+        """The lanes' window items as the rank's batches: each window gets its rank-level first microbatch and step
+        (running counts in arrival order), its first batch the window's steps (:func:`_share_facts`)."""
+        lanes, history = start.lanes, self._history
+        assert lanes is not None and history is not None
+        microbatch, step = lanes.microbatch, lanes.step
+        for item in super().__iter__():
+            losses = item["step_loss_tokens"]
+            history.arrive(item["lane"], item["record"], microbatch=microbatch, step=step, item=item)
+            self._lane_overlong[item["lane"]] = item["overlong_after"]
+            self._overlong = merged_overlong(self._lane_overlong)
+            report = self.overlong_report
+            if self.report_to is not None and report is not None:
+                self.report_to(report)
+            for k, batch in enumerate(item["batches"]):
+                number = microbatch + item["skip"] + k
+                batch[STREAM_KEY] = {
+                    "epoch": item["epoch"],
+                    "microbatch": number,
+                    "record": None,
+                    "overlong_after": self._overlong,
+                    "steps": (step, losses) if k == 0 else None,
+                }
+                yield batch
+            microbatch, step = microbatch + item["microbatches"], step + len(losses)
+
     def _refuse_empty(self, epoch: int) -> None:
         raise ValueError(
             f"the stream {describe_stream(self.dataset.source)} gave no microbatch in epoch {epoch}: it is "
@@ -188,6 +234,8 @@ class StreamingDataLoader(DataLoader):
         epoch, position = (saved["epoch"], saved["yielded"]) if saved is not None else (self._epoch, self._yielded)
         if self.start_source is not None:
             epoch, position = self.start_source(epoch, position, saved)
+        if self._history is not None:
+            return self._lanes_start(saved, epoch, position)
         windows = saved["windows"] if saved is not None and saved["epoch"] == epoch else list(self._windows)
         self._epoch, self._yielded = epoch, position
         self._windows = deque((w for w in windows if w["first_microbatch"] <= position), maxlen=KEPT_WINDOWS)
@@ -205,6 +253,20 @@ class StreamingDataLoader(DataLoader):
             )
         return StreamStart(epoch=epoch, window=self._windows[-1], microbatch=position)
 
+    def _lanes_start(self, saved: dict[str, Any] | None, epoch: int, position: int) -> StreamStart:
+        """Where each lane starts so that the rank continues at ``position`` (:meth:`LaneHistory.start_at`)."""
+        history = self._history
+        assert history is not None
+        if saved is not None and saved["epoch"] == epoch:
+            history.load(saved["lanes"])
+        if position == 0:
+            history.reset()
+        self._epoch, self._yielded = epoch, position
+        lanes = history.start_at(position)
+        self._lane_overlong = [lane["overlong"] for lane in lanes.lanes]
+        self._overlong = merged_overlong(self._lane_overlong)
+        return StreamStart(epoch=epoch, microbatch=position, lanes=lanes)
+
     def _check(self, facts: dict[str, Any]) -> None:
         """Compare the window's digest across ranks at its first batch (every worker sends it: compared once).
 
@@ -218,6 +280,9 @@ class StreamingDataLoader(DataLoader):
         check_ranks_agree(digest)
 
     def _record(self, facts: dict[str, Any]) -> None:
+        if self._history is not None:  # the lanes' windows are recorded as they arrive (_lane_batches)
+            self._epoch, self._yielded = facts["epoch"], facts["microbatch"] + 1
+            return
         record = facts["record"]
         self._epoch, self._yielded = facts["epoch"], facts["microbatch"] + 1
         self._overlong = facts["overlong_after"]
@@ -245,9 +310,11 @@ class StreamingDataLoader(DataLoader):
         ``all_gather_object``: every rank builds its state at a checkpoint, rank 0 writes it), so the checkpoint
         resumes every rank.
         """
-        state = {"epoch": self._epoch, "yielded": self._yielded, "windows": list(self._windows)}
+        state: dict[str, Any] = {"epoch": self._epoch, "yielded": self._yielded, "windows": list(self._windows)}
+        if self._history is not None:
+            state["num_workers"], state["lanes"] = self.dataset.lanes, self._history.state()
         if self.dataset.data_parallel is not None:
-            state["shares"] = list(self.gather(state["windows"]))
+            state["shares"] = list(self.gather(state["lanes"] if self._history is not None else state["windows"]))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -259,8 +326,8 @@ class StreamingDataLoader(DataLoader):
         if missing:
             raise ValueError(f"not a streaming loader state: missing {sorted(missing)}")
         self._saved = dict(state_dict)
-        share = self.dataset.data_parallel
-        if share is None and "shares" in state_dict:
+        share, lanes = self.dataset.data_parallel, self.dataset.lanes
+        if share is None and ("shares" in state_dict or "lanes" in state_dict):
             raise ValueError(
                 "cannot resume the stream: the checkpoint was written with stream_split='rank' (each rank read its "
                 "own share) but this run reads stream_split='replicate'; resume with the checkpoint's stream_split"
@@ -273,7 +340,15 @@ class StreamingDataLoader(DataLoader):
                     f"cannot resume the stream: the checkpoint was written with {had}, this run reads "
                     f"stream_split='rank' on {share[1]} ranks; resume with the checkpoint's world size and stream_split"
                 )
-            self._saved["windows"] = shares[share[0]]
+            self._saved["lanes" if lanes else "windows"] = shares[share[0]]
+        written = state_dict.get("num_workers", 0)
+        if written != lanes:
+            had = f"num_workers={written} (a lane a worker)" if written else "num_workers=0 or 1 (no lanes)"
+            raise ValueError(
+                f"cannot resume the stream: the checkpoint was written with {had} under stream_split='rank', where "
+                f"each loader worker reads its own lane of the rank's share; this run has num_workers="
+                f"{self.num_workers}: resume with num_workers={written or '0 or 1'} (the windows depend on the lanes)"
+            )
 
 
 def _share_facts(batch: dict[str, Any] | None, epoch: int) -> ShareFacts:

@@ -21,10 +21,12 @@ from lit_seqpack.data.settings import BatchingSettings
 from lit_seqpack.data.sources.streams import StreamSource, describe_stream
 from lit_seqpack.data.streaming.buffer import OverlongCounter
 from lit_seqpack.data.streaming.dataset import StreamingDataset
+from lit_seqpack.data.streaming.lanes import lane_source, splits_into_lanes
 from lit_seqpack.data.streaming.loader import StreamingDataLoader
 from lit_seqpack.data.streaming.prefix import (
     LockStepPrefix,
     SharePrefix,
+    combined_shares,
     plan_share_prefix,
     prefix_lengths,
     share_sizes,
@@ -270,17 +272,26 @@ class StreamPipeline:
             self._pending_state = loader_state
 
     # ------------------------------------------------------------------ inspection
-    def _prefix_readers(self, max_samples: int, layout: DataParallelLayout) -> list[Iterator[Mapping[str, Any]]]:
-        """The samples training reads first: the stream's first ``max_samples`` (replicated, or one rank), else the
-        first samples of each rank's share (:mod:`~lit_seqpack.data.streaming.prefix` says why)."""
+    def _prefix_readers(self, max_samples: int, layout: DataParallelLayout) -> list[list[Iterator[Mapping[str, Any]]]]:
+        """The samples training reads first, one list of readers a rank: the stream's first ``max_samples``
+        (replicated), else the first samples of each rank's share, and of each lane of it when loader workers read
+        lanes (:mod:`~lit_seqpack.data.streaming.prefix` says why)."""
         if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
             raise ValueError(f"max_samples must be an int >= 1 (the stream prefix to inspect), got {max_samples!r}")
-        if layout.world_size == 1 or self.settings.stream_split == "replicate":
-            return [itertools.islice(self.source.open(), max_samples)]
-        sizes = share_sizes(max_samples, layout.world_size)
-        return [
-            itertools.islice(self._share(layout._replace(rank=rank)).open(), size) for rank, size in enumerate(sizes)
-        ]
+        if self.settings.stream_split == "replicate":
+            return [[itertools.islice(self.source.open(), max_samples)]]
+        readers = []
+        for rank, size in enumerate(share_sizes(max_samples, layout.world_size)):
+            share = self._share(layout._replace(rank=rank))
+            lanes = self.settings.num_workers if self.settings.num_workers > 1 and splits_into_lanes(share) else 0
+            if not lanes:
+                readers.append([itertools.islice(share.open(), size)])
+                continue
+            sources = [lane_source(share, lane, lanes) for lane in range(lanes)]
+            readers.append(
+                [itertools.islice(s.open(), n) for s, n in zip(sources, share_sizes(size, lanes), strict=True)]
+            )
+        return readers
 
     def prefix(self, max_samples: int, layout: DataParallelLayout | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Lengths and loss tokens of the ``max_samples`` samples training on ``layout`` (default: one rank) reads
@@ -291,7 +302,9 @@ class StreamPipeline:
             ValueError: ``max_samples`` is not an int >= 1, or the prefix holds no sample.
         """
         readers = self._prefix_readers(max_samples, layout or DataParallelLayout())
-        lengths, loss, report = prefix_lengths(itertools.chain.from_iterable(readers), self._counter())
+        lengths, loss, report = prefix_lengths(
+            itertools.chain.from_iterable(itertools.chain(*readers)), self._counter()
+        )
         if not lengths.size:
             raise ValueError(f"the stream's first {max_samples} samples hold no sample to plan")
         self.overlong_report = report if report is not None else self.overlong_report
@@ -305,17 +318,23 @@ class StreamPipeline:
         return stream.microbatches
 
     def _plan_prefix(self, max_samples: int, layout: DataParallelLayout, config: PlanConfig) -> tuple[SharePrefix, ...]:
-        """The prefix read on ``layout`` (:meth:`prefix`), each reader's samples planned in windows with ``config``."""
+        """The prefix read on ``layout`` (:meth:`prefix`), each reader's samples planned in windows with ``config``
+        (a rank's lanes planned apart and added up, as its loader workers plan them)."""
         settings = self.settings
         return tuple(
-            plan_share_prefix(
-                samples,
-                config=config,
-                window_size=settings.stream_window,
-                counter=self._counter(),
-                document_multiple=settings.planned_document_multiple,
+            combined_shares(
+                [
+                    plan_share_prefix(
+                        samples,
+                        config=config,
+                        window_size=settings.stream_window,
+                        counter=self._counter(),
+                        document_multiple=settings.planned_document_multiple,
+                    )
+                    for samples in lanes
+                ]
             )
-            for samples in self._prefix_readers(max_samples, layout)
+            for lanes in self._prefix_readers(max_samples, layout)
         )
 
     def prefix_lock_step(self, max_samples: int, layout: DataParallelLayout) -> LockStepPrefix:

@@ -7,13 +7,15 @@ share*, not the stream's first samples dealt out (a JSONL stream is split by byt
 0's share). So the prefix of ``max_samples`` samples is :func:`share_sizes` samples from the start of each share, each
 share planned alone in windows as its rank plans it, and the ranks kept in lock step as the loader keeps them
 (:mod:`~lit_seqpack.data.streaming.lockstep`): every rank runs the steps of the rank with the most, a rank with fewer
-runs empty fillers (:class:`LockStepPrefix`).
+runs empty fillers (:class:`LockStepPrefix`). When ``num_workers > 0`` loader workers read lanes of a share
+(:mod:`~lit_seqpack.data.streaming.lanes`), the share's prefix is :func:`share_sizes` samples from the start of each
+lane, each lane planned alone (:func:`combined_shares` adds them up), as the workers plan them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.streaming.buffer import OverlongCounter, stream_windows
 from lit_seqpack.planning.plan import PlanConfig
 
-__all__ = ["LockStepPrefix", "SharePrefix", "plan_share_prefix", "prefix_lengths", "share_sizes"]
+__all__ = ["LockStepPrefix", "SharePrefix", "combined_shares", "plan_share_prefix", "prefix_lengths", "share_sizes"]
 
 
 def share_sizes(max_samples: int, world_size: int) -> list[int]:
@@ -54,6 +56,17 @@ class SharePrefix:
     microbatches: int
     empty: int
     real_tokens: int
+
+
+def combined_shares(parts: Sequence[SharePrefix]) -> SharePrefix:
+    """One rank's share from its lanes' (each planned alone by its loader worker): every count added up.
+
+    Example:
+        >>> lane = SharePrefix(samples=9, steps=3, microbatches=6, empty=1, real_tokens=500)
+        >>> combined_shares([lane, lane]).microbatches
+        12
+    """
+    return SharePrefix(**{f.name: sum(getattr(p, f.name) for p in parts) for f in fields(SharePrefix)})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -153,7 +153,7 @@ def test_an_empty_stream_is_refused_on_every_rank_naming_it() -> None:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_resume_from_the_gathered_state_continues_every_share_exactly(workers: int) -> None:
     shares = [list(range(0, 50)), list(range(50, 130))]
-    whole = _run(2, lambda rank, gather: list(_loader(Shares(shares), rank, 2, gather)))
+    whole = _run(2, lambda rank, gather: list(_loader(Shares(shares), rank, 2, gather, workers)))  # lanes: W matters
     _check(whole, set(range(130)))
     cut = 2 * ACCUMULATE + 1  # inside an optimizer step: the loader resumes where it stopped
 

@@ -59,7 +59,7 @@ def test_the_state_resumes_mid_stream_and_refuses_other_window_settings() -> Non
     batches = iter(loader)
     head = [next(batches)["input_ids"].tolist() for _ in range(9)]
     state = first.state_dict()
-    resumed = _module(num_workers=2)  # the worker count may change
+    resumed = _module(num_workers=1)  # 0 or 1 worker reads the share alike (2 or more read lanes: test_lanes.py)
     resumed.load_state_dict(state)
     assert head + [b["input_ids"].tolist() for b in resumed.train_dataloader()] == reference
     other = _module(window=41)
