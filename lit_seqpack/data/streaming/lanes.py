@@ -27,7 +27,7 @@ from typing import Any
 
 from lit_seqpack.data.sources.streams import describe_stream
 
-__all__ = ["LaneHistory", "LanesStart", "lane_source", "merged_overlong", "splits_into_lanes"]
+__all__ = ["LaneHistory", "LanesStart", "lane_source", "merged_overlong", "splits_by_worker", "splits_into_lanes"]
 
 _SHOWN = 5  # over-long samples a report lists (as OverlongCounter)
 
@@ -54,7 +54,7 @@ def lane_source(share: Any, lane: int, lanes: int) -> Any:
     """
     if lanes == 1:
         return share
-    reader = _splits_by_worker(share)
+    reader = splits_by_worker(share)
     if reader is not None:
         raise ValueError(
             f"stream_split='rank' with num_workers={lanes} splits each rank's share into {lanes} lanes, one a loader "
@@ -70,12 +70,12 @@ def lane_source(share: Any, lane: int, lanes: int) -> Any:
         ) from err
 
 
-def _splits_by_worker(source: Any) -> Any:
+def splits_by_worker(source: Any) -> Any:
     """The stream (``source`` or a child of a mixture) that splits itself among DataLoader workers, else ``None``."""
     if getattr(source, "splits_by_worker", False):
         return source
     for child in getattr(source, "sources", None) or ():
-        found = _splits_by_worker(child)
+        found = splits_by_worker(child)
         if found is not None:
             return found
     return None

@@ -39,7 +39,13 @@ from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.sources.streams import describe_stream
 from lit_seqpack.data.streaming.buffer import OverlongCounter
 from lit_seqpack.data.streaming.dataset import STREAM_KEY, StreamingDataset, StreamStart
-from lit_seqpack.data.streaming.lanes import LaneHistory, lane_source, merged_overlong, splits_into_lanes
+from lit_seqpack.data.streaming.lanes import (
+    LaneHistory,
+    lane_source,
+    merged_overlong,
+    splits_by_worker,
+    splits_into_lanes,
+)
 from lit_seqpack.data.streaming.lockstep import Gather, LockStep, ShareFacts, gather_object
 from lit_seqpack.data.streaming.rank_check import WindowDigest, check_ranks_agree, stream_end
 
@@ -105,6 +111,13 @@ class StreamingDataLoader(DataLoader):
         self._checked: WindowDigest | None = None  # the window last compared across ranks this iteration
         share = dataset.data_parallel is not None and num_workers > 1 and splits_into_lanes(dataset.source)
         dataset.lanes = num_workers if share else 0
+        splitting = splits_by_worker(dataset.source) if num_workers > 1 and not dataset.lanes else None
+        if splitting is not None:  # each worker would read its own part of what every worker must read whole
+            raise ValueError(
+                f"num_workers={num_workers}: {describe_stream(splitting)} splits itself among DataLoader workers (by "
+                "shard), but each stream loader worker must read the whole stream (or share) to plan its windows, "
+                "so samples would be lost or repeated silently: set num_workers=0 or 1"
+            )
         if dataset.lanes:
             lane_source(dataset.source, 0, dataset.lanes)  # refused here (not in a worker) if it cannot be split
             if kwargs.get("in_order") is False:

@@ -272,3 +272,19 @@ def test_every_source_is_read_in_lanes_every_sample_once(tmp_path: Path, kind: s
     per_rank = _run(2, drain)
     assert not any(isinstance(batches, Exception) for batches in per_rank), per_rank
     _check(per_rank, [tuple(int(t) for t in s["input_ids"]) for s in source.open()])
+
+
+@pytest.mark.parametrize("split", ["replicate", "rank"])
+def test_a_stream_that_splits_itself_among_workers_is_refused_under_either_split(split: str) -> None:
+    """Under "replicate" every worker reads the whole stream and keeps every W-th microbatch: a Hugging Face
+    IterableDataset read its own shards in each worker instead, and 98 of 200 documents trained without an error."""
+    datasets = pytest.importorskip("datasets")
+    from lit_seqpack.data.sources import HFIterableStream
+
+    rows = datasets.Dataset.from_dict({"input_ids": [[1 + i % 7] * (2 + i % 5) for i in range(200)]})
+    hf = HFIterableStream(rows.to_iterable_dataset(num_shards=4), vocab_size=8)
+    module = SeqPackDataModule(source=hf, max_tokens=32, num_workers=2, stream_split=split)
+    with pytest.raises(ValueError, match=r"num_workers=2.* splits itself among DataLoader workers"):
+        module.train_dataloader()
+    one = SeqPackDataModule(source=hf, max_tokens=32, num_workers=1, stream_split=split)
+    assert sum(int(b["num_documents"]) for b in one.train_dataloader()) == 200  # one worker reads it all
