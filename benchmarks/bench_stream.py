@@ -211,13 +211,12 @@ def read_path_table(args: argparse.Namespace) -> str:
 def _write_parquet(jsonl: str, path: str) -> bool:
     """The rows of ``jsonl`` as a Parquet file (row groups of 2,000); ``False`` without pyarrow."""
     try:
-        import pyarrow as pa
+        import pyarrow.json
         import pyarrow.parquet as pq
     except ImportError:
         return False
-    with open(jsonl, "rb") as lines:
-        rows = [json.loads(line) for line in lines]
-    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=2_000)
+    # pyarrow parses the lines itself: millions of Python ints made and freed here slowed the stages after by 15%
+    pq.write_table(pyarrow.json.read_json(jsonl), path, row_group_size=2_000)
     return True
 
 

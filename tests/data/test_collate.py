@@ -310,3 +310,29 @@ def test_samples_longer_than_planned_are_refused_naming_them(mode):
     honest = sampler_class([8] * 6, max_tokens=16)
     for indices in honest:  # the same samples, planned on their real lengths, collate under the budget
         assert collate(planned.__getitems__(indices))["input_ids"].numel() <= 16
+
+
+@pytest.mark.parametrize(
+    ("samples", "error"),
+    [
+        ([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9]}], None),
+        ([{"input_ids": [5, 6, 7], "labels": [5, 6]}], "sample 0: labels has 2 entries but input_ids has 3"),
+        ([{"input_ids": [5, 6], "labels": [5, 6], "loss_mask": [1, 1]}], "give either 'labels' or 'loss_mask'"),
+        ([{"input_ids": [5, -6]}], r"sample 0: input_ids must be >= 0"),
+        ([{"input_ids": [5, 6]}, {"input_ids": [7], "labels": [-7]}], r"sample 1: labels must be >= 0 or -100"),
+        ([{"input_ids": [5, 6], "labels": [[5, 6]]}], "sample 0: labels must be 1-D"),
+    ],
+)
+@pytest.mark.parametrize("collator", [PackedCollator(), PaddedCollator()])
+def test_int64_array_samples_collate_and_are_refused_as_lists_are(samples, error, collator):
+    """A stream's samples arrive as int64 arrays and skip the per-sample checks that hold for them already."""
+    arrays = [{k: np.array(v, dtype=np.int64) for k, v in s.items()} for s in samples]
+    if error is not None:
+        for form in (samples, arrays):
+            with pytest.raises(ValueError, match=error):
+                collator(form)
+        return
+    expected, got = collator(samples), collator(arrays)
+    assert expected.keys() == got.keys()
+    for key, value in expected.items():
+        assert torch.equal(value, got[key]) if isinstance(value, torch.Tensor) else value == got[key], key

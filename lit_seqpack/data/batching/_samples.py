@@ -20,6 +20,9 @@ __all__ = [
     "window_loss_tokens",
 ]
 
+_INT64 = np.dtype(np.int64)
+"""An array's dtype is this object when it is native int64 (another byte order reads the slow way)."""
+
 
 def _int_vector(value: Any, name: str, key: str, *, allow_bool: bool = False) -> torch.Tensor:
     """``value`` as a 1-D int64 tensor, or a ValueError naming the sample (``name``) and ``key``."""
@@ -141,6 +144,11 @@ def read_samples(
     """
     ids, labels = [], []
     for index, sample in enumerate(samples):
+        ready = _ready_arrays(sample)
+        if ready is not None:  # a stream's sample (token_arrays): the checks below hold already
+            ids.append(ready[0])
+            labels.append(ready[1])
+            continue
         name = SampleName(samples, index)
         if not isinstance(sample, Mapping) or "input_ids" not in sample:
             found = sorted(sample) if isinstance(sample, Mapping) else type(sample).__name__
@@ -179,6 +187,21 @@ def read_samples(
         index, problem = min(problems)
         raise ValueError(f"{sample_name(samples, index)}: {problem}")
     return ids, torch.from_numpy(all_ids), torch.from_numpy(all_labels)
+
+
+def _ready_arrays(sample: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """A sample's ids and targets when both are non-empty 1-D int64 arrays of one length and there is no
+    ``loss_mask`` (what :func:`token_arrays` makes of a stream's sample), else ``None``: the checks then run one by one.
+    """
+    if not isinstance(sample, dict):
+        return None
+    ids = sample.get("input_ids")
+    if type(ids) is not np.ndarray or ids.dtype is not _INT64 or ids.ndim != 1 or not ids.shape[0]:
+        return None
+    target = sample.get("labels", ids)
+    if type(target) is not np.ndarray or target.dtype is not _INT64 or target.shape != ids.shape:
+        return None
+    return (ids, target) if "loss_mask" not in sample else None
 
 
 def sample_loss_tokens(sample: Mapping[str, Any]) -> int:
