@@ -68,20 +68,22 @@ def run_killed_and_resumed(script: Path, root: Path, kill_at: int, *args: str) -
 def run_variants_killed_and_resumed(
     script: Path, root: Path, kill_at: int, variants: dict[str, list[str]]
 ) -> dict[str, dict[str, Path]]:
-    """:func:`run_killed_and_resumed` for several variants of a run that train the same microbatches with the same
-    losses (``variants``: name -> the arguments of its runs), sharing one reference run (with the first variant's
-    arguments): the killed runs and the reference side by side, then the resumes side by side. Return each
-    variant's ``reference``, ``killed`` and ``resumed`` folders (the variant's name is their suffix, if any)."""
-    first = next(iter(variants.values()))
+    """:func:`run_killed_and_resumed` for several variants of a run (``variants``: name -> the arguments of its runs),
+    each with its own reference run: the references and the killed runs side by side, then the resumes side by side.
+    Return each variant's ``reference``, ``killed`` and ``resumed`` folders (the variant's name is their suffix, if
+    any)."""
     dirs = {
-        name: {run: root / "_".join(filter(None, (run, name))) for run in ("killed", "resumed")} for name in variants
+        name: {run: root / "_".join(filter(None, (run, name))) for run in ("reference", "killed", "resumed")}
+        for name in variants
     }
-    reference = root / "reference"
-    started = {reference: _start(script, reference, *first)}
+    started = {}
     for name, args in variants.items():
+        started[dirs[name]["reference"]] = _start(script, dirs[name]["reference"], *args)
         started[dirs[name]["killed"]] = _start(script, dirs[name]["killed"], "--kill-at-step", str(kill_at), *args)
     codes = {out: _wait(process, out) for out, process in started.items()}
-    assert codes.pop(reference) == 0, (reference / "stdout.txt").read_text()[-4000:]
+    for name in variants:
+        reference = dirs[name]["reference"]
+        assert codes.pop(reference) == 0, (reference / "stdout.txt").read_text()[-4000:]
     for out, code in codes.items():
         assert code == -signal.SIGKILL, (out / "stdout.txt").read_text()[-4000:]
     resumed = {
@@ -92,7 +94,7 @@ def run_variants_killed_and_resumed(
     }
     for out, process in resumed.items():
         assert _wait(process, out) == 0, (out / "stdout.txt").read_text()[-4000:]
-    return {name: {"reference": reference, **runs} for name, runs in dirs.items()}
+    return dirs
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@ The same protocol as ``test_crash_resume`` with ``_stream_train_script`` (a gene
 40 samples, each rank reading its own share (``stream_split="rank"``), 2 or 0 loader workers per rank): the
 checkpointed prefix of the killed run plus the resumed run train the
 same microbatches with bitwise the same losses as the uninterrupted run, every sample exactly once per epoch over
-both ranks, the same number of microbatches on each rank, and end with the same weights. The workers never change a
-batch, so the killed runs of both worker counts are held to one uninterrupted run (with 2 workers), run side by side
-with them.
+both ranks, the same number of microbatches on each rank, and end with the same weights. With 2 workers each worker
+reads its own lane of the rank's share (other microbatches than without workers), so each worker count has its own
+uninterrupted run, run side by side with the killed ones.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ WORKERS = {"2_workers": 2, "0_workers": 0}
 
 @pytest.fixture(scope="module")
 def worker_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
-    """The killed and resumed runs of each loader-worker count, against one reference run with 2 workers: the
-    workers never change a batch, so one uninterrupted run is the reference of both."""
+    """The uninterrupted, killed and resumed runs of each loader-worker count."""
     root = tmp_path_factory.mktemp("stream_crash_resume")
     variants = {name: ["--num-workers", str(count)] for name, count in WORKERS.items()}
     return run_variants_killed_and_resumed(SCRIPT, root, KILL_AT, variants)

@@ -118,6 +118,24 @@ def _ddp_trainer(use_distributed_sampler: bool = False, **kwargs) -> Trainer:
     )
 
 
+def ddp_spawn_trainer(**kwargs) -> Trainer:
+    """A DDP Trainer for one optimizer step that spawns its ``WORLD`` ranks itself (a test run in pytest's process;
+    :func:`_ddp_trainer` is for a process that already is a rank)."""
+    return Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=DDPStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT),
+        precision="32-true",
+        max_steps=1,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
 AUTOMATIC_CASES = [  # (normalize, mode, weight_field, silent samples)
     ("token", "packing", None, []),
     ("group", "dynamic", None, []),

@@ -24,7 +24,7 @@ from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
 from tests.rl._objectives import ObjectivePolicy, padded_objective_gradients, with_objective_fields
 from tests.rl._policies import RolloutBatches, cpu_trainer, prefixed
 from tests.rl._rollouts import make_policy, make_rollout, with_policy_fields, without_loss
-from tests.rl.test_ddp import _ddp_trainer as ddp_trainer
+from tests.rl.test_ddp import ddp_spawn_trainer as ddp_trainer
 
 
 def test_kl_estimators_follow_their_formulas_and_k1_k3_are_unbiased() -> None:

@@ -14,7 +14,7 @@ from tests._limits import TEST_TIMEOUT_S
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
 from tests.rl._critic import Critic, alone_values, padded_critic_gradients, ppo_rollout, textbook_gae
 from tests.rl._policies import RolloutBatches
-from tests.rl.test_ddp import _ddp_trainer as ddp_trainer
+from tests.rl.test_ddp import ddp_spawn_trainer as ddp_trainer
 
 
 def critic_rollout(critic: Critic, mode: str, seed: int = 0):
