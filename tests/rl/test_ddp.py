@@ -3,6 +3,7 @@ step of a clipped policy loss equals one big padded batch, through Lightning's D
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -101,12 +102,17 @@ def test_gathered_logprobs_equal_each_sample_alone_on_two_ranks(planner_runs: Pa
                 torch.testing.assert_close(gathered[index], want, rtol=0, atol=1e-5, msg=f"{case} sample {index}")
 
 
-def _ddp_trainer(use_distributed_sampler: bool = False, **kwargs) -> Trainer:
-    """A DDP Trainer for one optimizer step in a process that is one of the ``WORLD`` ranks (:func:`join_ranks`)."""
+def _ddp_trainer(use_distributed_sampler: bool = False, *, spawn: bool = False, **kwargs) -> Trainer:
+    """A DDP Trainer for one optimizer step in a process that is one of the ``WORLD`` ranks (:func:`join_ranks`), or
+    with ``spawn`` one that spawns its ranks itself (a test run in pytest's own process)."""
+    if spawn:
+        strategy = DDPStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT)
+    else:
+        strategy = DDPStrategy(process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     return Trainer(
         accelerator="cpu",
         devices=WORLD,
-        strategy=DDPStrategy(process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT),
+        strategy=strategy,
         precision="32-true",
         max_steps=1,
         use_distributed_sampler=use_distributed_sampler,
@@ -118,22 +124,8 @@ def _ddp_trainer(use_distributed_sampler: bool = False, **kwargs) -> Trainer:
     )
 
 
-def ddp_spawn_trainer(**kwargs) -> Trainer:
-    """A DDP Trainer for one optimizer step that spawns its ``WORLD`` ranks itself (a test run in pytest's process;
-    :func:`_ddp_trainer` is for a process that already is a rank)."""
-    return Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=DDPStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT),
-        precision="32-true",
-        max_steps=1,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+ddp_spawn_trainer = functools.partial(_ddp_trainer, spawn=True)
+"""The DDP Trainer of a test in pytest's own process (it spawns the ranks)."""
 
 
 AUTOMATIC_CASES = [  # (normalize, mode, weight_field, silent samples)
