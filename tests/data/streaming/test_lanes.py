@@ -23,12 +23,12 @@ from lit_seqpack.data.sources import (
     file_streams,
 )
 from lit_seqpack.data.sources.litdata import LitDataStream, write_litdata
-from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
+from lit_seqpack.data.streaming import StreamingDataLoader
 from lit_seqpack.data.streaming.lanes import LaneHistory, lane_source
 from lit_seqpack.parallel import DataParallelLayout
-from lit_seqpack.planning.plan import PlanConfig
 from tests._limits import TEST_TIMEOUT_S
-from tests.data.streaming.test_lockstep import ACCUMULATE, MAX_TOKENS, Shares, ThreadGather, _check, _collate, _run
+from tests.data.streaming.test_lockstep import Shares, ThreadGather, _check, _run
+from tests.data.streaming.test_lockstep import _loader as lockstep_loader
 from tests.data.streaming.test_prefix import ACCUMULATE as PREFIX_ACCUMULATE
 from tests.data.streaming.test_prefix import WORLD, _inspect, _stream
 from tests.data.streaming.test_prefix import _module as _prefix_module
@@ -39,16 +39,8 @@ SHARES = [list(range(0, 60)), list(range(60, 190))]  # rank 0's share ends first
 
 
 def _loader(source: Any, rank: int, world: int, gather: ThreadGather, workers: int) -> StreamingDataLoader:
-    dataset = StreamingDataset(
-        source.split(rank, world),
-        config=PlanConfig(mode="packing", max_tokens=MAX_TOKENS, accumulate_grad_batches=ACCUMULATE),
-        rank=0,
-        window_size=16,
-        collator=_collate,
-        data_parallel=(rank, world),
-    )
     context = "fork" if workers else None  # the parse counter below is inherited by forked workers
-    return StreamingDataLoader(dataset, num_workers=workers, gather=gather.of(rank), multiprocessing_context=context)
+    return lockstep_loader(source, rank, world, gather, workers, multiprocessing_context=context)
 
 
 def _train(source: Any, workers: int, world: int = 2) -> list[list[dict[str, Any]]]:

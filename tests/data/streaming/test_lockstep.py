@@ -68,7 +68,9 @@ def _collate(microbatch: Any) -> dict[str, Any]:
     }
 
 
-def _loader(source: Any, rank: int, world: int, gather: ThreadGather, workers: int = 0) -> StreamingDataLoader:
+def _loader(
+    source: Any, rank: int, world: int, gather: ThreadGather, workers: int = 0, **options: Any
+) -> StreamingDataLoader:
     dataset = StreamingDataset(
         source.split(rank, world),
         config=PlanConfig(mode="packing", max_tokens=MAX_TOKENS, accumulate_grad_batches=ACCUMULATE),
@@ -77,7 +79,7 @@ def _loader(source: Any, rank: int, world: int, gather: ThreadGather, workers: i
         collator=_collate,
         data_parallel=(rank, world),
     )
-    return StreamingDataLoader(dataset, num_workers=workers, gather=gather.of(rank))
+    return StreamingDataLoader(dataset, num_workers=workers, gather=gather.of(rank), **options)
 
 
 def _run(world: int, task: Callable[[int, ThreadGather], Any]) -> list[Any]:
