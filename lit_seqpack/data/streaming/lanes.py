@@ -27,7 +27,15 @@ from typing import Any
 
 from lit_seqpack.data.sources.streams import describe_stream
 
-__all__ = ["LaneHistory", "LanesStart", "lane_source", "merged_overlong", "splits_by_worker", "splits_into_lanes"]
+__all__ = [
+    "LaneHistory",
+    "LanesStart",
+    "lane_count",
+    "lane_source",
+    "merged_overlong",
+    "splits_by_worker",
+    "splits_into_lanes",
+]
 
 _SHOWN = 5  # over-long samples a report lists (as OverlongCounter)
 
@@ -42,6 +50,18 @@ def splits_into_lanes(source: Any) -> bool:
         (True, False)
     """
     return callable(getattr(source, "split", None))
+
+
+def lane_count(share: Any, num_workers: int) -> int:
+    """The lanes a rank's ``share`` is read in by ``num_workers`` loader workers: one a worker from 2 workers on, when
+    the share can be split (else 0: no lanes, every worker reads the whole share).
+
+    Example:
+        >>> from lit_seqpack.data.sources import GeneratorStream
+        >>> [lane_count(GeneratorStream(lambda: iter(())), w) for w in (0, 1, 3)], lane_count(object(), 3)
+        ([0, 0, 3], 0)
+    """
+    return num_workers if num_workers > 1 and splits_into_lanes(share) else 0
 
 
 def lane_source(share: Any, lane: int, lanes: int) -> Any:

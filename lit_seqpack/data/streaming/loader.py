@@ -41,10 +41,10 @@ from lit_seqpack.data.streaming.buffer import OverlongCounter
 from lit_seqpack.data.streaming.dataset import STREAM_KEY, StreamingDataset, StreamStart
 from lit_seqpack.data.streaming.lanes import (
     LaneHistory,
+    lane_count,
     lane_source,
     merged_overlong,
     splits_by_worker,
-    splits_into_lanes,
 )
 from lit_seqpack.data.streaming.lockstep import Gather, LockStep, ShareFacts, gather_object
 from lit_seqpack.data.streaming.rank_check import WindowDigest, check_ranks_agree, stream_end
@@ -109,8 +109,7 @@ class StreamingDataLoader(DataLoader):
         self._overlong: dict[str, Any] | None = None
         self._saved: dict[str, Any] | None = None
         self._checked: WindowDigest | None = None  # the window last compared across ranks this iteration
-        share = dataset.data_parallel is not None and num_workers > 1 and splits_into_lanes(dataset.source)
-        dataset.lanes = num_workers if share else 0
+        dataset.lanes = lane_count(dataset.source, num_workers) if dataset.data_parallel is not None else 0
         splitting = splits_by_worker(dataset.source) if num_workers > 1 and not dataset.lanes else None
         if splitting is not None:  # each worker would read its own part of what every worker must read whole
             raise ValueError(

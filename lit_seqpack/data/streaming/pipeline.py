@@ -21,7 +21,7 @@ from lit_seqpack.data.settings import BatchingSettings
 from lit_seqpack.data.sources.streams import StreamSource, describe_stream
 from lit_seqpack.data.streaming.buffer import OverlongCounter
 from lit_seqpack.data.streaming.dataset import StreamingDataset
-from lit_seqpack.data.streaming.lanes import lane_source, splits_into_lanes
+from lit_seqpack.data.streaming.lanes import lane_count, lane_source
 from lit_seqpack.data.streaming.loader import StreamingDataLoader
 from lit_seqpack.data.streaming.prefix import (
     LockStepPrefix,
@@ -283,7 +283,7 @@ class StreamPipeline:
         readers = []
         for rank, size in enumerate(share_sizes(max_samples, layout.world_size)):
             share = self._share(layout._replace(rank=rank))
-            lanes = self.settings.num_workers if self.settings.num_workers > 1 and splits_into_lanes(share) else 0
+            lanes = lane_count(share, self.settings.num_workers)
             if not lanes:
                 readers.append([itertools.islice(share.open(), size)])
                 continue

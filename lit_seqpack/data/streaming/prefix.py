@@ -7,7 +7,7 @@ share*, not the stream's first samples dealt out (a JSONL stream is split by byt
 0's share). So the prefix of ``max_samples`` samples is :func:`share_sizes` samples from the start of each share, each
 share planned alone in windows as its rank plans it, and the ranks kept in lock step as the loader keeps them
 (:mod:`~lit_seqpack.data.streaming.lockstep`): every rank runs the steps of the rank with the most, a rank with fewer
-runs empty fillers (:class:`LockStepPrefix`). When ``num_workers > 0`` loader workers read lanes of a share
+runs empty fillers (:class:`LockStepPrefix`). When ``num_workers >= 2`` loader workers read lanes of a share
 (:mod:`~lit_seqpack.data.streaming.lanes`), the share's prefix is :func:`share_sizes` samples from the start of each
 lane, each lane planned alone (:func:`combined_shares` adds them up), as the workers plan them.
 """
