@@ -17,23 +17,25 @@ and per-token rewards into advantages and returns per sample, and :func:`value_l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 
-from lit_seqpack.batch import IGNORE_INDEX
+from lit_seqpack.rl.objectives import kl_estimate, shift_to_token
 
-__all__ = ["gae", "token_values", "value_loss"]
+__all__ = ["AdaptiveKLController", "FixedKLController", "gae", "kl_in_reward", "token_values", "value_loss"]
 
 
-def token_values(head: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B, T]`` values aligned with the token they value: ``out[:, t] = head[:, t - 1]``, 0 at ``t = 0`` and, with
-    ``labels``, wherever the label is -100 (as :func:`~lit_seqpack.rl.token_logprobs` aligns log-probabilities).
+def token_values(head: Any, labels_or_batch: torch.Tensor | Mapping[str, Any] | None = None) -> torch.Tensor:
+    """``[B, T]`` values aligned with the token they value: ``out[:, t] = head[:, t - 1]``, 0 at ``t = 0`` and:
+    given the batch, at every document's first position and on padding (never the previous document's last value
+    on a packed row), with or without labels; given a labels tensor, wherever the label is -100 (as
+    :func:`~lit_seqpack.rl.token_logprobs` aligns log-probabilities).
 
     Args:
         head: the value head's output ``[B, T]`` or ``[B, T, 1]`` (position ``t`` has seen tokens ``0..t``).
-        labels: the batch's labels.
+        labels_or_batch: the batch, or its labels.
 
     Example:
         >>> token_values(torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[-100, 5, 6]])).tolist()
@@ -43,10 +45,7 @@ def token_values(head: torch.Tensor, labels: torch.Tensor | None = None) -> torc
         head = head[..., 0]
     if head.ndim != 2:
         raise ValueError(f"the value head's output must be [B, T] or [B, T, 1], got {tuple(head.shape)}")
-    shifted = F.pad(head[:, :-1], (1, 0))
-    if labels is None:
-        return shifted
-    return torch.where(labels.to(shifted.device) != IGNORE_INDEX, shifted, torch.zeros_like(shifted))
+    return shift_to_token(head, labels_or_batch)
 
 
 def gae(
@@ -126,3 +125,88 @@ def value_loss(
         raise ValueError(f"clip must be > 0, got {clip!r}")
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     return torch.maximum(loss, 0.5 * (clipped - returns).square())
+
+
+class FixedKLController:
+    """A constant KL coefficient (verl ``kl_ctrl.type: fixed``); :meth:`update` changes nothing."""
+
+    def __init__(self, coef: float) -> None:
+        if not coef >= 0:
+            raise ValueError(f"coef must be >= 0, got {coef!r}")
+        self.value = float(coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Nothing to adapt."""
+
+
+class AdaptiveKLController:
+    """The adaptive KL coefficient of Ziegler et al. 2019 (verl ``kl_ctrl.type: adaptive``): after each rollout,
+    ``value *= 1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon``.
+
+    Example:
+        >>> ctrl = AdaptiveKLController(0.1, target=0.01, horizon=100)
+        >>> ctrl.update(current_kl=0.02, n_steps=10)  # twice the target: +0.2 * 10 / 100
+        >>> round(ctrl.value, 6)
+        0.102
+    """
+
+    def __init__(self, init_coef: float, *, target: float, horizon: float) -> None:
+        if not (init_coef >= 0 and target > 0 and horizon > 0):
+            raise ValueError(
+                f"init_coef must be >= 0, target and horizon > 0, got {init_coef!r}, {target!r}, {horizon!r}"
+            )
+        self.value, self.target, self.horizon = float(init_coef), float(target), float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Move the coefficient toward the one that holds the KL at ``target``."""
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def kl_in_reward(
+    scores: torch.Tensor | Sequence[float],
+    old_logprobs: Sequence[torch.Tensor],
+    ref_logprobs: Sequence[torch.Tensor],
+    loss_mask: Sequence[torch.Tensor],
+    controller: FixedKLController | AdaptiveKLController,
+    *,
+    estimator: Literal["k1", "k2", "k3", "abs"] = "k1",
+) -> tuple[list[torch.Tensor], float]:
+    """KL in the reward (PPO, REINFORCE++; verl ``use_kl_in_reward``, NeMo-RL ``use_kl_in_reward``): per sample, a
+    per-token reward ``-coef * KL_t`` on every loss token plus the sample's score on its last loss token, for
+    :func:`gae` (or summed for an outcome estimator), then the controller is updated with the rollout's KL.
+
+    ``KL_t = kl_estimate(old_logprobs, ref_logprobs, estimator)`` (verl's ``apply_kl_penalty``: the behaviour
+    policy's log-probs, no grad); the rollout's KL is the mean over samples of each sample's token mean, and the
+    controller's ``n_steps`` is the number of samples (as verl).
+
+    Returns:
+        ``(token_rewards, current_kl)``: per sample a float32 tensor shaped like its tokens (0 off the mask), and
+        the KL the controller was updated with.
+
+    Example:
+        >>> rewards, kl = kl_in_reward([1.0], [torch.tensor([0.0, -1.0, -1.0])], [torch.tensor([0.0, -1.5, -1.0])],
+        ...                            [torch.tensor([0, 1, 1])], FixedKLController(0.1))
+        >>> [round(v, 4) for v in rewards[0].tolist()], kl
+        ([0.0, -0.05, 1.0], 0.25)
+    """
+    scores = torch.as_tensor(scores).detach().cpu().double().reshape(-1)
+    if not (len(scores) == len(old_logprobs) == len(ref_logprobs) == len(loss_mask)):
+        raise ValueError(
+            f"scores, old_logprobs, ref_logprobs and loss_mask hold {len(scores)}, {len(old_logprobs)}, "
+            f"{len(ref_logprobs)} and {len(loss_mask)} samples"
+        )
+    coef, rewards, means = controller.value, [], []
+    for i, (old, ref, mask) in enumerate(zip(old_logprobs, ref_logprobs, loss_mask, strict=True)):
+        on = torch.as_tensor(mask).bool().cpu()
+        kl = kl_estimate(old.detach().cpu().double(), ref.detach().cpu().double(), estimator)
+        kl = torch.where(on, kl, 0.0)
+        reward = torch.where(on, -coef * kl, 0.0)
+        positions = on.nonzero()
+        if len(positions):
+            reward[positions[-1]] += scores[i]
+            means.append(float(kl.sum() / on.sum()))
+        rewards.append(reward.float())
+    current = sum(means) / len(means) if means else 0.0
+    controller.update(current, n_steps=len(scores))
+    return rewards, current
