@@ -106,7 +106,8 @@ def test_filter_groups_drops_and_counts_groups_with_equal_rewards() -> None:
     assert result.kept.tolist() == [2, 3, 6, 7]
     assert (result.dropped_groups, result.dropped_samples) == (3, 5)
     assert result.rollout.sample_fields["score"].tolist() == [2.0, 3.0, 6.0, 7.0]
-    assert all(torch.equal(a, rollout.input_ids[i]) for a, i in zip(result.rollout.input_ids, [2, 3, 6, 7]))
+    pairs = zip(result.rollout.input_ids, [2, 3, 6, 7], strict=True)
+    assert all(torch.equal(ids, rollout.input_ids[i]) for ids, i in pairs)
     assert filter_groups(rollout, torch.zeros(9)).rollout is None
     with pytest.raises(ValueError, match="needs the rollout's group_ids"):
         filter_groups(make_rollout(count=2), torch.zeros(2))

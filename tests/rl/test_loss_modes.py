@@ -78,10 +78,8 @@ def padded_gradients(module, rollout, samples: list[int], kind: str, normalize: 
         adv[row, :n] = rollout.token_fields["advantages"][i].double()
     logprobs = token_logprobs(plain_logits(model, ids, attention), torch.where(mask, ids, -100))
     per_sample = torch.where(mask, policy_loss(kind, logprobs, old, adv), 0.0).sum(dim=1)
-    if normalize == "sequence_token_sum":
-        total = per_sample[mask.any(dim=1)].mean()
-    else:
-        total = per_sample.sum() / FACTOR
+    has_loss = mask.any(dim=1)
+    total = per_sample[has_loss].mean() if normalize == "sequence_token_sum" else per_sample.sum() / FACTOR
     total.backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
