@@ -18,6 +18,12 @@ The second table times :meth:`lit_seqpack.rl.RolloutPlanner.plan` (a fresh plann
 ``modified_first_fit_decreasing`` packer and round-robin bins), alternately in one process, ``--repeats`` times each;
 medians, and the worst step's max/mean over ranks of each plan (tokens | cost).
 
+The third table is one GRPO step's planning + loss time at ``--loss-samples`` samples (groups of 8, one rank): a fresh
+``RolloutPlanner.plan`` plus, over every training microbatch (collated beforehand), a per-token loss and its
+``step_loss`` forward and backward on leaf log-probs (no model); the baseline is PPO's clipped loss with a k3 KL and
+token normalisation; each other row adds :func:`~lit_seqpack.rl.advantages.advantages` +
+``spread_over_tokens`` and swaps in one new loss or normalisation. Interleaved, medians of ``--repeats``.
+
     .venv/bin/python benchmarks/bench_rl.py
     .venv/bin/python benchmarks/bench_rl.py --samples 512 --ranks 8 --median 1024
 """
@@ -35,6 +41,9 @@ from lit_seqpack.planning._partition import karmarkar_karp
 from lit_seqpack.planning.algorithms import get_packer
 from lit_seqpack.planning.rollout import RolloutPlanConfig, plan_rollout
 from lit_seqpack.rl import Rollout, RolloutPlanner
+from lit_seqpack.rl.advantages import advantages, spread_over_tokens
+from lit_seqpack.rl.loss import cispo_loss, clipped_policy_loss, reinforce_loss, sapo_loss, step_loss
+from lit_seqpack.rl.objectives import kl_estimate
 
 
 def _ratio(loads: np.ndarray) -> float:
@@ -111,6 +120,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=7, help="timings of each planner (interleaved; medians)")
+    parser.add_argument("--loss-samples", type=int, default=4096, help="samples of the loss-time table (0: skip)")
     args = parser.parse_args()
     print(
         f"lognormal rollout lengths (median {args.median:g}, sigma {args.sigma:g}), {args.steps} step(s) per rollout, "
@@ -145,6 +155,68 @@ def main() -> None:
     print("| samples | ranks | lit_seqpack | NeMo-RL | ratio | lit_seqpack balance | NeMo-RL balance |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(timed))
+    if args.loss_samples:
+        print(_loss_overhead(args))
+
+
+LOSS_VARIANTS = {  # name -> (per-token policy loss, normalize, loss_scale_factor)
+    "PPO + k3, token (baseline)": (lambda lp, b: clipped_policy_loss(lp, b["old"], b["adv"]), "token", None),
+    "+ advantages, PPO + k3, token": (lambda lp, b: clipped_policy_loss(lp, b["old"], b["adv"]), "token", None),
+    "+ advantages, CISPO + k3, sequence_token_sum": (
+        lambda lp, b: cispo_loss(lp, b["old"], b["adv"]),
+        "sequence_token_sum",
+        None,
+    ),
+    "+ advantages, SAPO + k3, constant": (lambda lp, b: sapo_loss(lp, b["old"], b["adv"]), "constant", 4096.0),
+    "+ advantages, REINFORCE + k3+, token": (lambda lp, b: reinforce_loss(lp, b["adv"]), "token", None),
+}
+
+
+def _loss_overhead(args: argparse.Namespace) -> str:
+    """The third table: planning + loss time of one GRPO step per variant, against the baseline."""
+    n = args.loss_samples
+    lengths, _ = _lengths(n, args)
+    gen = torch.Generator().manual_seed(args.seed)
+    groups = torch.arange(n) // 8
+    rewards = torch.rand(n, generator=gen)
+    masks = [torch.arange(int(k)) >= int(k) // 4 for k in lengths]
+    rollout = Rollout(
+        input_ids=[torch.ones(int(k), dtype=torch.long) for k in lengths], loss_mask=masks, group_ids=groups
+    )
+    fields = {name: [-torch.rand(int(k), generator=gen) for k in lengths] for name in ("old", "ref")}
+    fields["adv"] = spread_over_tokens(advantages(rewards, groups), rollout)
+    rollout = rollout.with_fields(token_fields=fields)
+    kwargs = {"train_max_tokens": args.max_tokens, "steps_per_rollout": 1, "world_size": 1, "rank": 0}
+    batches = list(RolloutPlanner(**kwargs).train_microbatches(rollout))  # collated once, outside the timing
+    leaves = [(b["old"] + 0.1).requires_grad_() for b in batches]
+
+    def step(name: str) -> float:
+        fn, normalize, factor = LOSS_VARIANTS[name]
+        start = time.perf_counter()
+        RolloutPlanner(**kwargs).plan(rollout)
+        if name.startswith("+ advantages"):
+            spread_over_tokens(advantages(rewards, groups, token_counts=rollout.loss_tokens), rollout)
+        kl = "k3+" if "k3+" in name else "k3"
+        for batch, lp in zip(batches, leaves, strict=True):
+            loss = fn(lp, batch) + 0.01 * kl_estimate(lp, batch["ref"], kl)
+            step_loss(loss, batch, normalize=normalize, loss_scale_factor=factor, optimization="manual").backward()
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {name: [] for name in LOSS_VARIANTS}
+    for _ in range(args.repeats):
+        for name in LOSS_VARIANTS:
+            times[name].append(step(name))
+    base = float(np.median(times[next(iter(LOSS_VARIANTS))]))
+    rows = [
+        f"\nOne GRPO step's planning + loss time, {n} samples ({int(lengths.sum())} tokens, {len(batches)} "
+        f"microbatches of {args.max_tokens} tokens, 1 rank), interleaved, median of {args.repeats}\n",
+        "| variant | time | vs baseline |",
+        "|---|---:|---:|",
+    ]
+    for name, values in times.items():
+        median = float(np.median(values))
+        rows.append(f"| {name} | {median * 1e3:.1f} ms | {100 * (median / base - 1):+.1f}% |")
+    return "\n".join(rows)
 
 
 def _lengths(n: int, args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:

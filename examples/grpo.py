@@ -6,7 +6,8 @@ Each ``training_step`` receives one rollout (synthetic prompts and responses wit
 every rank; a response longer than ``--max-response`` is cut there and gets an all-zero loss mask, as NeMo-RL's
 overlong filtering does). :meth:`RolloutPlanner.compute_per_token` computes the behaviour policy's and the frozen
 reference model's log-probs (packed, no grad, gathered over ranks, one plan for both passes and the training);
-rewards become group-normalised advantages; then exactly ``--steps-per-rollout`` optimizer steps run over the
+rewards become advantages (``advantages(..., estimator=--estimator)``; the last prompt is answered once, a group of
+one sample, whose advantage is 0); then exactly ``--steps-per-rollout`` optimizer steps run over the
 planner's training microbatches::
 
     python examples/grpo.py                        # 1 process
@@ -43,6 +44,7 @@ from lit_seqpack.rl import (
     token_entropy,
     token_logprobs,
 )
+from lit_seqpack.rl.advantages import ADVANTAGE_ESTIMATORS, advantages, spread_over_tokens
 
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}
 TINY_LLAMA |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -59,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-max-tokens", type=int, default=96, help="token budget of a training microbatch")
     parser.add_argument("--logprob-max-tokens", type=int, default=192, help="token budget of the log-prob passes")
     parser.add_argument("--normalize", default="token", choices=["token", "sequence", "group"])
+    parser.add_argument("--estimator", default="grpo", choices=sorted(ADVANTAGE_ESTIMATORS), help="advantages")
     parser.add_argument("--kl-coef", type=float, default=0.05, help="weight of the k3 KL to the reference model")
     parser.add_argument("--entropy-coef", type=float, default=0.01, help="weight of the entropy bonus")
     parser.add_argument("--ckpt-dir", default=None, help="save ckpt-dir/last.ckpt after every rollout; resume from it")
@@ -69,32 +72,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def synthetic_rollout(iteration: int, prompts: int, group_size: int, max_response: int, vocab: int = 64) -> Rollout:
-    """Prompts of 4-16 tokens, each answered ``group_size`` times with 2-24 tokens; reward: share of even tokens. A
-    response longer than ``max_response`` is truncated there and masked out (no loss), reward 0."""
+    """Prompts of 4-16 tokens, each answered ``group_size`` times (the last one once: a group of one sample) with 2-24
+    tokens; reward: share of even tokens. A response longer than ``max_response`` is truncated there and masked out
+    (no loss), reward 0."""
     gen = torch.Generator().manual_seed(1000 + iteration)
-    ids, masks, rewards = [], [], []
-    for _ in range(prompts):
+    ids, masks, rewards, groups = [], [], [], []
+    for p in range(prompts):
         prompt = torch.randint(1, vocab, (int(torch.randint(4, 17, (1,), generator=gen)),), generator=gen)
-        for _ in range(group_size):
+        for _ in range(group_size if p < prompts - 1 else 1):
+            groups.append(p)
             response = torch.randint(1, vocab, (int(torch.randint(2, 25, (1,), generator=gen)),), generator=gen)
             truncated = len(response) > max_response
             response = response[:max_response]
             ids.append(torch.cat([prompt, response]))
             masks.append(torch.arange(len(ids[-1])) >= len(prompt) if not truncated else torch.zeros(len(ids[-1])))
             rewards.append(torch.tensor(0.0) if truncated else (response % 2 == 0).float().mean())
-    groups = torch.arange(prompts).repeat_interleave(group_size)
     masks = [m.bool() for m in masks]
     return Rollout(input_ids=ids, loss_mask=masks, group_ids=groups, sample_fields={"reward": torch.stack(rewards)})
 
 
-def group_advantages(rollout: Rollout) -> list[torch.Tensor]:
-    """GRPO: ``(reward - group mean) / (group std + 1e-4)``, repeated over each sample's tokens."""
-    rewards, groups = rollout.sample_fields["reward"], rollout.group_ids
-    advantages = torch.zeros_like(rewards)
-    for g in groups.unique():
-        members = groups == g
-        advantages[members] = (rewards[members] - rewards[members].mean()) / (rewards[members].std() + 1e-4)
-    return [torch.full((len(ids),), float(a)) for ids, a in zip(rollout.input_ids, advantages, strict=True)]
+def group_advantages(rollout: Rollout, estimator: str = "grpo") -> list[torch.Tensor]:
+    """One advantage per sample from its reward and group (a group of one gets 0), on each of its response tokens."""
+    values = advantages(
+        rollout.sample_fields["reward"], rollout.group_ids, estimator=estimator, token_counts=rollout.loss_tokens
+    )
+    return spread_over_tokens(values, rollout)
 
 
 def grpo_token_loss(logits, labels, old, ref, advantages, args: argparse.Namespace) -> torch.Tensor:
@@ -132,7 +134,7 @@ class GRPOPolicy(HFCausalLM):
         rollout = synthetic_rollout(self.current_epoch, args.prompts, args.group_size, args.max_response)
         old = planner.compute_per_token(self.policy_logprobs, rollout, gather=True, device=self.device)
         ref = planner.compute_per_token(self.reference_logprobs, rollout, gather=True, device=self.device)
-        fields = {"old_logprobs": old, "ref_logprobs": ref, "advantages": group_advantages(rollout)}
+        fields = {"old_logprobs": old, "ref_logprobs": ref, "advantages": group_advantages(rollout, args.estimator)}
         rollout = rollout.with_fields(token_fields=fields)  # the same plans: with_fields keeps the rollout's identity
         weights = copy.deepcopy(self.model.state_dict()) if args.check and self.first_step is None else None
         step_total = 0.0
