@@ -23,6 +23,7 @@ from lit_seqpack._lazy import lazy_exports
 _EXPORTS: dict[str, str] = {
     "Rollout": "lit_seqpack.rl.rollout",
     "RolloutPlanner": "lit_seqpack.rl.planner",
+    "RolloutSettings": "lit_seqpack.rl.planner",
     "step_loss": "lit_seqpack.rl.loss",
     "clipped_policy_loss": "lit_seqpack.rl.loss",
     "kl_estimate": "lit_seqpack.rl.objectives",

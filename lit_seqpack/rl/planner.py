@@ -69,6 +69,7 @@ from lit_seqpack.rl.unpack import unpack
 
 __all__ = [
     "RolloutPlanner",
+    "RolloutSettings",
     "LossMass",
     "collator_fields",
     "loss_mass",
@@ -80,8 +81,9 @@ __all__ = [
 ]
 
 
-class RolloutPlanner:
-    """Plans a rollout over data-parallel ranks: a log-prob pass and the training microbatches of each step.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutSettings:
+    """How a :class:`RolloutPlanner` plans: budgets, mode, steps, balance and the rollout check, checked once.
 
     Args:
         train_max_tokens: token budget of a training microbatch.
@@ -96,9 +98,6 @@ class RolloutPlanner:
         keep_together: ``None``, ``"microbatch"`` or ``"rank"``: a group (``Rollout.group_ids``) is never split
             across microbatches, or across ranks (its samples are packed one by one on its rank); see
             :class:`~lit_seqpack.planning.rollout.RolloutPlanConfig`.
-        world_size: data-parallel ranks; with ``rank``, overrides ``trainer`` and ``torch.distributed``.
-        rank: this process's data-parallel rank.
-        trainer: read the world size and rank from it (its device mesh's data-parallel layout if it has one).
         pad_token_id: the id written on padding.
         pad_to_multiple_of: pad every row to a multiple of this (packing: the row; dynamic: the block length).
         cost_linear: ``a`` of the balance cost ``a*L + b*L^2``.
@@ -113,82 +112,134 @@ class RolloutPlanner:
             in the main process (not in a DataLoader worker).
 
     Example:
+        >>> RolloutSettings(train_max_tokens=64).logprob_budget
+        64
+    """
+
+    train_max_tokens: int
+    logprob_max_tokens: int | None = None
+    mode: Literal["packing", "dynamic"] = "packing"
+    algorithm: str | None = None
+    samples_per_step: int | None = None
+    steps_per_rollout: int | None = None
+    accumulate_grad_batches: int | None = None
+    keep_together: Literal["microbatch", "rank"] | None = None
+    pad_token_id: int = 0
+    pad_to_multiple_of: int | None = None
+    cost_linear: float = 1.0
+    cost_quadratic: float | Literal["auto"] = "auto"
+    shuffle: bool = False
+    seed: int = 0
+    loss_weight_field: str | None = None
+    check_rollout: bool | None = None
+
+    def __post_init__(self) -> None:
+        field = self.loss_weight_field
+        if field is not None and (not isinstance(field, str) or not field):
+            raise ValueError(f"loss_weight_field must be None or a token field name, got {field!r}")
+        if field == "loss_mask":
+            raise ValueError(
+                "loss_weight_field='loss_mask' is not supported: a Rollout's loss_mask is 0/1. Put the weights in a "
+                "token field (token_fields={'weights': ...}) and pass loss_weight_field='weights'"
+            )
+        check_int("train_max_tokens", self.train_max_tokens, minimum=1)  # named as the user spells them
+        if self.logprob_max_tokens is not None:
+            check_int("logprob_max_tokens", self.logprob_max_tokens, minimum=1)
+        if self.check_rollout is not None and not isinstance(self.check_rollout, bool):
+            raise ValueError(f"check_rollout must be None, True or False, got {self.check_rollout!r}")
+        self.plan_config("train")  # the planner's own checks (mode, algorithm, steps, keep_together, costs)
+        self.collator()  # the padding settings
+
+    @property
+    def logprob_budget(self) -> int:
+        """The log-prob pass's budget: ``logprob_max_tokens``, else ``train_max_tokens``."""
+        return self.train_max_tokens if self.logprob_max_tokens is None else self.logprob_max_tokens
+
+    def plan_config(self, kind: Literal["train", "logprob"]) -> RolloutPlanConfig:
+        """The planner's config of one pass: training (steps, accumulation, groups, shuffle) or log-prob."""
+        common = {
+            "mode": self.mode,
+            "algorithm": self.algorithm,
+            "cost_linear": self.cost_linear,
+            "cost_quadratic": self.cost_quadratic,
+            "sequence_length_round": 1 if self.mode == "packing" else self.pad_to_multiple_of or 1,
+            "seed": self.seed,
+        }
+        if kind == "logprob":
+            return RolloutPlanConfig(max_tokens=self.logprob_budget, **common)
+        return RolloutPlanConfig(
+            max_tokens=self.train_max_tokens,
+            samples_per_step=self.samples_per_step,
+            steps_per_rollout=self.steps_per_rollout,
+            accumulate_grad_batches=self.accumulate_grad_batches,
+            keep_together=self.keep_together,
+            shuffle=self.shuffle,
+            **common,
+        )
+
+    def collator(self, **fields: Any) -> PackedCollator | PaddedCollator:
+        """The mode's collator with the padding settings (and the rollout's declared ``fields``)."""
+        collator = PackedCollator if self.mode == "packing" else PaddedCollator
+        return collator(pad_token_id=self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of, **fields)
+
+
+class RolloutPlanner:
+    """Plans a rollout over data-parallel ranks: a log-prob pass and the training microbatches of each step.
+
+    Args:
+        settings: how to plan (see :class:`RolloutSettings`); or give its fields as keywords.
+        world_size: data-parallel ranks; with ``rank``, overrides ``trainer`` and ``torch.distributed``.
+        rank: this process's data-parallel rank.
+        trainer: read the world size and rank from it (its device mesh's data-parallel layout if it has one).
+        **fields: the fields of :class:`RolloutSettings`, when ``settings`` is not given.
+
+    Example:
         >>> rollout = Rollout(input_ids=[[5, 6, 7], [8, 9], [1, 2, 3, 4]])
-        >>> planner = RolloutPlanner(train_max_tokens=8, world_size=1, rank=0)
+        >>> planner = RolloutPlanner(RolloutSettings(train_max_tokens=8), world_size=1, rank=0)
         >>> [(b["sample_indices"], b["is_last_in_step"]) for b in planner.train_microbatches(rollout)]
         [([2, 0], False), ([1], True)]
     """
 
     def __init__(
         self,
+        settings: RolloutSettings | None = None,
         *,
-        train_max_tokens: int,
-        logprob_max_tokens: int | None = None,
-        mode: Literal["packing", "dynamic"] = "packing",
-        algorithm: str | None = None,
-        samples_per_step: int | None = None,
-        steps_per_rollout: int | None = None,
-        accumulate_grad_batches: int | None = None,
-        keep_together: Literal["microbatch", "rank"] | None = None,
         world_size: int | None = None,
         rank: int | None = None,
         trainer: Any = None,
-        pad_token_id: int = 0,
-        pad_to_multiple_of: int | None = None,
-        cost_linear: float = 1.0,
-        cost_quadratic: float | Literal["auto"] = "auto",
-        shuffle: bool = False,
-        seed: int = 0,
-        loss_weight_field: str | None = None,
-        check_rollout: bool | None = None,
+        **fields: Any,
     ) -> None:
         if (world_size is None) != (rank is None):
             raise ValueError(f"give both world_size and rank, or neither (got {world_size=}, {rank=})")
         if world_size is not None and not (isinstance(rank, int) and 0 <= rank < world_size):
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
-        if loss_weight_field is not None and (not isinstance(loss_weight_field, str) or not loss_weight_field):
-            raise ValueError(f"loss_weight_field must be None or a token field name, got {loss_weight_field!r}")
-        if loss_weight_field == "loss_mask":
-            raise ValueError(
-                "loss_weight_field='loss_mask' is not supported: a Rollout's loss_mask is 0/1. Put the weights in a "
-                "token field (token_fields={'weights': ...}) and pass loss_weight_field='weights'"
-            )
-        check_int("train_max_tokens", train_max_tokens, minimum=1)  # named as the user spells them, not max_tokens
-        if logprob_max_tokens is not None:
-            check_int("logprob_max_tokens", logprob_max_tokens, minimum=1)
-        if check_rollout is not None and not isinstance(check_rollout, bool):
-            raise ValueError(f"check_rollout must be None, True or False, got {check_rollout!r}")
+        if settings is None:
+            settings = RolloutSettings(**fields)
+        elif fields:
+            raise TypeError(f"give the settings as a RolloutSettings or as keywords, not both (got {sorted(fields)})")
+        if not isinstance(settings, RolloutSettings):
+            raise TypeError(f"settings must be a RolloutSettings, got {type(settings).__name__}")
+        self.settings = settings
         self._world = DataParallelWorld(world_size, rank) if world_size is not None else None
         self._trainer = trainer
-        self.loss_weight_field, self.check_rollout = loss_weight_field, check_rollout
-        common = {
-            "mode": mode,
-            "algorithm": algorithm,
-            "cost_linear": cost_linear,
-            "cost_quadratic": cost_quadratic,
-            "sequence_length_round": 1 if mode == "packing" else pad_to_multiple_of or 1,
-            "seed": seed,
-        }
-        self._train = RolloutPlanConfig(
-            max_tokens=train_max_tokens,
-            samples_per_step=samples_per_step,
-            steps_per_rollout=steps_per_rollout,
-            accumulate_grad_batches=accumulate_grad_batches,
-            keep_together=keep_together,
-            shuffle=shuffle,
-            **common,
-        )
-        logprob_budget = train_max_tokens if logprob_max_tokens is None else logprob_max_tokens
-        self._logprob = RolloutPlanConfig(max_tokens=logprob_budget, **common)
-        self.budgets = {"train_max_tokens": train_max_tokens, "logprob_max_tokens": logprob_budget}
-        collator = PackedCollator if mode == "packing" else PaddedCollator
-        self._collator_type, self._collator_args = (
-            collator,
-            {"pad_token_id": pad_token_id, "pad_to_multiple_of": pad_to_multiple_of},
-        )
-        self._collator_type(**self._collator_args)  # validates the padding settings now
+        self._train, self._logprob = settings.plan_config("train"), settings.plan_config("logprob")
         self._plans: dict[tuple[str, int], RolloutPlan] = {}  # the plans of the rollout ``self._planned``
         self._planned: object | None = None
+
+    @property
+    def budgets(self) -> dict[str, int]:
+        """The two budgets by the names the settings give them."""
+        return {"train_max_tokens": self.settings.train_max_tokens, "logprob_max_tokens": self.settings.logprob_budget}
+
+    @property
+    def loss_weight_field(self) -> str | None:
+        """See :attr:`RolloutSettings.loss_weight_field`."""
+        return self.settings.loss_weight_field
+
+    @property
+    def check_rollout(self) -> bool | None:
+        """See :attr:`RolloutSettings.check_rollout`."""
+        return self.settings.check_rollout
 
     # --------------------------------------------------------------------------------------------- plans
     @property
@@ -303,7 +354,7 @@ class RolloutPlanner:
         world_size, rank = self.world
         mass = loss_mass(plan, rollout, weight_field)  # first: it names a weight field the rollout lacks
         fields = {"loss_weight_field": weight_field} if weight_field is not None else {}
-        collate = self._collator_type(**self._collator_args, **collator_fields(rollout), **fields)
+        collate = self.settings.collator(**collator_fields(rollout), **fields)
         for batch in plan_batches(rollout, plan, rank, world_size, collate, mass):
             yield batch if device is None else _to_device(batch, device)
 
