@@ -24,6 +24,8 @@ def model_vocab_size(model: Any) -> int | None:
     """
     inner_config = getattr(getattr(model, "model", None), "config", None)
     value = getattr(inner_config, "vocab_size", None)
+    if value is None:  # a vision-language model: its text model's vocabulary
+        value = getattr(getattr(inner_config, "text_config", None), "vocab_size", None)
     hparams = getattr(model, "hparams", None) or {}
     if value is None:
         value = hparams.get("vocab_size")
