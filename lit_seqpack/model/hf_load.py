@@ -97,9 +97,7 @@ def load_hf_model(
         model = auto.from_pretrained(model_name_or_path, config=model_config, dtype=torch_dtype, **kwargs)
     else:
         build = {k: v for k, v in kwargs.items() if k not in hub or k == "trust_remote_code"}
-        model = auto.from_config(
-            model_config, dtype=None if dtype == "auto" else torch_dtype, **build
-        )
+        model = auto.from_config(model_config, dtype=None if dtype == "auto" else torch_dtype, **build)
     return model.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes
 
 
@@ -107,7 +105,10 @@ def _auto_class(transformers: Any, config: Any) -> Any:
     """``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a config only the latter maps (Qwen2-VL,
     LLaVA, ...: a vision-language model whose causal LM is its text part)."""
     auto = require("transformers.models.auto.modeling_auto", purpose="HFCausalLM")
-    if type(config) not in auto.MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+    if (
+        type(config) not in auto.MODEL_FOR_CAUSAL_LM_MAPPING
+        and type(config) in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    ):
         return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
 

@@ -63,8 +63,12 @@ def llava_processor(folder: str | Path) -> Path:
 
     tokenizer = _tokenizer(LLAVA_SPECIAL, bos_token="<s>", eos_token="</s>")
     images = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
-    settings = {"processor_class": "LlavaProcessor", "patch_size": 8, "vision_feature_select_strategy": "full",
-                "num_additional_image_tokens": 1}
+    settings = {
+        "processor_class": "LlavaProcessor",
+        "patch_size": 8,
+        "vision_feature_select_strategy": "full",
+        "num_additional_image_tokens": 1,
+    }
     return _save(folder, tokenizer, images, LLAVA_TEMPLATE, settings)
 
 
@@ -96,7 +100,10 @@ def conversation(rng: random.Random, images: list[str]) -> dict[str, Any]:
     content: list[dict[str, str]] = [{"type": "image"} for _ in images]
     content.append({"type": "text", "text": "what is in the image" if images else "hello"})
     answer = " and ".join(colours) if colours else "none"
-    messages = [{"role": "user", "content": content}, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+    messages = [
+        {"role": "user", "content": content},
+        {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+    ]
     if rng.random() < 0.4:
         messages += [
             {"role": "user", "content": [{"type": "text", "text": "what is 2 and 3"}]},
@@ -127,21 +134,51 @@ def qwen2_vl_config(processor: Any, model_type: str = "qwen2_vl") -> dict[str, A
     """A tiny Qwen2-VL (or Qwen2.5-VL) config for ``processor``'s tokenizer: 2 text layers of width 64 with mRoPE
     sections; a 1-layer vision tower with patch 8 (Qwen2.5-VL: 2 layers, the first windowed, the second full)."""
     tok = processor.tokenizer
-    ids = {name: tok.convert_tokens_to_ids(t) for name, t in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    ids = {
+        name: tok.convert_tokens_to_ids(t)
+        for name, t in (
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+        )
+    }
     text = {
-        "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "attention_dropout": 0.0, "pad_token_id": tok.pad_token_id, "bos_token_id": None,
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "attention_dropout": 0.0,
+        "pad_token_id": tok.pad_token_id,
+        "bos_token_id": None,
         "eos_token_id": tok.eos_token_id,
     }
-    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 8, "spatial_merge_size": 2,
-              "temporal_patch_size": 2, "mlp_ratio": 2}
+    vision = {
+        "depth": 1,
+        "embed_dim": 32,
+        "hidden_size": 64,
+        "num_heads": 2,
+        "patch_size": 8,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "mlp_ratio": 2,
+    }
     if model_type == "qwen2_5_vl":
-        vision = {"depth": 2, "hidden_size": 32, "out_hidden_size": 64, "intermediate_size": 64, "num_heads": 2,
-                  "patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 32,
-                  "fullatt_block_indexes": [1]}
+        vision = {
+            "depth": 2,
+            "hidden_size": 32,
+            "out_hidden_size": 64,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 8,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 32,
+            "fullatt_block_indexes": [1],
+        }
     return {"model_type": model_type, "text_config": text, "vision_config": vision, **ids}
 
 
@@ -150,16 +187,33 @@ def llava_config(processor: Any) -> dict[str, Any]:
     (16x16 images, patch 8, every patch and the class token as image tokens)."""
     tok = processor.tokenizer
     text = {
-        "model_type": "llama", "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": tok.pad_token_id,
-        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+        "model_type": "llama",
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "pad_token_id": tok.pad_token_id,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
     }
     vision = {
-        "model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "image_size": 16, "patch_size": 8, "projection_dim": 32,
+        "model_type": "clip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": 16,
+        "patch_size": 8,
+        "projection_dim": 32,
     }
     return {
-        "model_type": "llava", "text_config": text, "vision_config": vision,
-        "image_token_id": tok.convert_tokens_to_ids("<image>"), "vision_feature_select_strategy": "full",
-        "vision_feature_layer": -1, "projector_hidden_act": "gelu",
+        "model_type": "llava",
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": tok.convert_tokens_to_ids("<image>"),
+        "vision_feature_select_strategy": "full",
+        "vision_feature_layer": -1,
+        "projector_hidden_act": "gelu",
     }

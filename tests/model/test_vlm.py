@@ -23,7 +23,9 @@ FIELDS = {"token_fields": {"mm_token_type_ids": 0}, "sample_fields": ["pixel_val
 def _folder(tmp_path, kind):
     if kind == "llava":
         return tiny.llava_processor(tmp_path / "processor")
-    return tiny.qwen2_vl_processor(tmp_path / "processor", "Qwen2_5_VLProcessor" if kind == "qwen2_5_vl" else "Qwen2VLProcessor")
+    return tiny.qwen2_vl_processor(
+        tmp_path / "processor", "Qwen2_5_VLProcessor" if kind == "qwen2_5_vl" else "Qwen2VLProcessor"
+    )
 
 
 def _config(kind, processor):
@@ -88,7 +90,11 @@ def _grads(module, names):
 def _names(model, kind):
     params = [n for n, _ in model.named_parameters()]
     language = next(n for n in params if "language_model" in n and "q_proj.weight" in n)
-    vision = next(n for n in params if ("visual" in n or "vision_tower" in n) and n.endswith("weight") and ("qkv" in n or "q_proj" in n))
+    vision = next(
+        n
+        for n in params
+        if ("visual" in n or "vision_tower" in n) and n.endswith("weight") and ("qkv" in n or "q_proj" in n)
+    )
     return [language, vision]
 
 

@@ -155,7 +155,9 @@ class VisionProcessor:
                 f"{where}: the chat template rendered {len(parts) - 1} image placeholders "
                 f"({self.kind.placeholder!r}) for {len(counts)} images"
             )
-        expanded = parts[0] + "".join(self.kind.placeholder * n + part for n, part in zip(counts, parts[1:]))
+        expanded = parts[0] + "".join(
+            self.kind.placeholder * n + part for n, part in zip(counts, parts[1:], strict=True)
+        )
         return np.asarray(self.tokenizer(expanded, add_special_tokens=False)["input_ids"], dtype=np.int64)
 
 
@@ -252,7 +254,9 @@ class VisionChatDataset(TokenizedDataset):
         mask = np.zeros(len(ids), dtype=bool)
         for turn in assistants:
             before = self.processor.encode(messages[:turn], counts[: images_before[turn]], where, prompt=True)
-            through = self.processor.encode(messages[: turn + 1], counts[: images_before[turn + 1]], where, prompt=False)
+            through = self.processor.encode(
+                messages[: turn + 1], counts[: images_before[turn + 1]], where, prompt=False
+            )
             for part in (before, through):
                 if len(part) > len(ids) or not np.array_equal(ids[: len(part)], part):
                     raise ValueError(
@@ -301,7 +305,9 @@ def _records(path: Path, messages_field: str, images_field: str) -> Iterator[tup
                 with Image.open(file) as image:
                     images.append(image.convert("RGB"))
             except (OSError, UnidentifiedImageError) as err:
-                raise ValueError(f"{where}: image {name!r} ({file}) cannot be read ({type(err).__name__}: {err})") from None
+                raise ValueError(
+                    f"{where}: image {name!r} ({file}) cannot be read ({type(err).__name__}: {err})"
+                ) from None
         yield where, messages, images
 
 
