@@ -313,7 +313,11 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         _check_optim(lr, weight_decay, warmup_steps, min_lr_ratio, lr_schedule)
         self.save_hyperparameters()
         if vocab_size is not None and config is not None and "vocab_size" not in config:
-            config = {**config, "vocab_size": vocab_size}
+            text = config.get("text_config")  # a vision-language model: the vocabulary is its text model's
+            if isinstance(text, dict):
+                config = {**config, "text_config": {"vocab_size": vocab_size, **text}}
+            else:
+                config = {**config, "vocab_size": vocab_size}
         model = load_hf_model(
             model_name_or_path=model_name_or_path,
             config=config,
@@ -322,6 +326,8 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
             dtype=dtype,
         )
         embedded = getattr(model.config, "vocab_size", None)
+        if embedded is None:  # a vision-language model: its text model's vocabulary
+            embedded = getattr(getattr(model.config, "text_config", None), "vocab_size", None)
         if vocab_size is not None and isinstance(embedded, int) and embedded < vocab_size:
             raise ValueError(
                 f"vocab_size={vocab_size} (the data's ids) is more than the model's config.vocab_size={embedded}: "

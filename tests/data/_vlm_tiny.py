@@ -217,3 +217,18 @@ def llava_config(processor: Any) -> dict[str, Any]:
         "vision_feature_layer": -1,
         "projector_hidden_act": "gelu",
     }
+
+
+def write_demo(folder: str | Path, count: int = 48) -> Path:
+    """Write the assets of ``configs/vlm_sft.yaml`` under ``folder``: ``processor/`` (Qwen2-VL) and ``chat.jsonl``
+    with its PNGs under ``img/`` (``python -m tests.data._vlm_tiny lit_seqpack/data/assets/vlm_demo``)."""
+    folder = Path(folder)
+    qwen2_vl_processor(folder / "processor")
+    write_conversations(folder, count, seed=1, sizes=((16, 16), (32, 16), (32, 32)))
+    return folder
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_demo(sys.argv[1])
