@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_seqpack._imports import require
 from lit_seqpack.batch import IGNORE_INDEX
 from lit_seqpack.data.sources._files import text_lines
 from lit_seqpack.data.sources.tokenized import TokenizedDataset
@@ -98,8 +99,7 @@ class VisionProcessor:
     """
 
     def __init__(self, folder: str | Path, chat_template: str | None = None) -> None:
-        import transformers
-
+        transformers = require("transformers", purpose="vision-language conversations (a processor folder)")
         self.folder = Path(folder).expanduser()
         config_path = self.folder / "processor_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
