@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lit_seqpack.model._padding import is_right_padded
+from lit_seqpack.batch import is_right_padded
 
 
 class ModeRun:

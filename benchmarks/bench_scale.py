@@ -123,7 +123,7 @@ def rank_child(path: str, sequences: int, max_tokens: int, world: int, accumulat
     """Runs in a fresh interpreter: one rank's sampler (``path`` "sampler") or DataModule ("dm"), timed and measured."""
     import gc
 
-    from lit_seqpack import PackedBatchSampler, SeqPackDataModule, SyntheticInstructionDataset
+    from lit_seqpack import PlannedBatchSampler, SeqPackDataModule, SyntheticInstructionDataset
     from lit_seqpack.parallel import DataParallelLayout
     from lit_seqpack.planning.plan import PlanConfig
 
@@ -139,9 +139,9 @@ def rank_child(path: str, sequences: int, max_tokens: int, world: int, accumulat
         _ = lengths.lengths  # the dataset computes its lengths lazily, once: part of building it, not of the DataModule
     config = PlanConfig(max_tokens=max_tokens, world_size=world, accumulate_grad_batches=accumulate)
 
-    def build(values: object, plan: PlanConfig) -> PackedBatchSampler:
+    def build(values: object, plan: PlanConfig) -> PlannedBatchSampler:
         if path == "sampler":
-            return PackedBatchSampler.from_config(values, plan, rank=plan.world_size - 1, verify_plan=False)
+            return PlannedBatchSampler(values, plan, rank=plan.world_size - 1, verify_plan=False)
         data = SeqPackDataModule(source=values, max_tokens=max_tokens)
         data.setup("fit")
         data.pipeline.layout = DataParallelLayout(plan.world_size, plan.world_size - 1, plan.accumulate_grad_batches)

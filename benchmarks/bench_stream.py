@@ -52,7 +52,7 @@ from _common import machine_summary, markdown_table
 
 from lit_seqpack import SeqPackDataModule
 from lit_seqpack.data.sources import JsonlStream, ParquetStream, SyntheticStream
-from lit_seqpack.data.streaming import OverlongCounter, stream_windows
+from lit_seqpack.data.streaming.buffer import OverlongCounter, stream_windows
 from lit_seqpack.planning.plan import PlanConfig, build_plan
 
 
@@ -280,7 +280,8 @@ def simulated_ranks(world: int, folder: str, args: argparse.Namespace) -> list[d
 
     from lit_seqpack.data.settings import BatchingSettings
     from lit_seqpack.data.sources import JsonlStream
-    from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
+    from lit_seqpack.data.streaming.dataset import StreamingDataset
+    from lit_seqpack.data.streaming.loader import StreamingDataLoader
     from lit_seqpack.parallel import DataParallelLayout
 
     settings = BatchingSettings(max_tokens=args.max_tokens, algorithm="best_fit_decreasing", window=args.rank_buffer)

@@ -16,7 +16,7 @@ import time
 from _common import machine_summary, markdown_table
 
 from lit_seqpack.data.sources import SyntheticStream
-from lit_seqpack.data.streaming import stream_windows
+from lit_seqpack.data.streaming.buffer import stream_windows
 from lit_seqpack.data.streaming.rank_check import window_digest
 from lit_seqpack.planning.plan import PlanConfig
 

@@ -66,9 +66,10 @@ from bench_attention import attention_cases, doc_lengths, median_times
 
 from lit_seqpack.data import PlannedDataset
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.indexed.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
+from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler
 from lit_seqpack.model.attention import available_backends
 from lit_seqpack.model.reference import REFERENCE_PRESETS, ReferenceConfig
+from lit_seqpack.planning.config import PlanConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {  # preset, vocab, median / longest sample, max_tokens, real tokens per mode, attention row, repeats, ...
@@ -128,17 +129,14 @@ def planned_loader(
 
     What ``SeqPackDataModule`` builds, without torchdata (absent on the GPU machine): a plain ``DataLoader``.
     """
-    knobs = {"sequence_length_round": round_to, "shuffle": shuffle, "loss_tokens": dataset.loss_tokens,
-             "accumulate_grad_batches": accumulate}  # fmt: skip
-    if spec["mode"] == "padded":
-        sampler = PaddedBatchSampler(dataset.lengths, batch_size=spec["batch_size"], **knobs)
-        collate = PaddedCollator(pad_to_multiple_of=round_to)
-    elif spec["mode"] == "dynamic":
-        sampler = DynamicBatchSampler(dataset.lengths, max_tokens=spec["max_tokens"], **knobs)
-        collate = PaddedCollator(pad_to_multiple_of=round_to)
-    else:
-        sampler = PackedBatchSampler(dataset.lengths, max_tokens=spec["max_tokens"], **knobs)
+    knobs = {"sequence_length_round": round_to, "shuffle": shuffle, "accumulate_grad_batches": accumulate}
+    budget = {"batch_size": spec["batch_size"]} if spec["mode"] == "padded" else {"max_tokens": spec["max_tokens"]}
+    config = PlanConfig(mode=spec["mode"], **budget, **knobs)
+    sampler = PlannedBatchSampler(dataset.lengths, config, loss_tokens=dataset.loss_tokens)
+    if spec["mode"] == "packing":
         collate = PackedCollator(pad_to_multiple_of=round_to)
+    else:
+        collate = PaddedCollator(pad_to_multiple_of=round_to)
     return torch.utils.data.DataLoader(
         PlannedDataset(dataset), batch_sampler=sampler, collate_fn=collate, num_workers=workers, pin_memory=pin
     )

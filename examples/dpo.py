@@ -25,7 +25,8 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer
 
 from lit_seqpack import HFCausalLM
 from lit_seqpack.model.loss import LossOutput
-from lit_seqpack.rl import Rollout, RolloutPlanner, document_sums, policy_logits, token_logprobs
+from lit_seqpack.rl import Rollout, RolloutPlanner, policy_logits, token_logprobs
+from lit_seqpack.rl.unpack import document_sums
 
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}
 TINY_LLAMA |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

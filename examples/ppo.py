@@ -34,9 +34,9 @@ from lit_seqpack.rl import (
     policy_logits,
     step_loss,
     token_logprobs,
-    token_values,
     value_loss,
 )
+from lit_seqpack.rl.values import token_values
 
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}
 TINY_LLAMA |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lit_seqpack._checks import check_int
-from lit_seqpack.config_resolvers import register_resolvers
+from lit_seqpack.cli import register_resolvers
 
 if TYPE_CHECKING:
     from lit_seqpack.parallel import DataParallelLayout

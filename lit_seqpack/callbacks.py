@@ -15,7 +15,8 @@ from typing_extensions import override
 from lit_seqpack._checks import check_int
 from lit_seqpack.metrics.counts import TokenKind, check_token_kind
 from lit_seqpack.metrics.tracker import PackingTracker, RunTotals
-from lit_seqpack.parallel import ParallelLayout, mesh_layout, strategy_mesh
+from lit_seqpack.parallel import ParallelLayout
+from lit_seqpack.parallel.layout import mesh_layout, strategy_mesh
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer

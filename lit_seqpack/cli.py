@@ -4,7 +4,7 @@ What it adds to a plain ``LightningCLI``:
 
 - ``${asset:...}`` (a data asset installed with the package) and ``${config_name:}`` (the ``--config`` file's name,
   which the shipped configs use for ``outputs/<config name>/``) are resolved in configs
-  (:mod:`lit_seqpack.config_resolvers`);
+  (:mod:`lit_seqpack.cli`);
 - every subcommand parser runs in omegaconf mode: ``${...}`` in a YAML file is resolved when the file is loaded
   (against that file), and ``${...}`` given on the command line (``--trainer.default_root_dir '${oc.env:HOME}'``)
   against the whole merged config (settings typed as strings: paths, names; jsonargparse checks an int or a
@@ -23,29 +23,232 @@ What it adds to a plain ``LightningCLI``:
 
 The ``inspect`` (plan statistics without training), ``generate`` and ``export`` subcommands are dispatched by
 :mod:`lit_seqpack.__main__`.
+
+The CLI's config files: ``${...}`` resolved against the whole config, and a failed or misdirected one explained.
+
+jsonargparse's omegaconf mode resolves ``${...}`` inside each YAML file as it is loaded; what it cannot (a typo behind
+an interpolation, a bad data value reported at the model setting that interpolates it) is named here as the file
+spells it.
+
+The ``${asset:...}`` and ``${config_name:}`` interpolations of the shipped YAML configs.
+
+The CLI (``fit``, ``validate``, ``test``, ``inspect``) registers them with omegaconf before it reads a config, so
+a config runs from any working directory and writes under its own name:
+
+- ``${asset:chat_demo/tokenizer}`` is the absolute path of a data asset installed with the package
+  (``lit_seqpack/data/assets/...``), wherever the command runs from;
+- ``${config_name:}`` is the file name, without suffix, of the last ``--config`` given on the command line
+  (``configs/text_sft.yaml`` -> ``text_sft``): a copy of a shipped config saved as ``my_run.yaml`` logs to
+  ``outputs/my_run/`` and keeps its checkpoints in ``outputs/my_run/checkpoints/``, where ``--ckpt_path last``
+  finds them.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import logging
+import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_seqpack._checks import check_int
-from lit_seqpack._config_files import check_interpolated_data, explain_interpolation_error, resolve_interpolation
-from lit_seqpack.config_resolvers import register_resolvers
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.data.sources._vocab import vocab_hint
-from lit_seqpack.model.vocab import model_vocab_size
+from lit_seqpack.data.sources.text import vocab_hint
+from lit_seqpack.model.hf_load import model_vocab_size
 
-__all__ = ["DEFAULT_MODEL", "SUBCOMMANDS", "TRAINER_DEFAULTS", "SeqPackCLI", "check_vocab", "model_vocab_size"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "SUBCOMMANDS",
+    "TRAINER_DEFAULTS",
+    "SeqPackCLI",
+    "check_vocab",
+    "model_vocab_size",
+    "check_interpolated_data",
+    "explain_interpolation_error",
+    "resolve_interpolation",
+    "ASSETS",
+    "DEFAULT_RUN_NAME",
+    "asset_path",
+    "config_files",
+    "register_resolvers",
+    "run_name",
+]
+
+
+ASSETS = Path(__file__).resolve().parent / "data" / "assets"
+"""The folder of the data assets installed with the package."""
+
+DEFAULT_RUN_NAME = "lit_seqpack"
+"""``${config_name:}`` when no ``--config`` file is given."""
+
+
+def asset_path(relative: str) -> str:
+    """The absolute path of an installed data asset.
+
+    Args:
+        relative: the asset's path under ``lit_seqpack/data/assets/``.
+
+    Raises:
+        ValueError: no such asset (the message lists the assets there are).
+
+    Example:
+        >>> Path(asset_path("chat_demo/tokenizer")).is_dir()
+        True
+    """
+    path = (ASSETS / str(relative)).resolve()
+    if ASSETS not in path.parents or not path.exists():
+        known = ", ".join(sorted(p.name for p in ASSETS.iterdir()))
+        raise ValueError(f"${{asset:{relative}}}: no such asset under {ASSETS} (there are: {known})")
+    return str(path)
+
+
+def config_files(args: Sequence[object] | None) -> list[str]:
+    """The ``--config`` / ``-c`` files of a command line, in order.
+
+    Example:
+        >>> config_files(["fit", "--config", "a.yaml", "--config=b.yaml", "--trainer.max_steps", "3"])
+        ['a.yaml', 'b.yaml']
+    """
+    if not isinstance(args, (list, tuple)):
+        return []
+    files = []
+    for i, arg in enumerate(args):
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            files.append(str(args[i + 1]))
+        elif isinstance(arg, str) and arg.startswith("--config="):
+            files.append(arg.split("=", 1)[1])
+    return files
+
+
+def run_name(args: Sequence[object] | None) -> str:
+    """The run's name: the stem of the last ``--config`` file, else :data:`DEFAULT_RUN_NAME`.
+
+    Example:
+        >>> run_name(["fit", "--config", "configs/text_sft.yaml"]), run_name(["fit"])
+        ('text_sft', 'lit_seqpack')
+    """
+    files = config_files(args)
+    return Path(files[-1]).stem if files else DEFAULT_RUN_NAME
+
+
+def register_resolvers(args: Sequence[object] | None) -> None:
+    """Register ``asset`` and ``config_name`` with omegaconf for the command line ``args`` (replacing earlier ones)."""
+    from omegaconf import OmegaConf
+
+    name = run_name(args)
+    OmegaConf.register_new_resolver("asset", asset_path, replace=True)
+    OmegaConf.register_new_resolver("config_name", lambda: name, replace=True)
+
+
+def resolve_interpolation(parser: LightningArgumentParser, cfg: Any) -> Any:
+    """``cfg`` with every ``${...}`` resolved by omegaconf against the whole config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    dumped = parser.dump(cfg, skip_validation=True, skip_link_targets=False)
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(yaml.safe_load(dumped)), resolve=True)
+    except InterpolationResolutionError as err:
+        raise ValueError(f"cannot resolve the interpolation in {err.full_key}: {err.msg}") from None
+    return parser.parse_object(resolved)
+
+
+def explain_interpolation_error(err: Exception, args: Any) -> str:
+    """A message for a ``${a.b}`` that a YAML file cannot resolve, naming the unknown key it sets instead (a typo).
+
+    Args:
+        err: omegaconf's error (``Interpolation key 'data.max_tokens' not found``).
+        args: the command line, to find the ``--config`` files.
+    """
+    text = str(err).splitlines()[0]
+    match = re.search(r"Interpolation key '([^']+)' not found", text)
+    where = getattr(err, "full_key", None)
+    message = f"the config's interpolation in {where or 'a value'} failed: {text}"
+    if match is None:
+        return message
+    missing = match.group(1)
+    parent, _, leaf = missing.rpartition(".")
+    for path in config_files(args):
+        section: Any = _load_yaml(path)
+        for part in parent.split(".") if parent else []:
+            section = section.get(part) if isinstance(section, Mapping) else None
+            if isinstance(section, Mapping) and "init_args" in section and part != "init_args":
+                section = section if leaf in section else section.get("init_args", section)
+        if isinstance(section, Mapping):
+            close = difflib.get_close_matches(leaf, [str(k) for k in section], n=1)
+            if close:
+                return (
+                    f"{path}: {where or 'a value'} refers to ${{{missing}}}, but the file sets "
+                    f"{parent + '.' if parent else ''}{close[0]}, not {leaf}: is {close[0]!r} a typo of {leaf!r}?"
+                )
+    return f"{message}; set {missing} in the config (or fix the name in the ${{...}})"
+
+
+_DATA_REFERENCE = re.compile(r"^\$\{data\.(\w+)\}$")
+
+
+def check_interpolated_data(args: Any) -> None:
+    """Check the data settings a config's model section refers to (``max_seq_len: ${data.max_tokens}``) first.
+
+    jsonargparse checks the model section before the data section, so a bad ``data.max_tokens`` would be reported
+    as the model's ``max_seq_len`` (the interpolation's target): it is checked here and named as the file spells it.
+
+    Args:
+        args: the command line, to find the ``--config`` files.
+
+    Raises:
+        ValueError: naming the file, ``data.<key>``, its value, the rule, and the model setting that refers to it.
+    """
+    from dataclasses import fields
+
+    from lit_seqpack.data.settings import BatchingSettings
+
+    known = {field.name for field in fields(BatchingSettings)}
+    for path in config_files(args):
+        config = _load_yaml(path)
+        if not isinstance(config, Mapping):
+            continue
+        model, data = (_init_args(config.get(name)) for name in ("model", "data"))
+        for name, value in model.items():
+            match = _DATA_REFERENCE.match(value) if isinstance(value, str) else None
+            key = match.group(1) if match else None
+            if key not in known or key not in data:
+                continue
+            try:
+                BatchingSettings(**{key: data[key]})
+            except (TypeError, ValueError) as err:
+                if key not in str(err):  # the value is fine alone: the DataModule names the combination
+                    continue
+                raise ValueError(
+                    f"{path}: data.{key}={data[key]!r} is not valid ({err}); model.init_args.{name} refers to it "
+                    f"as ${{data.{key}}}, so fix data.{key}"
+                ) from err
+
+
+def _init_args(section: Any) -> Mapping[str, Any]:
+    """A config section's arguments: its ``init_args`` under a ``class_path``, else the section itself."""
+    if not isinstance(section, Mapping):
+        return {}
+    inner = section.get("init_args") if "class_path" in section else section
+    return inner if isinstance(inner, Mapping) else {}
+
+
+def _load_yaml(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return yaml.safe_load(handle)
+    except (OSError, yaml.YAMLError):
+        return None
+
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +281,7 @@ def check_vocab(model: LightningModule, data_vocab_size: int, *, hint: str = "or
     Args:
         model: the LightningModule.
         data_vocab_size: the vocabulary the data needs (``SeqPackDataModule.vocab_size``).
-        hint: the data-side fix, ending the message (:func:`~lit_seqpack.data.sources._vocab.vocab_hint`).
+        hint: the data-side fix, ending the message (:func:`~lit_seqpack.data.sources.text.vocab_hint`).
 
     Raises:
         ValueError: the model's vocabulary is smaller than the data's (the message names both values).

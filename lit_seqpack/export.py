@@ -13,7 +13,7 @@ The Lightning checkpoint is loaded on the CPU as the class it recorded (:mod:`li
   ``AutoModelForCausalLM.from_pretrained(output_dir)`` loads the trained model with no lit_seqpack installed. The same
   in Python: ``HFCausalLM.export_hf(path)``.
 - :class:`~lit_seqpack.model.lm.ReferenceLM`: a plain folder, ``config.json`` (its constructor arguments) and
-  ``model.safetensors``, that :func:`~lit_seqpack.model.reference_io.load_reference_lm` loads.
+  ``model.safetensors``, that :func:`~lit_seqpack.model.lm.load_reference_lm` loads.
 
 The tokenizer the run trained with (or ``--tokenizer``) is saved alongside.
 """
@@ -57,8 +57,7 @@ def export_command(argv: Sequence[str]) -> str:
     Raises:
         ValueError: a checkpoint of a model that has no export (the message says what to do instead).
     """
-    from lit_seqpack.model.lm import ReferenceLM
-    from lit_seqpack.model.reference_io import save_reference_lm
+    from lit_seqpack.model.lm import ReferenceLM, save_reference_lm
 
     args = build_export_parser().parse_args(list(argv))
     module = load_module(args.ckpt_path, model_class=args.model_class)
@@ -73,7 +72,7 @@ def export_command(argv: Sequence[str]) -> str:
         path = save_reference_lm(module, args.output_dir, dtype=args.dtype, tokenizer=tokenizer)
         return (
             f"exported ReferenceLM from {args.ckpt_path} to {path} (config.json + model.safetensors"
-            f"{' + tokenizer' if tokenizer else ''}; lit_seqpack.model.reference_io.load_reference_lm loads it)"
+            f"{' + tokenizer' if tokenizer else ''}; lit_seqpack.model.lm.load_reference_lm loads it)"
         )
     raise ValueError(
         f"{type(module).__name__} has no export: give it an export_hf(path, dtype=..., tokenizer=...) method, or save "

@@ -122,7 +122,10 @@ def test_names_that_did_not_move_import_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         from lit_seqpack.data.indexed.validation import scan_dataset
-        from lit_seqpack.data.sources import TokenizedDataset, load_tokenized  # the package took the module's path
+        from lit_seqpack.data.sources.tokenized import (  # the package took the module's path
+            TokenizedDataset,
+            load_tokenized,
+        )
     assert callable(load_tokenized) and callable(scan_dataset)
     assert TokenizedDataset.__module__ == "lit_seqpack.data.sources.tokenized"
 

@@ -180,7 +180,7 @@ def test_model_and_data_modules_import_no_config_packages():
         "lit_seqpack.model.hf",
         "lit_seqpack.model.lm",
         "lit_seqpack.data.batching.collate",
-        "lit_seqpack.data.indexed.samplers",
+        "lit_seqpack.data.indexed.planned_sampler",
         "lit_seqpack.batch",
         "lit_seqpack.planning.plan",
     ]

@@ -1,11 +1,11 @@
-"""Sampling and the generation loop (lit_seqpack.generation), on hand-made logits: no model needed."""
+"""Sampling and the generation loop (lit_seqpack.generate), on hand-made logits: no model needed."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lit_seqpack.generation import generate_ids, next_token
+from lit_seqpack.generate import generate_ids, next_token
 
 LOGITS = torch.tensor([1.0, 3.0, 2.9, -2.0, 0.5])
 

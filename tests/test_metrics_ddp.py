@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_seqpack.metrics import PackingEfficiency, PackingTracker, PaddingRatio, RankImbalance, TokensPerSecond
+from lit_seqpack.metrics import PackingEfficiency, PaddingRatio, RankImbalance, TokensPerSecond
+from lit_seqpack.metrics.tracker import PackingTracker
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 
 WORLD_SIZE = 2

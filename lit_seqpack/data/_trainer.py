@@ -8,8 +8,8 @@ The layout is read from the ``Trainer`` (or a Fabric object) when there is one (
 
 **The strategy's device mesh is the source of truth.** Under ``ModelParallelStrategy`` (FSDP2 + TP), or any
 strategy with a ``device_mesh``, the data-parallel size and rank are read from the mesh
-(:func:`lit_seqpack.parallel.mesh_layout`, which also names the dimensions it recognises) and checked against the
-DataModule's ``tensor_parallel_size`` / ``context_parallel_size`` (:func:`lit_seqpack.parallel.check_mesh`).
+(:func:`lit_seqpack.parallel.layout.mesh_layout`, which also names the dimensions it recognises) and checked against the
+DataModule's ``tensor_parallel_size`` / ``context_parallel_size`` (:func:`lit_seqpack.parallel.layout.check_mesh`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lit_seqpack.parallel import DataParallelLayout, ParallelLayout, check_mesh, mesh_layout, strategy_mesh
+from lit_seqpack.parallel import DataParallelLayout, ParallelLayout
+from lit_seqpack.parallel.layout import check_mesh, mesh_layout, strategy_mesh
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer

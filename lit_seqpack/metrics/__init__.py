@@ -8,20 +8,14 @@ The formulas live in :mod:`lit_seqpack.metrics.functional` as pure functions.
 
 from __future__ import annotations
 
-from lit_seqpack.metrics.counts import BatchCounts, batch_counts
-from lit_seqpack.metrics.imbalance import RankImbalance
-from lit_seqpack.metrics.packing import PackingEfficiency
-from lit_seqpack.metrics.padding import PaddingRatio
-from lit_seqpack.metrics.throughput import TokensPerSecond
-from lit_seqpack.metrics.tracker import PackingTracker, RunTotals
+from lit_seqpack._lazy import lazy_exports
 
-__all__ = [
-    "BatchCounts",
-    "PackingEfficiency",
-    "PackingTracker",
-    "PaddingRatio",
-    "RankImbalance",
-    "RunTotals",
-    "TokensPerSecond",
-    "batch_counts",
-]
+_EXPORTS: dict[str, str] = {
+    "PaddingRatio": "lit_seqpack.metrics.packing",
+    "TokensPerSecond": "lit_seqpack.metrics.throughput",
+    "PackingEfficiency": "lit_seqpack.metrics.packing",
+    "RankImbalance": "lit_seqpack.metrics.imbalance",
+}
+__all__ = list(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -1,6 +1,6 @@
 """The packed-row contract between lit_seqpack and a transformers model: names, inputs, and what a call may carry.
 
-Both sides read this module (the glue in :mod:`lit_seqpack.model.hf` and :mod:`lit_seqpack.model._hf_dispatch`, and
+Both sides read this module (the glue in :mod:`lit_seqpack.model.hf` and :mod:`lit_seqpack.model.hf`, and
 the isolation probe in :mod:`lit_seqpack.model.isolation`), so it imports neither of them:
 
 - :data:`ATTENTION_NAME`, :data:`BACKEND_KWARG`, :data:`RIGHT_PADDED_KWARG`: the names lit_seqpack registers with
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from lit_seqpack._checks import check_int
-from lit_seqpack.model._padding import is_right_padded
+from lit_seqpack.batch import is_right_padded
 
 ATTENTION_NAME = "lit_seqpack_varlen"
 """The name of lit_seqpack's attention function in transformers' ``AttentionInterface``."""
@@ -49,7 +49,7 @@ def hf_model_inputs(batch: Mapping[str, Any], *, backend: str = "auto") -> dict[
 
     A padded batch passes the standard ``attention_mask`` (models that read it for more than attention get it);
     when every row's padding is on the right it also passes ``lit_seqpack_right_padded=True``, so the mask is built
-    without the padding (plain causal SDPA, exact for every real token; see :mod:`lit_seqpack.model._hf_dispatch`).
+    without the padding (plain causal SDPA, exact for every real token; see :mod:`lit_seqpack.model.hf`).
 
     Args:
         batch: a packed row (with ``cu_seqlens``) or a padded ``[B, L]`` batch (with ``attention_mask``).

@@ -23,12 +23,38 @@ read them:
 ``"auto"`` picks the first usable one in that order for the tensors' device and dtype. Nothing here touches
 CUDA or imports flash-attn at import time. Tests force a backend with :func:`use_backend` and swap a kernel
 for a CPU stand-in with the kernel's own signature with :func:`override_backend` (for instance
-:func:`reference_flash_attn_varlen_func`), so the argument routing is tested without a GPU.
+:func:`~lit_seqpack.model.attention_reference.reference_flash_attn_varlen_func`), so the argument routing is tested
+without a GPU.
 
 :func:`route_varlen_attention` is the extension point for attention that is not local to one process: inside
 the block every :func:`varlen_attention` call (from any model: the reference decoder, a transformers model
 through :mod:`lit_seqpack.model.hf`) goes to a handler instead; context parallelism
 (:mod:`lit_seqpack.model.cp_attention`) uses it.
+
+**Kernels.** The calls into the CUDA varlen kernels (``flash_attn_varlen_func``,
+``torch.nn.attention.varlen.varlen_attn``): each adapter maps :func:`varlen_attention`'s arguments onto the installed
+kernel's signature (read with :func:`parameters`), and raises :class:`BackendUnavailableError` naming what the installed
+kernel lacks, rather than dropping an argument.
+
+**Checks** of :func:`varlen_attention`'s arguments (shapes, window, softcap, sinks) run before any kernel.
+
+**Arithmetic.** The exact attention behind the ``"sdpa"`` backend and the reference (windows, softcaps, sinks), one
+document (or one dense row, for the reference) at a time, on ``[1, heads, n, head_dim]`` views:
+
+* no window shorter than the document, no softcap, no sinks: ``F.scaled_dot_product_attention`` (fused kernel);
+* a window shorter than the document: SDPA with the banded boolean mask of :func:`allowed_mask`;
+* a softcap or sinks: :func:`explicit_attention`, the scores written out as transformers' eager attention does.
+
+A window is ``(left, right)`` in FlashAttention's convention: query ``i`` sees keys ``j`` with
+``i - left <= j <= i + right`` (``-1``: unbounded on that side); ``causal`` caps ``right`` at 0. transformers'
+``sliding_window=W`` (a query sees ``W`` keys, itself included) is ``(W - 1, 0)``::
+
+    W = 3, causal      keys 0 1 2 3 4
+                 q 0      x
+                 q 1      x x
+                 q 2      x x x
+                 q 3        x x x
+                 q 4          x x x
 """
 
 from __future__ import annotations
@@ -36,18 +62,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
+import torch.nn.functional as F
 
 from lit_seqpack._imports import FLASH_ATTN_AVAILABLE, FLASH_ATTN_INSTALL_HINT
-from lit_seqpack.model._attention_checks import check_extras, check_inputs, segment_lengths
-from lit_seqpack.model._attention_kernels import BackendUnavailableError, flash_attn_call, torch_varlen_call
-from lit_seqpack.model._attention_math import dense_varlen, sdpa_varlen
-from lit_seqpack.model._attention_reference import reference_flash_attn_varlen_func, reference_varlen_attention
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -58,12 +83,290 @@ __all__ = [
     "available_backends",
     "backend_table",
     "override_backend",
-    "reference_flash_attn_varlen_func",
-    "reference_varlen_attention",
     "route_varlen_attention",
     "use_backend",
     "varlen_attention",
 ]
+
+
+Window = tuple[int, int]
+
+
+def covers(window: Window | None, length: int, causal: bool) -> bool:
+    """Whether ``window`` masks nothing inside a segment of ``length`` tokens (then it is a no-op).
+
+    Example:
+        >>> covers((15, 0), 16, True), covers((15, 0), 17, True), covers(None, 10**6, False)
+        (True, False, True)
+    """
+    if window is None:
+        return True
+    left, right = window
+    return (left < 0 or left >= length - 1) and (causal or right < 0 or right >= length - 1)
+
+
+def allowed_mask(length: int, window: Window | None, causal: bool, device: torch.device) -> torch.Tensor | None:
+    """The ``[length, length]`` boolean mask of one segment (``True``: attend), or ``None`` for no mask at all.
+
+    Example:
+        >>> allowed_mask(4, (1, 0), True, torch.device("cpu")).int().tolist()
+        [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    """
+    if not causal and covers(window, length, causal):
+        return None
+    position = torch.arange(length, device=device)
+    offset = position[None, :] - position[:, None]  # key - query
+    allowed = offset <= 0 if causal else torch.ones(length, length, dtype=torch.bool, device=device)
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            allowed = allowed & (offset >= -left)
+        if right >= 0:
+            allowed = allowed & (offset <= right)
+    return allowed
+
+
+def explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention with the scores written out, as transformers' eager attention computes it.
+
+    ``scores = q k^T * scale``; with ``softcap``: ``softcap * tanh(scores / softcap)`` (Gemma2); masked by
+    ``allowed``; with ``sinks`` (one logit per query head, GPT-OSS ``s_aux``): an extra column in the softmax
+    denominator that no value reads. The softmax runs in float32 (or float64 for float64 inputs).
+
+    Args:
+        q: ``[..., heads, n, head_dim]``.
+        k: ``[..., kv_heads, m, head_dim]``; query head ``h`` reads kv head ``h // (heads // kv_heads)``.
+        v: like ``k``.
+        allowed: a boolean mask broadcastable to ``[..., heads, n, m]`` (``True``: attend), or ``None``.
+        scale: the score scale.
+        softcap: the cap, or ``None``.
+        sinks: ``[heads]`` sink logits, or ``None``.
+    """
+    groups = q.shape[-3] // k.shape[-3]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def sdpa_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: list[int],
+    causal: bool,
+    scale: float,
+    window: Window | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact varlen attention, one document at a time over ``torch.split`` views; ``[T, heads, head_dim]``.
+
+    The leading batch dimension of the views matters: SDPA sends 3-D inputs to its unfused math path and 4-D
+    ones to the fused (flash) CPU kernel, about 2x faster.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    chunks = zip(*(x.transpose(0, 1)[None].split(lengths, dim=2) for x in (q, k, v)), strict=True)
+    outs = []
+    for (qd, kd, vd), length in zip(chunks, lengths, strict=True):
+        if length == 0:
+            continue
+        if softcap is not None or sinks is not None:
+            allowed = allowed_mask(length, window, causal, q.device)
+            outs.append(explicit_attention(qd, kd, vd, allowed, scale, softcap, sinks))
+        elif covers(window, length, causal):
+            outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=gqa))
+        else:
+            mask = allowed_mask(length, window, causal, q.device)
+            outs.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa))
+    return torch.cat(outs, dim=2)[0].transpose(0, 1).contiguous()
+
+
+def dense_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window: Window | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact varlen attention over the whole row with a block-diagonal mask built on the device; ``[T, heads, d]``.
+
+    Nothing is read on the host (segment ids come from ``searchsorted`` on ``cu_seqlens``), so ``torch.compile``
+    traces it without a graph break and without guarding on segment lengths or counts. It costs a ``[T, T]`` mask
+    and ``T^2`` score work instead of ``sum(n_i^2)``: the path for compiled CPU runs, not the fastest eager one.
+    """
+    total = q.shape[0]
+    position = torch.arange(total, device=q.device)
+    segment = torch.searchsorted(cu_seqlens[1:].to(torch.int64), position, right=True)
+    allowed = segment[:, None] == segment[None, :]
+    band = allowed_mask(total, window, causal, q.device)
+    if band is not None:
+        allowed = allowed & band
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
+    if softcap is not None or sinks is not None:
+        out = explicit_attention(qh, kh, vh, allowed, scale, softcap, sinks)
+    else:
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1]
+        )
+    return out[0].transpose(0, 1).contiguous()
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a [total_tokens, heads, head_dim] tensor, got {getattr(t, 'shape', t)}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k and v must be [{q.shape[0]}, kv_heads, {q.shape[2]}] like q, got {k.shape} and {v.shape}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on {q.device}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D tensor [num_segments + 1], got {getattr(cu_seqlens, 'shape', None)}"
+        )
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens must be int32 (FlashAttention's dtype), got {cu_seqlens.dtype}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
+    integral = isinstance(max_seqlen, numbers.Integral | torch.SymInt)  # SymInt: a dynamic int under torch.compile
+    if isinstance(max_seqlen, bool) or not integral or max_seqlen < 1:
+        raise ValueError(f"max_seqlen must be a positive Python int (not a tensor: no device sync), got {max_seqlen!r}")
+
+
+def segment_lengths(cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int) -> list[int]:
+    """Check cu_seqlens' values and return the segment lengths (reads the tensor on the host)."""
+    bounds = cu_seqlens.tolist()
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    if bounds[0] != 0 or bounds[-1] != total_tokens:
+        raise ValueError(f"cu_seqlens must start at 0 and end at total_tokens={total_tokens}, got {bounds}")
+    if min(lengths) < 0:
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    if max(lengths) > max_seqlen:
+        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest segment ({max(lengths)})")
+    return lengths
+
+
+def check_extras(
+    q: torch.Tensor,
+    window: tuple[int, int] | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    causal: bool,
+) -> tuple[tuple[int, int] | None, frozenset[str]]:
+    """Validate ``window``/``softcap``/``sinks``; the window to use (``None``: unbounded) and the features asked."""
+    if window is not None:
+        if (
+            not isinstance(window, tuple | list)
+            or len(window) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1 for w in window)
+        ):
+            raise ValueError(f"window must be (left, right) with ints >= -1 (-1: unbounded), got {window!r}")
+        left, right = int(window[0]), 0 if causal else int(window[1])
+        window = None if left < 0 and (causal or right < 0) else (left, right)  # unbounded: plain attention
+    if softcap is not None and not (isinstance(softcap, numbers.Real) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite float (None: no cap), got {softcap!r}")
+    if sinks is not None and (
+        not isinstance(sinks, torch.Tensor) or sinks.shape != (q.shape[1],) or not sinks.is_floating_point()
+    ):
+        raise ValueError(f"sinks must be a float tensor [heads={q.shape[1]}], got {getattr(sinks, 'shape', sinks)}")
+    asked = (("window", window), ("softcap", softcap), ("sinks", sinks))
+    return window, frozenset(key for key, val in asked if val is not None)
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested attention backend cannot run here; the message says why and how to fix it."""
+
+
+def flash_attn_call(
+    kernel: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float,
+    window: tuple[int, int] | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    kwargs: dict[str, object] = {"dropout_p": 0.0, "softmax_scale": scale, "causal": causal}
+    for key, value in (("window_size", window), ("softcap", softcap)):
+        if value is None:
+            continue
+        if key not in parameters(kernel):
+            raise BackendUnavailableError(
+                f"the installed flash_attn_varlen_func has no {key!r} (flash-attn >= 2.6 has window_size and softcap)"
+                "; upgrade flash-attn or use backend='sdpa'"
+            )
+        kwargs[key] = value
+    return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+
+
+@functools.cache
+def parameters(kernel: Callable[..., torch.Tensor]) -> frozenset[str]:
+    return frozenset(inspect.signature(kernel).parameters)
+
+
+def torch_varlen_call(
+    kernel: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float,
+    window: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    params = parameters(kernel)
+    kwargs: dict[str, object] = {}
+    if "window_size" in params:  # torch >= 2.11: causal is the window (-1, 0)
+        kwargs["window_size"] = window if window is not None else ((-1, 0) if causal else (-1, -1))
+    elif window is not None:
+        raise BackendUnavailableError(
+            f"this torch's varlen_attn has no window_size (torch >= 2.11 has it); window={window} needs "
+            "backend='sdpa' or a newer torch"
+        )
+    elif "is_causal" in params:  # torch 2.9 / 2.10
+        kwargs["is_causal"] = causal
+    else:
+        raise BackendUnavailableError(f"unrecognised varlen_attn signature {sorted(params)}; use backend='sdpa'")
+    if "scale" in params:
+        kwargs["scale"] = scale
+    else:  # the kernel applies head_dim ** -0.5 itself
+        q = q * (scale * math.sqrt(q.shape[-1]))
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+
 
 _OVERRIDES: dict[str, Callable[..., torch.Tensor]] = {}
 _FORCED: list[str] = []

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from lit_seqpack.model.attention import route_varlen_attention
-from lit_seqpack.parallel import ParallelLayout, context_parallel_index
+from lit_seqpack.parallel import ParallelLayout
+from lit_seqpack.parallel.context import context_parallel_index
 
 __all__ = [
     "all_gather_tokens",

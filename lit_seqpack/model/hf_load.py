@@ -11,6 +11,8 @@
   loadable by plain ``AutoModelForCausalLM.from_pretrained``.
 
 transformers and peft are imported inside the functions.
+
+How many token ids a model can embed, read from the model itself (its config or hyperparameters).
 """
 
 from __future__ import annotations
@@ -31,7 +33,35 @@ __all__ = [
     "export_hf_model",
     "load_hf_model",
     "weight_dtype_warning",
+    "model_vocab_size",
 ]
+
+
+def model_vocab_size(model: Any) -> int | None:
+    """The number of token ids ``model`` can embed, or ``None`` when it does not say.
+
+    Looked up, in order: the ``config.vocab_size`` of the wrapped network ``model.model`` (the reference decoder
+    and transformers models both have one), then the hyperparameter ``vocab_size``, then the ``vocab_size`` of a
+    ``config`` hyperparameter (:class:`~lit_seqpack.model.lm.HFCausalLM` built from a config dict).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> model_vocab_size(SimpleNamespace(hparams={"config": {"vocab_size": 64}}))
+        64
+        >>> model_vocab_size(SimpleNamespace()) is None
+        True
+    """
+    inner_config = getattr(getattr(model, "model", None), "config", None)
+    value = getattr(inner_config, "vocab_size", None)
+    if value is None:  # a vision-language model: its text model's vocabulary
+        value = getattr(getattr(inner_config, "text_config", None), "vocab_size", None)
+    hparams = getattr(model, "hparams", None) or {}
+    if value is None:
+        value = hparams.get("vocab_size")
+    if value is None and isinstance(hparams.get("config"), Mapping):
+        value = hparams["config"].get("vocab_size")
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
 
 DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
@@ -180,8 +210,7 @@ def export_hf_model(model: Any, path: str | Path, *, dtype: str | None = None) -
         path: the output folder.
         dtype: the saved weights' dtype (default: as trained).
     """
-    from lit_seqpack.model._hf_dispatch import is_prepared
-    from lit_seqpack.model.hf import prepare_hf_model, restore_hf_attention
+    from lit_seqpack.model.hf import is_prepared, prepare_hf_model, restore_hf_attention
 
     copied = hasattr(model, "merge_and_unload") or dtype is not None
     target = copy.deepcopy(model) if copied else model

@@ -62,9 +62,9 @@ import torch
 
 from lit_seqpack.batch import is_packed_batch
 from lit_seqpack.model.cp_attention import context_parallel_scope
+from lit_seqpack.model.hf_load import model_vocab_size
 from lit_seqpack.model.loss import LossOutput, exact_loss, token_cross_entropy
-from lit_seqpack.model.vocab import model_vocab_size
-from lit_seqpack.parallel import mesh_layout, strategy_mesh
+from lit_seqpack.parallel.layout import mesh_layout, strategy_mesh
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer

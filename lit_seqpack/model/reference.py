@@ -11,7 +11,7 @@ Two batch formats, the batch contract's:
 * packed: ``input_ids [1, T]`` with ``cu_seqlens``: attention runs per document through ``varlen_attention``;
 * padded: ``input_ids [B, L]`` with an optional ``attention_mask``: one SDPA call per layer. A batch padded on the
   right (every row its real tokens, then padding: what the library's collators make) runs with ``is_causal`` and no
-  mask, exact for every real token (:func:`~lit_seqpack.model._padding.is_right_padded`); any other mask (left
+  mask, exact for every real token (:func:`~lit_seqpack.batch.is_right_padded`); any other mask (left
   padding, holes) becomes a dense causal and padding mask ``[B, 1, L, L]``. Logits at padding positions are not
   defined (they differ between the two); labels are -100 there.
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_seqpack._checks import check_choice, check_int
-from lit_seqpack.model._padding import is_right_padded
+from lit_seqpack.batch import is_right_padded
 from lit_seqpack.model.attention import varlen_attention
 
 __all__ = ["REFERENCE_PRESETS", "ReferenceConfig", "ReferenceDecoder"]

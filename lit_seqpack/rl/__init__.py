@@ -18,52 +18,22 @@ The planning itself (:mod:`lit_seqpack.planning.rollout`) is torch-free.
 
 from __future__ import annotations
 
-from lit_seqpack.rl.forward import policy_logits
-from lit_seqpack.rl.gather import gather_rollout
-from lit_seqpack.rl.loss import (
-    NORMALIZE,
-    clipped_policy_loss,
-    loss_output,
-    scale_step_loss,
-    step_loss,
-    token_logprobs,
-)
-from lit_seqpack.rl.objectives import (
-    KL_ESTIMATORS,
-    kl_estimate,
-    sequence_log_ratio,
-    temperature_scaled,
-    token_entropy,
-    truncated_importance_weights,
-)
-from lit_seqpack.rl.planner import RolloutPlanner
-from lit_seqpack.rl.rollout import Rollout
-from lit_seqpack.rl.unpack import document_index, document_lengths, document_sums, per_document_to_tokens, unpack
-from lit_seqpack.rl.values import gae, token_values, value_loss
+from lit_seqpack._lazy import lazy_exports
 
-__all__ = [
-    "KL_ESTIMATORS",
-    "NORMALIZE",
-    "Rollout",
-    "RolloutPlanner",
-    "clipped_policy_loss",
-    "document_index",
-    "document_lengths",
-    "document_sums",
-    "gae",
-    "gather_rollout",
-    "kl_estimate",
-    "loss_output",
-    "per_document_to_tokens",
-    "policy_logits",
-    "scale_step_loss",
-    "sequence_log_ratio",
-    "step_loss",
-    "temperature_scaled",
-    "token_entropy",
-    "token_logprobs",
-    "token_values",
-    "truncated_importance_weights",
-    "unpack",
-    "value_loss",
-]
+_EXPORTS: dict[str, str] = {
+    "Rollout": "lit_seqpack.rl.rollout",
+    "RolloutPlanner": "lit_seqpack.rl.planner",
+    "RolloutSettings": "lit_seqpack.rl.planner",
+    "step_loss": "lit_seqpack.rl.loss",
+    "clipped_policy_loss": "lit_seqpack.rl.loss",
+    "kl_estimate": "lit_seqpack.rl.objectives",
+    "token_logprobs": "lit_seqpack.rl.loss",
+    "policy_logits": "lit_seqpack.rl.forward",
+    "gae": "lit_seqpack.rl.values",
+    "value_loss": "lit_seqpack.rl.values",
+    "truncated_importance_weights": "lit_seqpack.rl.objectives",
+    "token_entropy": "lit_seqpack.rl.objectives",
+}
+__all__ = list(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -36,30 +36,54 @@ Plans are made once per rollout: the planner keeps the plans of the last rollout
 :attr:`~lit_seqpack.rl.Rollout.identity`, which the copies of :meth:`~lit_seqpack.rl.Rollout.with_fields` share, so
 the old-log-prob, reference and training passes of one rollout plan once per budget (the fingerprint, too, is
 computed once per rollout).
+
+A rank's microbatches of a :class:`~lit_seqpack.planning.rollout.RolloutPlan` as collated batches that carry
+the plan's facts (sample indices, groups, the loss units of documents, groups and the step).
+
+A sample's *loss mass* is its loss-token count, or with a ``loss_weight_field`` its loss-weight sum. A sample (a
+group) whose mass is 0 (a truncated, filtered or over-long completion with an all-zero mask or weights) is planned and
+run like any other but has no loss: the token, sequence and group means of :mod:`lit_seqpack.rl.loss` leave it out of
+their numerator and denominator (``step_loss_documents``, ``step_loss_groups`` count only samples and groups with a
+loss), and a step where nothing has a loss is a zero-gradient step.
+
+Where this process sits among data-parallel ranks, and the one gather of per-sample results over ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
 
 from lit_seqpack._checks import check_int
+from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
-from lit_seqpack.planning.rollout import RolloutPlan, RolloutPlanConfig, plan_rollout
-from lit_seqpack.rl._batches import collator_fields, loss_mass, plan_batches
-from lit_seqpack.rl._world import DataParallelWorld, check_same_rollout, gather_per_sample, resolve_world
+from lit_seqpack.planning.rollout import RolloutPlan, RolloutPlanConfig, dense_group_labels, plan_rollout
 from lit_seqpack.rl.rollout import Rollout
 from lit_seqpack.rl.unpack import unpack
 
-__all__ = ["RolloutPlanner"]
+__all__ = [
+    "RolloutPlanner",
+    "RolloutSettings",
+    "LossMass",
+    "collator_fields",
+    "loss_mass",
+    "plan_batches",
+    "DataParallelWorld",
+    "check_same_rollout",
+    "gather_per_sample",
+    "resolve_world",
+]
 
 
-class RolloutPlanner:
-    """Plans a rollout over data-parallel ranks: a log-prob pass and the training microbatches of each step.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutSettings:
+    """How a :class:`RolloutPlanner` plans: budgets, mode, steps, balance and the rollout check, checked once.
 
     Args:
         train_max_tokens: token budget of a training microbatch.
@@ -74,9 +98,6 @@ class RolloutPlanner:
         keep_together: ``None``, ``"microbatch"`` or ``"rank"``: a group (``Rollout.group_ids``) is never split
             across microbatches, or across ranks (its samples are packed one by one on its rank); see
             :class:`~lit_seqpack.planning.rollout.RolloutPlanConfig`.
-        world_size: data-parallel ranks; with ``rank``, overrides ``trainer`` and ``torch.distributed``.
-        rank: this process's data-parallel rank.
-        trainer: read the world size and rank from it (its device mesh's data-parallel layout if it has one).
         pad_token_id: the id written on padding.
         pad_to_multiple_of: pad every row to a multiple of this (packing: the row; dynamic: the block length).
         cost_linear: ``a`` of the balance cost ``a*L + b*L^2``.
@@ -91,82 +112,134 @@ class RolloutPlanner:
             in the main process (not in a DataLoader worker).
 
     Example:
+        >>> RolloutSettings(train_max_tokens=64).logprob_budget
+        64
+    """
+
+    train_max_tokens: int
+    logprob_max_tokens: int | None = None
+    mode: Literal["packing", "dynamic"] = "packing"
+    algorithm: str | None = None
+    samples_per_step: int | None = None
+    steps_per_rollout: int | None = None
+    accumulate_grad_batches: int | None = None
+    keep_together: Literal["microbatch", "rank"] | None = None
+    pad_token_id: int = 0
+    pad_to_multiple_of: int | None = None
+    cost_linear: float = 1.0
+    cost_quadratic: float | Literal["auto"] = "auto"
+    shuffle: bool = False
+    seed: int = 0
+    loss_weight_field: str | None = None
+    check_rollout: bool | None = None
+
+    def __post_init__(self) -> None:
+        field = self.loss_weight_field
+        if field is not None and (not isinstance(field, str) or not field):
+            raise ValueError(f"loss_weight_field must be None or a token field name, got {field!r}")
+        if field == "loss_mask":
+            raise ValueError(
+                "loss_weight_field='loss_mask' is not supported: a Rollout's loss_mask is 0/1. Put the weights in a "
+                "token field (token_fields={'weights': ...}) and pass loss_weight_field='weights'"
+            )
+        check_int("train_max_tokens", self.train_max_tokens, minimum=1)  # named as the user spells them
+        if self.logprob_max_tokens is not None:
+            check_int("logprob_max_tokens", self.logprob_max_tokens, minimum=1)
+        if self.check_rollout is not None and not isinstance(self.check_rollout, bool):
+            raise ValueError(f"check_rollout must be None, True or False, got {self.check_rollout!r}")
+        self.plan_config("train")  # the planner's own checks (mode, algorithm, steps, keep_together, costs)
+        self.collator()  # the padding settings
+
+    @property
+    def logprob_budget(self) -> int:
+        """The log-prob pass's budget: ``logprob_max_tokens``, else ``train_max_tokens``."""
+        return self.train_max_tokens if self.logprob_max_tokens is None else self.logprob_max_tokens
+
+    def plan_config(self, kind: Literal["train", "logprob"]) -> RolloutPlanConfig:
+        """The planner's config of one pass: training (steps, accumulation, groups, shuffle) or log-prob."""
+        common = {
+            "mode": self.mode,
+            "algorithm": self.algorithm,
+            "cost_linear": self.cost_linear,
+            "cost_quadratic": self.cost_quadratic,
+            "sequence_length_round": 1 if self.mode == "packing" else self.pad_to_multiple_of or 1,
+            "seed": self.seed,
+        }
+        if kind == "logprob":
+            return RolloutPlanConfig(max_tokens=self.logprob_budget, **common)
+        return RolloutPlanConfig(
+            max_tokens=self.train_max_tokens,
+            samples_per_step=self.samples_per_step,
+            steps_per_rollout=self.steps_per_rollout,
+            accumulate_grad_batches=self.accumulate_grad_batches,
+            keep_together=self.keep_together,
+            shuffle=self.shuffle,
+            **common,
+        )
+
+    def collator(self, **fields: Any) -> PackedCollator | PaddedCollator:
+        """The mode's collator with the padding settings (and the rollout's declared ``fields``)."""
+        collator = PackedCollator if self.mode == "packing" else PaddedCollator
+        return collator(pad_token_id=self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of, **fields)
+
+
+class RolloutPlanner:
+    """Plans a rollout over data-parallel ranks: a log-prob pass and the training microbatches of each step.
+
+    Args:
+        settings: how to plan (see :class:`RolloutSettings`); or give its fields as keywords.
+        world_size: data-parallel ranks; with ``rank``, overrides ``trainer`` and ``torch.distributed``.
+        rank: this process's data-parallel rank.
+        trainer: read the world size and rank from it (its device mesh's data-parallel layout if it has one).
+        **fields: the fields of :class:`RolloutSettings`, when ``settings`` is not given.
+
+    Example:
         >>> rollout = Rollout(input_ids=[[5, 6, 7], [8, 9], [1, 2, 3, 4]])
-        >>> planner = RolloutPlanner(train_max_tokens=8, world_size=1, rank=0)
+        >>> planner = RolloutPlanner(RolloutSettings(train_max_tokens=8), world_size=1, rank=0)
         >>> [(b["sample_indices"], b["is_last_in_step"]) for b in planner.train_microbatches(rollout)]
         [([2, 0], False), ([1], True)]
     """
 
     def __init__(
         self,
+        settings: RolloutSettings | None = None,
         *,
-        train_max_tokens: int,
-        logprob_max_tokens: int | None = None,
-        mode: Literal["packing", "dynamic"] = "packing",
-        algorithm: str | None = None,
-        samples_per_step: int | None = None,
-        steps_per_rollout: int | None = None,
-        accumulate_grad_batches: int | None = None,
-        keep_together: Literal["microbatch", "rank"] | None = None,
         world_size: int | None = None,
         rank: int | None = None,
         trainer: Any = None,
-        pad_token_id: int = 0,
-        pad_to_multiple_of: int | None = None,
-        cost_linear: float = 1.0,
-        cost_quadratic: float | Literal["auto"] = "auto",
-        shuffle: bool = False,
-        seed: int = 0,
-        loss_weight_field: str | None = None,
-        check_rollout: bool | None = None,
+        **fields: Any,
     ) -> None:
         if (world_size is None) != (rank is None):
             raise ValueError(f"give both world_size and rank, or neither (got {world_size=}, {rank=})")
         if world_size is not None and not (isinstance(rank, int) and 0 <= rank < world_size):
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
-        if loss_weight_field is not None and (not isinstance(loss_weight_field, str) or not loss_weight_field):
-            raise ValueError(f"loss_weight_field must be None or a token field name, got {loss_weight_field!r}")
-        if loss_weight_field == "loss_mask":
-            raise ValueError(
-                "loss_weight_field='loss_mask' is not supported: a Rollout's loss_mask is 0/1. Put the weights in a "
-                "token field (token_fields={'weights': ...}) and pass loss_weight_field='weights'"
-            )
-        check_int("train_max_tokens", train_max_tokens, minimum=1)  # named as the user spells them, not max_tokens
-        if logprob_max_tokens is not None:
-            check_int("logprob_max_tokens", logprob_max_tokens, minimum=1)
-        if check_rollout is not None and not isinstance(check_rollout, bool):
-            raise ValueError(f"check_rollout must be None, True or False, got {check_rollout!r}")
+        if settings is None:
+            settings = RolloutSettings(**fields)
+        elif fields:
+            raise TypeError(f"give the settings as a RolloutSettings or as keywords, not both (got {sorted(fields)})")
+        if not isinstance(settings, RolloutSettings):
+            raise TypeError(f"settings must be a RolloutSettings, got {type(settings).__name__}")
+        self.settings = settings
         self._world = DataParallelWorld(world_size, rank) if world_size is not None else None
         self._trainer = trainer
-        self.loss_weight_field, self.check_rollout = loss_weight_field, check_rollout
-        common = {
-            "mode": mode,
-            "algorithm": algorithm,
-            "cost_linear": cost_linear,
-            "cost_quadratic": cost_quadratic,
-            "sequence_length_round": 1 if mode == "packing" else pad_to_multiple_of or 1,
-            "seed": seed,
-        }
-        self._train = RolloutPlanConfig(
-            max_tokens=train_max_tokens,
-            samples_per_step=samples_per_step,
-            steps_per_rollout=steps_per_rollout,
-            accumulate_grad_batches=accumulate_grad_batches,
-            keep_together=keep_together,
-            shuffle=shuffle,
-            **common,
-        )
-        logprob_budget = train_max_tokens if logprob_max_tokens is None else logprob_max_tokens
-        self._logprob = RolloutPlanConfig(max_tokens=logprob_budget, **common)
-        self.budgets = {"train_max_tokens": train_max_tokens, "logprob_max_tokens": logprob_budget}
-        collator = PackedCollator if mode == "packing" else PaddedCollator
-        self._collator_type, self._collator_args = (
-            collator,
-            {"pad_token_id": pad_token_id, "pad_to_multiple_of": pad_to_multiple_of},
-        )
-        self._collator_type(**self._collator_args)  # validates the padding settings now
+        self._train, self._logprob = settings.plan_config("train"), settings.plan_config("logprob")
         self._plans: dict[tuple[str, int], RolloutPlan] = {}  # the plans of the rollout ``self._planned``
         self._planned: object | None = None
+
+    @property
+    def budgets(self) -> dict[str, int]:
+        """The two budgets by the names the settings give them."""
+        return {"train_max_tokens": self.settings.train_max_tokens, "logprob_max_tokens": self.settings.logprob_budget}
+
+    @property
+    def loss_weight_field(self) -> str | None:
+        """See :attr:`RolloutSettings.loss_weight_field`."""
+        return self.settings.loss_weight_field
+
+    @property
+    def check_rollout(self) -> bool | None:
+        """See :attr:`RolloutSettings.check_rollout`."""
+        return self.settings.check_rollout
 
     # --------------------------------------------------------------------------------------------- plans
     @property
@@ -281,10 +354,234 @@ class RolloutPlanner:
         world_size, rank = self.world
         mass = loss_mass(plan, rollout, weight_field)  # first: it names a weight field the rollout lacks
         fields = {"loss_weight_field": weight_field} if weight_field is not None else {}
-        collate = self._collator_type(**self._collator_args, **collator_fields(rollout), **fields)
+        collate = self.settings.collator(**collator_fields(rollout), **fields)
         for batch in plan_batches(rollout, plan, rank, world_size, collate, mass):
             yield batch if device is None else _to_device(batch, device)
 
 
 def _to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
     return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossMass:
+    """The loss units of a planned rollout, the same on every rank (no collective).
+
+    Args:
+        groups: dense group label of every sample.
+        document: per sample, its loss tokens (or loss-weight sum with ``weighted``).
+        group: per sample, its group's total of ``document``.
+        step_documents: per step, the samples whose ``document`` is above 0.
+        step_groups: per step, the groups whose total is above 0.
+        step_weight: per step, the weight sum over all ranks (``weighted`` only).
+        weighted: the masses are loss-weight sums.
+    """
+
+    groups: np.ndarray
+    document: np.ndarray
+    group: np.ndarray
+    step_documents: np.ndarray
+    step_groups: np.ndarray
+    step_weight: np.ndarray | None
+    weighted: bool
+
+
+def loss_mass(plan: RolloutPlan, rollout: Rollout, weight_field: str | None = None) -> LossMass:
+    """The :class:`LossMass` of ``rollout`` under ``plan`` (loss-weight sums of ``weight_field`` when given)."""
+    groups = dense_group_labels(None if rollout.group_ids is None else rollout.group_ids.numpy(), len(rollout))
+    weighted = weight_field is not None
+    document = rollout.loss_weight_sums(weight_field) if weighted else rollout.loss_tokens.astype(np.float64)
+    totals = np.zeros(int(groups.max()) + 1)
+    np.add.at(totals, groups, document)
+    members = ([i for share in ranks for mb in share for i in mb] for ranks in plan.microbatches)
+    steps = [np.array(step, dtype=np.int64) for step in members]
+    return LossMass(
+        groups=groups,
+        document=document,
+        group=totals[groups],
+        step_documents=np.array([int((document[s] > 0).sum()) for s in steps], dtype=np.int64),
+        step_groups=np.array([np.unique(groups[s][totals[groups[s]] > 0]).size for s in steps], dtype=np.int64),
+        step_weight=np.array([math.fsum(document[s].tolist()) for s in steps]) if weighted else None,
+        weighted=weighted,
+    )
+
+
+def collator_fields(rollout: Rollout) -> dict[str, Any]:
+    """The collator arguments that declare the rollout's token fields (pad value 0) and sample fields."""
+    fields: dict[str, Any] = {}
+    if rollout.token_fields:
+        fields["token_fields"] = {name: 0.0 for name in rollout.token_fields}
+    if rollout.sample_fields:
+        fields["sample_fields"] = list(rollout.sample_fields)
+    return fields
+
+
+def plan_batches(
+    rollout: Rollout,
+    plan: RolloutPlan,
+    rank: int,
+    world_size: int,
+    collate: Callable[[Microbatch], dict[str, Any]],
+    mass: LossMass,
+) -> Iterator[dict[str, Any]]:
+    """Every microbatch of ``rank`` in training order, collated, with the plan's facts added.
+
+    Args:
+        rollout: the planned rollout.
+        plan: its plan (the same on every rank).
+        rank: this process's data-parallel rank.
+        world_size: data-parallel ranks (written in the batch for the exact loss scale).
+        collate: a collator declared with the rollout's fields (:func:`collator_fields`).
+        mass: the rollout's loss units (:func:`loss_mass`); with ``mass.weighted`` the collator must place the
+            weights (``loss_weight_field``).
+    """
+    groups, loss_tokens, accumulate = mass.groups, rollout.loss_tokens, plan.accumulate_grad_batches
+    for step, slot, indices in plan.rank_microbatches(rank):
+        meta = MicrobatchMeta(
+            step=step,
+            step_loss_tokens=int(plan.step_loss_tokens[step]),
+            world_size=world_size,
+            accumulate_grad_batches=accumulate,
+            max_tokens=plan.config.max_tokens,
+            is_empty=not indices,
+            loss_tokens=int(loss_tokens[indices].sum()) if indices else None,
+            step_loss_weight=None if mass.step_weight is None else float(mass.step_weight[step]),
+        )
+        batch = collate(Microbatch([rollout.sample(i) for i in indices], meta=meta, indices=indices))
+        with_loss = mass.group[indices] > 0
+        batch.update(
+            sample_indices=list(indices),
+            group_ids=torch.as_tensor(groups[indices], dtype=torch.int64),
+            document_loss_tokens=torch.as_tensor(loss_tokens[indices], dtype=torch.int64),
+            group_loss_tokens=torch.as_tensor(plan.group_loss_tokens[indices], dtype=torch.int64),
+            num_groups=int(np.unique(groups[indices]).size),
+            num_loss_documents=int((mass.document[indices] > 0).sum()),
+            num_loss_groups=int(np.unique(groups[indices][with_loss]).size),
+            step=step,
+            step_documents=int(plan.step_documents[step]),
+            step_groups=int(plan.step_groups[step]),
+            step_loss_documents=int(mass.step_documents[step]),
+            step_loss_groups=int(mass.step_groups[step]),
+            is_last_in_step=slot == accumulate - 1,
+        )
+        if mass.weighted:
+            batch.update(
+                document_loss_weight=torch.as_tensor(mass.document[indices], dtype=torch.float64),
+                group_loss_weight=torch.as_tensor(mass.group[indices], dtype=torch.float64),
+            )
+        yield batch
+
+
+_DIFFERENT_ROLLOUTS = (
+    "the ranks planned different rollouts (their Rollout.fingerprint() differ: {digests}): every rank must hold the "
+    "same rollout. A DataLoader of rollouts (or prompts) needs use_distributed_sampler=False (or generate on every "
+    "rank with the same seed and gather)"
+)
+
+
+class DataParallelWorld(NamedTuple):
+    """The data-parallel ranks and this process's rank among them.
+
+    Example:
+        >>> DataParallelWorld(world_size=4, rank=1).world_size
+        4
+    """
+
+    world_size: int = 1
+    """Data-parallel ranks."""
+    rank: int = 0
+    """This process's data-parallel rank."""
+
+
+def resolve_world(trainer: Any = None) -> DataParallelWorld:
+    """The data-parallel world: the trainer's (its device mesh first), ``torch.distributed``'s, or one rank."""
+    if trainer is not None:
+        from lit_seqpack.parallel.layout import mesh_layout, strategy_mesh
+
+        mesh = strategy_mesh(getattr(trainer, "strategy", None))
+        if mesh is not None:
+            layout = mesh_layout(mesh)
+            if layout.context_parallel_size * layout.tensor_parallel_size != 1:
+                raise ValueError(
+                    "RolloutPlanner supports data parallelism only; the device mesh has context x tensor parallel "
+                    f"= {layout.context_parallel_size} x {layout.tensor_parallel_size}"
+                )
+            return DataParallelWorld(layout.data_parallel_size, layout.data_parallel_rank)
+        return DataParallelWorld(int(trainer.world_size), int(trainer.global_rank))
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return DataParallelWorld(dist.get_world_size(), dist.get_rank())
+    return DataParallelWorld()
+
+
+def gather_per_sample(
+    values: list[torch.Tensor | None], plan: RolloutPlan, lengths: np.ndarray, rank: int, fingerprint: str
+) -> list[torch.Tensor | None]:
+    """Fill every entry of ``values`` with the owning rank's tensor (one ``all_gather`` of flat values).
+
+    Every rank knows from the plan which samples each rank computed and how long they are, so only the values
+    travel: each rank sends its samples' values concatenated in plan order, padded to the longest rank's total.
+    A small object gather first exchanges the dtype and the rollout's ``fingerprint``: ranks that planned
+    different rollouts (e.g. a DataLoader sharded by a ``DistributedSampler``) raise instead of mixing values.
+    """
+    import torch.distributed as dist
+
+    world_size = plan.config.world_size
+    owned = [[i for _, _, mb in plan.rank_microbatches(r) for i in mb] for r in range(world_size)]
+    mine = [values[i] for i in owned[rank]]
+    if any(v is None for v in mine):
+        raise RuntimeError("compute_per_token: a sample of this rank has no value (fn skipped a batch?)")
+    meta: list[Any] = [None] * world_size
+    first = mine[0] if mine else None
+    described = None if first is None else (first.dtype, tuple(first.shape[1:]), str(first.device))
+    dist.all_gather_object(meta, (fingerprint, described))
+    _raise_unless_equal([m[0] for m in meta])
+    meta = [m[1] for m in meta]
+    known = next(m for m in meta if m is not None)
+    dtype, trailing = known[0], known[1]
+    if first is not None:
+        device = first.device
+    else:  # a rank without samples (more ranks than samples) sends zeros from the backend's device
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
+    totals = [int(lengths[o].sum()) for o in owned]
+    width = max(totals)
+    flat = torch.zeros((width, *trailing), dtype=dtype, device=device)
+    if mine:
+        flat[: totals[rank]] = torch.cat(mine)
+    buffers = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(buffers, flat)
+    out = list(values)
+    for r in range(world_size):
+        for i, part in zip(owned[r], buffers[r][: totals[r]].split(lengths[owned[r]].tolist()), strict=True):
+            out[i] = part
+    return out
+
+
+def check_same_rollout(fingerprint: str, world_size: int) -> None:
+    """Raise on every rank unless all ``world_size`` ranks hold the rollout of ``fingerprint`` (one
+    ``all_gather_object`` of the digest over the default process group).
+
+    Raises:
+        ValueError: the default process group is not the planner's data-parallel group.
+        RuntimeError: the ranks' digests differ (on every rank, so none waits for the others).
+    """
+    import torch.distributed as dist
+
+    if dist.get_world_size() != world_size:
+        raise ValueError(
+            f"check_rollout compares the rollout over the default process group ({dist.get_world_size()} ranks) "
+            f"but the planner has {world_size} data-parallel ranks; pass check_rollout=False and compare "
+            "Rollout.fingerprint() over your data-parallel group"
+        )
+    digests: list[Any] = [None] * world_size
+    dist.all_gather_object(digests, fingerprint)
+    _raise_unless_equal(digests)
+
+
+def _raise_unless_equal(digests: list[str]) -> None:
+    if len(set(digests)) > 1:
+        shown = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
+        raise RuntimeError(_DIFFERENT_ROLLOUTS.format(digests=shown))

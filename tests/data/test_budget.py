@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 
-from lit_seqpack.data.batching._budget import apply_document_budget, document_budget, planned_lengths, view_loss_tokens
+from lit_seqpack.data.settings import apply_document_budget, document_budget, planned_lengths, view_loss_tokens
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.batching.collate import IGNORE_INDEX, PackedCollator, PaddedCollator
+from lit_seqpack.planning.config import PlanConfig
 
 X = IGNORE_INDEX
 DOCS = [[11, 12, 13], [21, 22, 23, 24, 25], [31, 32]]  # DESIGN.md's example: 3, 5, 2 tokens
@@ -268,15 +269,15 @@ def test_collator_does_not_alias_the_samples():
 def test_a_plan_that_miscounts_loss_tokens_is_refused_not_silently_rescaled():
     """A sampler given no loss_tokens assumes length - 1 per sample; prompt-masked labels then disagree."""
     from lit_seqpack.data import PlannedDataset
-    from lit_seqpack.data.indexed.samplers import PackedBatchSampler
+    from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler
 
     samples = [{"input_ids": list(range(1, 9)), "labels": [-100] * 6 + [7, 8]} for _ in range(4)]
     lengths = [8] * 4
-    miscounted = PackedBatchSampler(lengths, max_tokens=16, shuffle=False)
+    miscounted = PlannedBatchSampler(lengths, PlanConfig(mode="packing", max_tokens=16, shuffle=False))
     microbatch = next(iter(miscounted))
     with pytest.raises(ValueError, match="plan counted 14 loss tokens.*labels hold 4"):
         PackedCollator()(PlannedDataset(samples).__getitems__(microbatch))
-    exact = PackedBatchSampler(lengths, max_tokens=16, shuffle=False, loss_tokens=[2] * 4)
+    exact = PlannedBatchSampler(lengths, PlanConfig(mode="packing", max_tokens=16, shuffle=False), loss_tokens=[2] * 4)
     batch = PackedCollator()(PlannedDataset(samples).__getitems__(next(iter(exact))))
     assert batch["num_loss_tokens"] == 4 and batch["step_loss_tokens"] == 4
 
@@ -285,14 +286,20 @@ def test_a_plan_that_miscounts_loss_tokens_is_refused_not_silently_rescaled():
 def test_samples_longer_than_planned_are_refused_naming_them(mode):
     """A dataset whose samples grow after planning (a prompt that grows per epoch, a stale cache) would pack rows far
     above max_tokens without an error: the collator compares each microbatch with the plan's budget."""
-    from lit_seqpack.data import DynamicBatchSampler, PackedBatchSampler, PlannedDataset
+    from lit_seqpack.data import PlannedBatchSampler, PlannedDataset
 
     samples = [{"input_ids": list(range(1, 9))} for _ in range(6)]
     planned_lengths = [4] * 6  # what the planner was told: stale by a factor 2
     if mode == "packing":
-        sampler, collate = PackedBatchSampler(planned_lengths, max_tokens=16), PackedCollator()
+        sampler, collate = (
+            PlannedBatchSampler(planned_lengths, PlanConfig(mode="packing", max_tokens=16)),
+            PackedCollator(),
+        )
     else:
-        sampler, collate = DynamicBatchSampler(planned_lengths, max_tokens=16), PaddedCollator()
+        sampler, collate = (
+            PlannedBatchSampler(planned_lengths, PlanConfig(mode="dynamic", max_tokens=16)),
+            PaddedCollator(),
+        )
     planned = PlannedDataset(samples)
     with pytest.raises(ValueError, match=r"dataset index \d\) has 8 tokens but the plan was made with a length of 4"):
         for indices in sampler:
@@ -306,7 +313,7 @@ def test_samples_longer_than_planned_are_refused_naming_them(mode):
         ValueError, match=r"takes 32 token slots but the plan's budget is max_tokens=16 .*dataset index"
     ):
         collate(unchecked)  # a hand-built meta without the planned lengths: the budget still holds
-    sampler_class = PackedBatchSampler if mode == "packing" else DynamicBatchSampler
+    sampler_class = PlannedBatchSampler if mode == "packing" else PlannedBatchSampler
     honest = sampler_class([8] * 6, max_tokens=16)
     for indices in honest:  # the same samples, planned on their real lengths, collate under the budget
         assert collate(planned.__getitems__(indices))["input_ids"].numel() <= 16

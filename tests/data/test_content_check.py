@@ -11,8 +11,9 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_seqpack import PackedBatchSampler, SeqPackDataModule
+from lit_seqpack import PlannedBatchSampler, SeqPackDataModule
 from lit_seqpack._hashing import content_digest, sampled_indices
+from lit_seqpack.planning.config import PlanConfig
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 
 WORLD = 2
@@ -33,7 +34,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         for case, shift in (("equal", 0), ("different", rank)):
             data = _dataset(shift)
             digest = functools.partial(content_digest, data, 8, 0)
-            sampler = PackedBatchSampler(LENGTHS, max_tokens=128, content_digest=digest)
+            sampler = PlannedBatchSampler(LENGTHS, PlanConfig(mode="packing", max_tokens=128), content_digest=digest)
             try:
                 outcome[case] = f"ok {sum(1 for _ in sampler)}"
             except RuntimeError as err:

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.batching.collate import IGNORE_INDEX, PackedCollator
 from lit_seqpack.data.batching.context_parallel import ContextParallelCollator
-from lit_seqpack.parallel import (
-    ParallelLayout,
+from lit_seqpack.parallel import ParallelLayout
+from lit_seqpack.parallel.context import (
     context_parallel_index,
     gather_packed_batches,
     shard_packed_batch,

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.data.sources import SyntheticInstructionDataset, TokenizedDataset
+from lit_seqpack.data.sources import SyntheticInstructionDataset
+from lit_seqpack.data.sources.tokenized import TokenizedDataset
 
 SYNTH = {"num_samples": 120, "median_length": 24, "max_length": 96, "vocab_size": 64, "seed": 1}
 
@@ -167,7 +168,7 @@ def test_one_pad_multiple_feeds_the_planner_and_the_collator():
 
 def test_ranks_of_one_cp_group_share_microbatches_and_dp_ranks_split_the_data():
     """world 4 = 2 data-parallel x 2 context-parallel ranks; cp is the inner dimension (ranks 0, 1 are a group)."""
-    from lit_seqpack.parallel import gather_packed_batches
+    from lit_seqpack.parallel.context import gather_packed_batches
 
     runs = [_rank_batches(4, rank, context_parallel_size=2) for rank in range(4)]
     indices = [[list(mb) for mb in dm.pipeline.train_sampler] for dm, _ in runs]

@@ -14,7 +14,7 @@ import yaml
 
 from lit_seqpack.data.batching.overlong import apply_overlong_policy
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.parallel import gather_packed_batches
+from lit_seqpack.parallel.context import gather_packed_batches
 
 PAD = -1.0
 FIELDS = {"token_fields": {"score": PAD}, "sample_fields": ["reward"]}

@@ -13,7 +13,7 @@ from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.batching.context_parallel import ContextParallelCollator, TensorParallelCollator
 from lit_seqpack.data.batching.fields import check_fields, sample_field_tensor
-from lit_seqpack.parallel import context_parallel_index, gather_packed_batches, shard_packed_batch
+from lit_seqpack.parallel.context import context_parallel_index, gather_packed_batches, shard_packed_batch
 
 DOCS = [[11, 12, 13], [21, 22, 23, 24, 25], [31, 32]]
 PAD = -7.5

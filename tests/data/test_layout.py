@@ -8,7 +8,8 @@ import pytest
 
 from lit_seqpack.data._trainer import read_layout
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.parallel import ParallelLayout, check_mesh, mesh_layout
+from lit_seqpack.parallel import ParallelLayout
+from lit_seqpack.parallel.layout import check_mesh, mesh_layout
 from tests.test_strategies import odd_samples
 
 

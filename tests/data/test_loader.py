@@ -8,10 +8,11 @@ import pytest
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher, _PrefetchDataFetcher
 from lightning.pytorch.loops.progress import _BatchProgress, _OptimizationProgress, _SchedulerProgress
 
-from lit_seqpack import PackedBatchSampler
+from lit_seqpack import PlannedBatchSampler
 from lit_seqpack.data import PlannedDataset
 from lit_seqpack.data._trainer import check_start, restart_epoch, rewind_fit_loop
 from lit_seqpack.data.indexed._loader import ResumableDataLoader, loader_workers, sampler_state_of
+from lit_seqpack.planning.config import PlanConfig
 
 LENGTHS = [5, 3, 7, 2, 6, 4, 8, 1, 5, 3, 2, 7, 6, 4, 3, 5]
 
@@ -21,7 +22,7 @@ def indices(samples):
 
 
 def loader(num_workers: int) -> ResumableDataLoader:
-    sampler = PackedBatchSampler(LENGTHS, max_tokens=10, seed=3)
+    sampler = PlannedBatchSampler(LENGTHS, PlanConfig(mode="packing", max_tokens=10, seed=3))
     data = PlannedDataset([{"i": i} for i in range(len(LENGTHS))])
     return ResumableDataLoader(data, batch_sampler=sampler, collate_fn=indices, num_workers=num_workers)
 

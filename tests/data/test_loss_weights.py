@@ -10,7 +10,7 @@ import torch
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.batching.loss_weights import StepWeightedBatchSampler, sample_loss_weight
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.data.indexed.samplers import PackedBatchSampler
+from tests._samplers import planned_sampler
 
 WEIGHTED = {"token_fields": {"w": 0.0}, "loss_weight_field": "w"}
 
@@ -60,7 +60,7 @@ def test_step_weighted_sampler_sums_every_rank_and_slot_of_the_step():
     kwargs = {"max_tokens": 12, "num_replicas": 2, "accumulate_grad_batches": 2, "seed": 0}
     per_rank = []
     for rank in range(2):
-        sampler = StepWeightedBatchSampler(PackedBatchSampler(lengths, rank=rank, **kwargs), sums)
+        sampler = StepWeightedBatchSampler(planned_sampler("packing", lengths, rank=rank, **kwargs), sums)
         per_rank.append(list(sampler))
         assert len(sampler) == len(per_rank[-1])
     steps = {mb.meta.step for mbs in per_rank for mb in mbs}

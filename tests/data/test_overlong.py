@@ -14,8 +14,8 @@ from lit_seqpack.data.batching.overlong import (
     apply_overlong_policy,
 )
 from lit_seqpack.data.indexed.lengths import compute_lengths, compute_loss_tokens
-from lit_seqpack.data.sources import TokenizedDataset
 from lit_seqpack.data.sources.synthetic import SyntheticInstructionDataset
+from lit_seqpack.data.sources.tokenized import TokenizedDataset
 
 LENGTHS = [3, 9, 4, 12, 5, 7]
 

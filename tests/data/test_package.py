@@ -13,6 +13,8 @@ import lit_seqpack.data as data
 import lit_seqpack.model as model
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data import PlannedDataset
+from lit_seqpack.data.batching.overlong import apply_overlong_policy
+from lit_seqpack.data.indexed.lengths import cached_lengths, cached_loss_tokens, compute_loss_tokens
 
 
 def _identity(samples):
@@ -38,12 +40,12 @@ def test_an_unknown_name_is_an_attribute_error_naming_the_package():
 def test_synthetic_to_cached_lengths_to_overlong_through_spawned_workers(tmp_path):
     """The path the DataModule will take: lengths once (cached), the policy, then reads in worker processes."""
     ds = data.SyntheticInstructionDataset(num_samples=400, median_length=64, max_length=1024, seed=9)
-    lengths = data.cached_lengths(ds, tmp_path)
-    loss_tokens = data.cached_loss_tokens(ds, tmp_path)
-    view, kept_lengths, report = data.apply_overlong_policy(ds, lengths, 256, "drop")
+    lengths = cached_lengths(ds, tmp_path)
+    loss_tokens = cached_loss_tokens(ds, tmp_path)
+    view, kept_lengths, report = apply_overlong_policy(ds, lengths, 256, "drop")
     assert report.num_dropped == int((lengths > 256).sum()) > 0
     assert len(view) == 400 - report.num_dropped and kept_lengths.max() <= 256
-    assert np.array_equal(data.compute_loss_tokens(view), loss_tokens[view.original_indices])
+    assert np.array_equal(compute_loss_tokens(view), loss_tokens[view.original_indices])
 
     meta = MicrobatchMeta(step=0, step_loss_tokens=1, world_size=1, accumulate_grad_batches=1)
     batches = [Microbatch(list(range(start, min(start + 7, len(view)))), meta=meta) for start in range(0, 35, 7)]

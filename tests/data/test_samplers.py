@@ -15,18 +15,18 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lit_seqpack import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler, PlannedBatchSampler
+from lit_seqpack import PlannedBatchSampler
 from lit_seqpack.batch import Microbatch
 from lit_seqpack.data import PlannedDataset
-from lit_seqpack.planning import PlanConfig, build_plan
 from tests._limits import TEST_TIMEOUT_S
+from tests._samplers import planned_sampler
 
-SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
+MODES = ("packing", "dynamic", "padded")
 
 
 def make(mode: str, lengths, *, rank: int = 0, num_replicas: int = 1, **kwargs):
     budget = {"batch_size": 3} if mode == "padded" else {"max_tokens": 64}
-    return SAMPLERS[mode](lengths, num_replicas=num_replicas, rank=rank, **{**budget, **kwargs})
+    return planned_sampler(mode, lengths, num_replicas=num_replicas, rank=rank, **{**budget, **kwargs})
 
 
 def lists(batches) -> list[list[int]]:
@@ -39,7 +39,7 @@ def lists(batches) -> list[list[int]]:
 @settings(max_examples=60, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 64), min_size=0, max_size=60),
-    mode=st.sampled_from(list(SAMPLERS)),
+    mode=st.sampled_from(list(MODES)),
     world=st.integers(1, 8),
     accumulate=st.integers(1, 4),
     epoch=st.integers(0, 2),
@@ -75,7 +75,7 @@ def test_ranks_cover_every_sample_once_in_lock_step(lengths, mode, world, accumu
 @settings(max_examples=60, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 64), min_size=1, max_size=60),
-    mode=st.sampled_from(list(SAMPLERS)),
+    mode=st.sampled_from(list(MODES)),
     world=st.integers(1, 4),
     accumulate=st.integers(1, 3),
     cut=st.floats(0.0, 1.0),
@@ -190,17 +190,8 @@ def test_resume_rejects_a_different_plan_mid_epoch_but_allows_epoch_boundaries()
         other.load_state_dict({**finished, "position": -1})
 
 
-def test_from_config_checks_the_mode():
-    cfg = PlanConfig(mode="dynamic", max_tokens=64, world_size=2)
-    sampler = DynamicBatchSampler.from_config([5, 6, 7], cfg, rank=1)
-    assert isinstance(sampler, PlannedBatchSampler) and sampler.rank == 1 and sampler.config is cfg
-    assert lists(sampler) == build_plan([5, 6, 7], cfg, epoch=0).rank_microbatches(1)
-    with pytest.raises(ValueError, match="mode"):
-        PackedBatchSampler.from_config([5, 6, 7], cfg)
-
-
-@pytest.mark.parametrize("mode", list(SAMPLERS))
-def test_planned_batch_sampler_takes_a_config_and_equals_the_mode_sampler(mode):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_planned_batch_sampler_takes_a_config_and_refuses_anything_else(mode):
     lengths = np.random.default_rng(6).integers(1, 64, 90)
     convenience = make(mode, lengths, rank=1, num_replicas=3, accumulate_grad_batches=2, seed=4)
     direct = PlannedBatchSampler(lengths, convenience.config, rank=1)
@@ -210,9 +201,6 @@ def test_planned_batch_sampler_takes_a_config_and_equals_the_mode_sampler(mode):
         PlannedBatchSampler(lengths, {"mode": mode})
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, num_replicas=3\)"):
         PlannedBatchSampler(lengths, convenience.config, rank=3)
-    other = "padded" if mode != "padded" else "packing"
-    with pytest.raises(ValueError, match=f"plans mode='{other}'"):
-        SAMPLERS[other].from_config(lengths, convenience.config)
 
 
 @pytest.mark.parametrize(
@@ -227,7 +215,7 @@ def test_planned_batch_sampler_takes_a_config_and_equals_the_mode_sampler(mode):
 )
 def test_constructor_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        PackedBatchSampler([10, 5], **{"max_tokens": 64, **kwargs})
+        planned_sampler("packing", [10, 5], **{"max_tokens": 64, **kwargs})
 
 
 def test_set_epoch_rejects_negative():
@@ -236,7 +224,7 @@ def test_set_epoch_rejects_negative():
 
 
 def test_defaults_without_torch_distributed():
-    sampler = PackedBatchSampler([3, 4, 5], max_tokens=8)
+    sampler = planned_sampler("packing", [3, 4, 5], max_tokens=8)
     assert (sampler.config.world_size, sampler.rank) == (1, 0)
 
 
@@ -260,8 +248,8 @@ def _loader(sampler, num_workers: int) -> StatefulDataLoader:
 def test_stateful_dataloader_resumes_exactly_with_workers(num_workers):
     lengths = np.random.default_rng(5).integers(1, 300, 500)
     kwargs = {"max_tokens": 512, "num_replicas": 2, "rank": 1, "accumulate_grad_batches": 2}
-    expected = [list(mb) for mb in PackedBatchSampler(lengths, **kwargs)]
-    sampler = PackedBatchSampler(lengths, **kwargs)
+    expected = [list(mb) for mb in planned_sampler("packing", lengths, **kwargs)]
+    sampler = planned_sampler("packing", lengths, **kwargs)
     loader = _loader(sampler, num_workers)
     k = len(expected) // 3
     seen = []
@@ -272,7 +260,7 @@ def test_stateful_dataloader_resumes_exactly_with_workers(num_workers):
             break
     del loader
     assert seen == expected[:k]
-    resumed_loader = _loader(PackedBatchSampler(lengths, **kwargs), num_workers)
+    resumed_loader = _loader(planned_sampler("packing", lengths, **kwargs), num_workers)
     resumed_loader.load_state_dict(state)
     rest = [batch[0] for batch in resumed_loader]
     assert rest == expected[k:]
@@ -303,7 +291,7 @@ class _Recorder(L.LightningModule):
         self.seen: list[tuple[int, list[int]]] = []
 
     def train_dataloader(self) -> StatefulDataLoader:
-        sampler = PackedBatchSampler(self.lengths, max_tokens=128, accumulate_grad_batches=2, seed=1)
+        sampler = planned_sampler("packing", self.lengths, max_tokens=128, accumulate_grad_batches=2, seed=1)
         # Lightning 2.6 creates the iterator (and workers prefetch) before its own set_epoch call, so a run
         # resumed from an end-of-epoch checkpoint would replay epoch 0 (Lightning issue #21938): set it here
         sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
@@ -337,7 +325,7 @@ def _trainer(root, **kwargs) -> L.Trainer:
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_lightning_resumes_exactly_from_mid_epoch_and_end_of_epoch_checkpoints(tmp_path):
     lengths = np.random.default_rng(8).integers(1, 100, 90).tolist()
-    batches_per_epoch = len(PackedBatchSampler(lengths, max_tokens=128, accumulate_grad_batches=2, seed=1))
+    batches_per_epoch = len(planned_sampler("packing", lengths, max_tokens=128, accumulate_grad_batches=2, seed=1))
     steps_per_epoch = batches_per_epoch // 2
     mid_step = steps_per_epoch + steps_per_epoch // 2  # inside the second epoch
     callbacks = [

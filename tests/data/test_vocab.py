@@ -10,8 +10,9 @@ import torch
 
 from lit_seqpack.cli import check_vocab
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.data.sources import ChatSource, TextSource, TokenizedSource, resolve_source
-from lit_seqpack.data.sources._vocab import tokenizer_vocab_size, vocab_hint
+from lit_seqpack.data.sources import ChatSource, TextSource, TokenizedSource
+from lit_seqpack.data.sources.base import resolve_source
+from lit_seqpack.data.sources.text import tokenizer_vocab_size, vocab_hint
 
 
 class _Sized(torch.nn.Module):

@@ -15,11 +15,10 @@ from lit_seqpack.model.attention import (
     BackendUnavailableError,
     available_backends,
     override_backend,
-    reference_flash_attn_varlen_func,
-    reference_varlen_attention,
     use_backend,
     varlen_attention,
 )
+from lit_seqpack.model.attention_reference import reference_flash_attn_varlen_func, reference_varlen_attention
 
 LENGTHS = [3, 5, 2, 2]  # DESIGN.md's example: docs of 3, 5, 2 tokens and a padding tail of 2
 

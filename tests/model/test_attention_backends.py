@@ -18,10 +18,9 @@ from lit_seqpack.model.attention import (
     available_backends,
     backend_table,
     override_backend,
-    reference_flash_attn_varlen_func,
-    reference_varlen_attention,
     varlen_attention,
 )
+from lit_seqpack.model.attention_reference import reference_flash_attn_varlen_func, reference_varlen_attention
 from tests.model.test_attention_extras import fake_torch_varlen_attn
 
 LENGTHS = [5, 1, 7, 3]

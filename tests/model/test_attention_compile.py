@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from lit_seqpack.model.attention import reference_varlen_attention, varlen_attention
+from lit_seqpack.model.attention import varlen_attention
+from lit_seqpack.model.attention_reference import reference_varlen_attention
 
 
 def layouts(steps: int = 10, seed: int = 0) -> list[list[int]]:

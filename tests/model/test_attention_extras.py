@@ -8,13 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from lit_seqpack.model.attention import (
-    BackendUnavailableError,
-    override_backend,
-    reference_flash_attn_varlen_func,
-    reference_varlen_attention,
-    varlen_attention,
-)
+from lit_seqpack.model.attention import BackendUnavailableError, override_backend, varlen_attention
+from lit_seqpack.model.attention_reference import reference_flash_attn_varlen_func, reference_varlen_attention
 
 LENGTHS = [9, 1, 14, 5, 3]
 EXTRAS: list[dict[str, Any]] = [

@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_seqpack.data.batching.collate import PackedCollator
-from lit_seqpack.model.attention import reference_varlen_attention, route_varlen_attention, varlen_attention
+from lit_seqpack.model.attention import route_varlen_attention, varlen_attention
+from lit_seqpack.model.attention_reference import reference_varlen_attention
 from lit_seqpack.model.cp_attention import (
     all_gather_tokens,
     context_parallel,
@@ -20,7 +21,7 @@ from lit_seqpack.model.cp_attention import (
     context_parallel_scope,
 )
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
-from lit_seqpack.parallel import shard_packed_batch, shard_tokens, unshard_tokens
+from lit_seqpack.parallel.context import shard_packed_batch, shard_tokens, unshard_tokens
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 
 CP = 2

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data.batching.collate import PackedCollator
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.parallel import shard_packed_batch
+from lit_seqpack.parallel.context import shard_packed_batch
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 from tests._ranks import free_port, join_ranks
 from tests.model.test_exact_loss import (

@@ -20,10 +20,12 @@ from lightning.pytorch.strategies import DDPStrategy
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
 from lit_seqpack.data import PlannedDataset
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
-from lit_seqpack.data.indexed.samplers import DynamicBatchSampler, PackedBatchSampler
+from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler
 from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
 from lit_seqpack.model.loss import LossOutput
+from lit_seqpack.planning.config import PlanConfig
 from tests._limits import COLLECTIVE_TIMEOUT
+from tests._samplers import planned_sampler
 
 VOCAB = 64
 TINY = {"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "intermediate_size": 64}
@@ -247,7 +249,7 @@ def test_real_sampler_collator_and_trainer_end_to_end() -> None:
     lengths = [len(s["input_ids"]) for s in samples]
     sampler_kwargs = {"max_tokens": 32, "num_replicas": 1, "rank": 0, "accumulate_grad_batches": 3, "seed": 1}
     tokens = [loss_tokens(s) for s in samples]
-    peek = PackedBatchSampler(lengths, loss_tokens=tokens, **sampler_kwargs)  # the same plan, read ahead
+    peek = planned_sampler("packing", lengths, loss_tokens=tokens, **sampler_kwargs)  # the same plan, read ahead
     first_step = [mb for mb, _ in zip(peek, range(3), strict=False)]
     assert all(mb.meta.step == 0 for mb in first_step)
     step_samples = [samples[i] for mb in first_step for i in mb]
@@ -255,7 +257,7 @@ def test_real_sampler_collator_and_trainer_end_to_end() -> None:
     expected = reference_gradients(module, step_samples)
     capture = GradientCapture()
     trainer = one_step_trainer(3, capture)
-    sampler = PackedBatchSampler(lengths, loss_tokens=tokens, **sampler_kwargs)
+    sampler = planned_sampler("packing", lengths, loss_tokens=tokens, **sampler_kwargs)
     trainer.fit(module, _planned_loader(sampler, samples, PackedCollator(pad_to_multiple_of=8)))
     assert capture.grads is not None
     assert_gradients_match(capture.grads, expected, rtol=1e-5)
@@ -266,15 +268,12 @@ def test_real_samplers_on_two_simulated_ranks(mode: str) -> None:
     """Each rank's sampler gives its step-0 microbatches; Lightning's /k and DDP's mean over W done by hand."""
     samples = make_samples(count=30, seed=11)
     lengths, tokens = [len(s["input_ids"]) for s in samples], [loss_tokens(s) for s in samples]
-    sampler_cls, collate = (
-        (PackedBatchSampler, PackedCollator()) if mode == "packed" else (DynamicBatchSampler, PaddedCollator())
-    )
+    sampler_mode, collate = ("packing", PackedCollator()) if mode == "packed" else ("dynamic", PaddedCollator())
     module = make_module("reference").double()
     per_rank, step_samples, step_totals = [], [], set()
     for rank in range(2):
-        sampler = sampler_cls(
-            lengths, max_tokens=48, num_replicas=2, rank=rank, accumulate_grad_batches=2, loss_tokens=tokens, seed=2
-        )
+        config = PlanConfig(mode=sampler_mode, max_tokens=48, world_size=2, accumulate_grad_batches=2, seed=2)
+        sampler = PlannedBatchSampler(lengths, config, rank=rank, loss_tokens=tokens)
         step = [mb for mb, _ in zip(sampler, range(2), strict=False)]
         step_samples += [samples[i] for mb in step for i in mb]
         replica = copy.deepcopy(module)

@@ -20,11 +20,11 @@ from lit_seqpack.data import PlannedDataset
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.batching.context_parallel import ContextParallelCollator
 from lit_seqpack.data.batching.loss_weights import StepWeightedBatchSampler, sample_loss_weight
-from lit_seqpack.data.indexed.samplers import PackedBatchSampler
 from lit_seqpack.data.sources import TokenizedSource
-from lit_seqpack.parallel import gather_packed_batches, shard_packed_batch
+from lit_seqpack.parallel.context import gather_packed_batches, shard_packed_batch
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 from tests._ranks import free_port, join_ranks
+from tests._samplers import planned_sampler
 from tests.model.test_exact_loss import (
     PACKED_GROUPS,
     VOCAB,
@@ -195,7 +195,7 @@ def test_real_sampler_with_planned_step_weights_end_to_end() -> None:
     tokens = [sum(lab != -100 for lab in s["labels"][1:]) for s in samples]
     sums = [sample_loss_weight(s, "weights") for s in samples]
     kwargs = {"max_tokens": 32, "num_replicas": 1, "rank": 0, "accumulate_grad_batches": 3, "seed": 1}
-    peek = StepWeightedBatchSampler(PackedBatchSampler(lengths, loss_tokens=tokens, **kwargs), sums)
+    peek = StepWeightedBatchSampler(planned_sampler("packing", lengths, loss_tokens=tokens, **kwargs), sums)
     first_step = [mb for mb, _ in zip(peek, range(3), strict=False)]
     assert {mb.meta.step for mb in first_step} == {0}
     step_samples = [samples[i] for mb in first_step for i in mb]
@@ -204,7 +204,7 @@ def test_real_sampler_with_planned_step_weights_end_to_end() -> None:
     expected = reference_weighted_gradients(module, step_samples, "weights")
     capture = GradientCapture()
     trainer = one_step_trainer(3, capture)
-    sampler = StepWeightedBatchSampler(PackedBatchSampler(lengths, loss_tokens=tokens, **kwargs), sums)
+    sampler = StepWeightedBatchSampler(planned_sampler("packing", lengths, loss_tokens=tokens, **kwargs), sums)
     collate = PackedCollator(token_fields={"weights": 0.0}, loss_weight_field="weights")
     loader = torch.utils.data.DataLoader(PlannedDataset(samples), batch_sampler=sampler, collate_fn=collate)
     trainer.fit(module, loader)

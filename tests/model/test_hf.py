@@ -11,11 +11,8 @@ from lightning.pytorch import LightningModule
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from lit_seqpack.model.attention import (  # noqa: E402
-    override_backend,
-    reference_flash_attn_varlen_func,
-    use_backend,
-)
+from lit_seqpack.model.attention import override_backend, use_backend
+from lit_seqpack.model.attention_reference import reference_flash_attn_varlen_func
 from lit_seqpack.model.hf import (  # noqa: E402
     ATTENTION_NAME,
     hf_model_inputs,

@@ -161,7 +161,7 @@ def test_generation_after_training_and_after_load_from_checkpoint(tmp_path: Any)
 
 def test_packed_rows_get_no_mask_and_a_model_own_mask_is_refused() -> None:
     """On a packed row the mask function builds nothing (no [T, T] mask); a mask that still arrives is the model's."""
-    from lit_seqpack.model import _hf_dispatch
+    from lit_seqpack.model import hf as _hf_dispatch
     from lit_seqpack.model.hf import hf_model_inputs
     from lit_seqpack.model.isolation import documents_batch
 

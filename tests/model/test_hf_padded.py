@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
-from lit_seqpack.model import _hf_dispatch  # noqa: E402
+from lit_seqpack.model import hf as _hf_dispatch  # noqa: E402
 from lit_seqpack.model.hf import ATTENTION_NAME, hf_model_inputs, prepare_hf_model  # noqa: E402
 from lit_seqpack.model.isolation import documents_batch  # noqa: E402
 from tests.model._hf_tiny import TINY_HF  # noqa: E402

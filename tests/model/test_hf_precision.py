@@ -13,11 +13,8 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from lit_seqpack.data.batching.collate import PackedCollator  # noqa: E402
-from lit_seqpack.model.attention import (  # noqa: E402
-    override_backend,
-    reference_flash_attn_varlen_func,
-    varlen_attention,
-)
+from lit_seqpack.model.attention import override_backend, varlen_attention
+from lit_seqpack.model.attention_reference import reference_flash_attn_varlen_func
 from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model  # noqa: E402
 from lit_seqpack.model.isolation import documents_batch  # noqa: E402
 from lit_seqpack.model.lm import HFCausalLM  # noqa: E402

@@ -1,9 +1,11 @@
 """transformers models that cannot be packed here train in dynamic and padded mode, and packing is refused by name.
 
-Two kinds: models without transformers' ``AttentionInterface`` (Falcon keeps its own attention classes), and models
+Two kinds: models whose dispatch may or may not go through transformers' ``AttentionInterface`` depending on the
+release (Falcon kept its own attention classes up to transformers 5.24 and uses the interface from 5.25), and models
 whose layers keep packed documents apart only through a kernel package that is not installed (Qwen3-Next and Qwen3.5
-without flash-linear-attention, where transformers refuses the packed row). Each is compared, in padded rows, with
-the stock model run per document with eager attention (logits, and the gradient of HF's token-mean loss).
+without flash-linear-attention, where transformers refuses the packed row). Each is compared with the stock model run
+per document with eager attention (logits, and the gradient of HF's token-mean loss). The Falcon tests assert the
+library's promise, not one release's dispatch: switched and exact when packed, or kept and refused by name.
 """
 
 from __future__ import annotations
@@ -66,16 +68,19 @@ def _stock_eager(module: Any) -> Any:
     return stock
 
 
-def _assert_exact_in_padded_rows(module: Any) -> None:
-    """Logits and the training gradient of padded rows equal the stock eager model run per document."""
+def _assert_exact_per_document(module: Any, *, packed: bool = False) -> None:
+    """Logits and the training gradient of padded rows (or one packed row) equal the stock eager model per document."""
     docs = _documents()
     stock = _stock_eager(module)
-    batch = documents_batch(docs, packed=False)
+    batch = documents_batch(docs, packed=packed)
     with torch.no_grad():
         logits = module.eval().seqpack_forward(batch)
+        start = 0
         for row, doc in enumerate(docs):
             alone = stock.eval()(input_ids=doc[None]).logits[0]
-            torch.testing.assert_close(logits[row, : len(doc)], alone, atol=1e-5, rtol=0)
+            got = logits[0, start : start + len(doc)] if packed else logits[row, : len(doc)]
+            torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+            start += len(doc)
     module.train().zero_grad()
     module.training_step(batch, 0).backward()
     stock.train().zero_grad()
@@ -84,6 +89,17 @@ def _assert_exact_in_padded_rows(module: Any) -> None:
     expected = dict(stock.named_parameters())
     for name, param in module.model.named_parameters():
         torch.testing.assert_close(param.grad, expected[name].grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _assert_exact_in_padded_rows(module: Any) -> None:
+    _assert_exact_per_document(module, packed=False)
+
+
+def _switched(module: Any) -> bool:
+    """Whether ``HFCausalLM`` routed the model's attention through lit_seqpack's varlen function."""
+    from lit_seqpack.model._hf_packed import ATTENTION_NAME
+
+    return module.model.config._attn_implementation == ATTENTION_NAME
 
 
 def _fit(module: Any, mode: str, tmp_path: Any) -> Any:
@@ -108,25 +124,29 @@ def _fit(module: Any, mode: str, tmp_path: Any) -> Any:
     ("variant", "implementation"),
     [("rotary-multi-query", "sdpa"), ("rotary-multi-query", "eager"), ("alibi", "eager"), ("new-decoder-gqa", "sdpa")],
 )  # Falcon's alibi differs between its own sdpa and eager paths (~8e-3 per document alone): eager only there
-def test_falcon_keeps_its_own_attention_and_is_exact_in_padded_rows(variant: str, implementation: str) -> None:
+def test_falcon_is_switched_and_exact_packed_or_kept_and_refused_by_name(variant: str, implementation: str) -> None:
+    """Whichever dispatch the installed transformers has, the promise holds: exact when packed, or a named refusal."""
     from lit_seqpack.model.hf import UnsupportedAttentionError, prepare_hf_model
 
     config = {"model_type": "falcon", **FALCON, **FALCON_VARIANTS[variant]}
     module = _hf(config, model_kwargs={"attn_implementation": implementation})
-    assert module.model.config._attn_implementation == implementation  # not switched: no AttentionInterface
     _assert_exact_in_padded_rows(module)
+    if _switched(module):  # transformers >= 5.25: Falcon dispatches through the AttentionInterface
+        _assert_exact_per_document(module, packed=True)
+        return
+    assert module.model.config._attn_implementation == implementation  # kept: no AttentionInterface
     with pytest.raises(UnsupportedAttentionError, match=r"FalconForCausalLM .*AttentionInterface.*mode: dynamic"):
         prepare_hf_model(module.model)
     assert module.model.config._attn_implementation == implementation
 
 
 @pytest.mark.parametrize("mode", ["packing", "dynamic", "padded"])
-def test_falcon_trains_through_hf_causal_lm_in_dynamic_and_padded_mode_and_is_refused_packed(
+def test_falcon_trains_through_hf_causal_lm_in_every_mode_it_supports_and_is_refused_packed_otherwise(
     mode: str, tmp_path: Any
 ) -> None:
     module = _hf({"model_type": "falcon", **FALCON})
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    if mode == "packing":
+    if mode == "packing" and not _switched(module):
         with pytest.raises(ValueError, match=r"FalconForCausalLM cannot be trained with mode: packing.*mode: dynamic"):
             _fit(module, mode, tmp_path)
         assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())  # not one step trained

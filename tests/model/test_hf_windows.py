@@ -62,7 +62,8 @@ def per_document(model: Any, docs: list[torch.Tensor]) -> torch.Tensor:
 @pytest.mark.parametrize("backend", ["sdpa", "flash_attn"])
 @pytest.mark.parametrize("model_type", list(CONFIGS))
 def test_packed_row_equals_the_stock_eager_model_per_document(model_type: str, backend: str) -> None:
-    from lit_seqpack.model.attention import override_backend, reference_flash_attn_varlen_func
+    from lit_seqpack.model.attention import override_backend
+    from lit_seqpack.model.attention_reference import reference_flash_attn_varlen_func
 
     stock = stock_eager(model_type)
     model = prepare_hf_model(copy.deepcopy(stock))
@@ -152,7 +153,7 @@ def test_a_decoder_layer_that_drops_the_packing_keywords_is_named(model_type: st
 
 
 def test_packed_calls_that_would_compute_another_function_are_refused() -> None:
-    from lit_seqpack.model import _hf_dispatch
+    from lit_seqpack.model import hf as _hf_dispatch
 
     model = prepare_hf_model(stock_eager("mistral"))
     inputs = hf_model_inputs(documents_batch(documents((5, 3))))

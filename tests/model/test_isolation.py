@@ -97,7 +97,7 @@ def test_the_probe_sees_through_a_ddp_wrapper(tmp_path: Any) -> None:
 
 
 def test_probe_documents_are_longer_than_the_windows_and_kernels_a_config_declares() -> None:
-    from lit_seqpack.model._leak_message import MAX_PROBE_LENGTH, probe_lengths
+    from lit_seqpack.model.isolation import MAX_PROBE_LENGTH, probe_lengths
 
     class Configured(MixLM):
         def __init__(self, **sizes: int) -> None:

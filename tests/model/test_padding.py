@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lit_seqpack.batch import is_right_padded
 from lit_seqpack.data.batching.collate import PaddedCollator
 from lit_seqpack.model import reference
-from lit_seqpack.model._padding import is_right_padded
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
 
 LENGTHS = [3, 9, 1, 6, 5]

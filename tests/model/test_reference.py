@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
-from lit_seqpack.model.attention import override_backend, reference_flash_attn_varlen_func
+from lit_seqpack.model.attention import override_backend
+from lit_seqpack.model.attention_reference import reference_flash_attn_varlen_func
 from lit_seqpack.model.reference import REFERENCE_PRESETS, ReferenceConfig, ReferenceDecoder
 
 LENGTHS = [3, 9, 1, 6, 5]

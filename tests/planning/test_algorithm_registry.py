@@ -20,8 +20,7 @@ from lit_seqpack.planning.algorithms import (
 from lit_seqpack.planning.config import PlanConfig
 from lit_seqpack.planning.lazy import LazyPlan
 from lit_seqpack.planning.plan import build_plan
-from lit_seqpack.planning.rollout import plan_rollout
-from lit_seqpack.planning.rollout_config import RolloutPlanConfig
+from lit_seqpack.planning.rollout import RolloutPlanConfig, plan_rollout
 
 
 def _one_per_bin(sizes: np.ndarray, capacity: int, seed: int) -> algorithms.Assignment:

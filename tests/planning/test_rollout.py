@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lit_seqpack.planning._partition import karmarkar_karp
+from lit_seqpack.planning._balance import karmarkar_karp
 from lit_seqpack.planning.rollout import RolloutPlanConfig, dense_group_labels, plan_rollout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,8 +171,8 @@ def test_dense_group_labels_follow_first_appearance() -> None:
 
 @pytest.mark.parametrize("algorithm", ["first_fit_decreasing", "best_fit_decreasing", "modified_first_fit_decreasing"])
 def test_a_share_that_fits_one_row_is_the_packers_single_bin(algorithm: str) -> None:
-    from lit_seqpack.planning._rollout_microbatches import rank_microbatches
     from lit_seqpack.planning.algorithms import get_packer
+    from lit_seqpack.planning.rollout import rank_microbatches
 
     rng = np.random.default_rng(7)
     config = RolloutPlanConfig(max_tokens=4096, algorithm=algorithm)

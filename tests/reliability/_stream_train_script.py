@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lit_seqpack import SeqPackDataModule  # noqa: E402
 from lit_seqpack.data.sources import GeneratorStream
-from lit_seqpack.data.streaming import StreamingDataLoader  # noqa: E402
+from lit_seqpack.data.streaming.loader import StreamingDataLoader  # noqa: E402
 from tests.reliability._train_script import (  # noqa: E402
     ACCUMULATE,
     EPOCHS,

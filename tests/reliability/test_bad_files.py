@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from lit_seqpack import SeqPackDataModule, TokenizedDataset
+from lit_seqpack import SeqPackDataModule
 from lit_seqpack.data.sources import TextSource, TokenizedSource
 from lit_seqpack.data.sources.text import TextDataset
+from lit_seqpack.data.sources.tokenized import TokenizedDataset
 
 GOOD = '{"input_ids": [1, 2, 3]}\n'
 

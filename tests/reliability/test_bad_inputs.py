@@ -18,20 +18,19 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lit_seqpack import (
-    DynamicBatchSampler,
-    PackedBatchSampler,
     PackedCollator,
     PackedSequenceMixin,
     PaddedCollator,
     PlanConfig,
+    PlannedBatchSampler,
     ReferenceLM,
     SeqPackDataModule,
-    TokenizedDataset,
     varlen_attention,
 )
 from lit_seqpack.cli import SeqPackCLI
 from lit_seqpack.data import PlannedDataset
 from lit_seqpack.data.sources import SyntheticInstructionDataset, TokenizedSource
+from lit_seqpack.data.sources.tokenized import TokenizedDataset
 from lit_seqpack.model.attention import BackendUnavailableError
 from lit_seqpack.model.isolation import PackingLeakError
 
@@ -65,7 +64,10 @@ def test_empty_dataset_fails_at_setup() -> None:
 
 
 def test_empty_lengths_plan_an_empty_epoch_at_the_sampler_layer() -> None:
-    assert len(PackedBatchSampler([], max_tokens=8)) == 0 and list(PackedBatchSampler([], max_tokens=8)) == []
+    assert (
+        len(PlannedBatchSampler([], PlanConfig(mode="packing", max_tokens=8))) == 0
+        and list(PlannedBatchSampler([], PlanConfig(mode="packing", max_tokens=8))) == []
+    )
 
 
 class _WithLengths(list):
@@ -97,7 +99,7 @@ def test_overlong_error_names_the_sample_the_budget_and_the_policy(mode: str) ->
     with pytest.raises(ValueError, match=r"1 of 3 samples are longer than max_tokens=16 \(first: #1: 30\).*overlong="):
         dm.setup("fit")
     with pytest.raises(ValueError, match=r"sample 1 has length 30 > max_tokens=16"):
-        (PackedBatchSampler if mode == "packing" else DynamicBatchSampler)([5, 30, 7], max_tokens=16)
+        (PlannedBatchSampler if mode == "packing" else PlannedBatchSampler)([5, 30, 7], max_tokens=16)
 
 
 @pytest.mark.parametrize("mode", ["packing", "dynamic"])
@@ -204,8 +206,8 @@ def test_max_tokens_below_one_fails_at_construction(max_tokens: int | None) -> N
     for build in (
         lambda: SeqPackDataModule(max_tokens=max_tokens),
         lambda: SeqPackDataModule(mode="dynamic", max_tokens=max_tokens),
-        lambda: PackedBatchSampler([3, 4], max_tokens=max_tokens),
-        lambda: DynamicBatchSampler([3, 4], max_tokens=max_tokens),
+        lambda: PlannedBatchSampler([3, 4], PlanConfig(mode="packing", max_tokens=max_tokens)),
+        lambda: PlannedBatchSampler([3, 4], PlanConfig(mode="dynamic", max_tokens=max_tokens)),
         lambda: PlanConfig(mode="packing", max_tokens=max_tokens),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -216,7 +218,7 @@ def test_a_row_multiple_that_does_not_divide_the_budget_fails_at_construction() 
     with pytest.raises(ValueError, match=r"max_tokens=100 must be a multiple of sequence_length_round=64"):
         SeqPackDataModule(max_tokens=100, sequence_length_round=64)
     with pytest.raises(ValueError, match=r"max_tokens=100 must be a multiple of sequence_length_round=128"):
-        PackedBatchSampler([3], max_tokens=100, sequence_length_round=128)
+        PlannedBatchSampler([3], PlanConfig(mode="packing", max_tokens=100, sequence_length_round=128))
     with pytest.raises(ValueError, match=r"pad_to_multiple_of must be an int >= 1 or None, got 0"):
         PackedCollator(pad_to_multiple_of=0)
 
@@ -251,7 +253,10 @@ def test_a_document_pad_multiple_applies_the_overlong_policy_to_padded_lengths(o
 # ------------------------------------------------------------------------------------- more ranks than samples
 def test_more_ranks_than_samples_get_counted_zero_weight_fillers() -> None:
     lengths, world = [5, 7, 3], 8
-    samplers = [PackedBatchSampler(lengths, max_tokens=8, num_replicas=world, rank=r) for r in range(world)]
+    samplers = [
+        PlannedBatchSampler(lengths, PlanConfig(mode="packing", max_tokens=8, world_size=world), rank=r)
+        for r in range(world)
+    ]
     per_rank = [list(s) for s in samplers]
     assert {len(mbs) for mbs in per_rank} == {1}  # lock-step: one microbatch each, nobody waits forever
     assert sorted(i for mbs in per_rank for mb in mbs for i in mb) == [0, 1, 2]

@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lit_seqpack import PackedCollator, PaddedCollator, ReferenceLM, SeqPackDataModule, TokenizedDataset
+from lit_seqpack import PackedCollator, PaddedCollator, ReferenceLM, SeqPackDataModule
 from lit_seqpack.data.indexed.validation import DataScan, check_vocab_range, scan_dataset
 from lit_seqpack.data.sources import SyntheticInstructionDataset, TokenizedSource
+from lit_seqpack.data.sources.tokenized import TokenizedDataset
 
 MASKED = [
     {"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 0, 1, 1]},
@@ -245,11 +246,11 @@ def test_settings_of_the_wrong_type_fail_at_construction(kwargs: dict, error: ty
 
 @pytest.mark.parametrize("knob", ["shuffle", "verify_plan"])
 def test_sampler_flags_must_be_bools(knob: str) -> None:
-    from lit_seqpack import DynamicBatchSampler, PackedBatchSampler
+    from tests._samplers import planned_sampler
 
-    for sampler in (PackedBatchSampler, DynamicBatchSampler):
+    for mode in ("packing", "dynamic"):
         with pytest.raises((TypeError, ValueError), match=f"{knob}"):
-            sampler([3, 4], max_tokens=8, **{knob: "no"})
+            planned_sampler(mode, [3, 4], max_tokens=8, **{knob: "no"})
     assert SeqPackDataModule(shuffle=False).plan_config(world_size=1, accumulate_grad_batches=1).shuffle is False
 
 

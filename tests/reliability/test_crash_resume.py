@@ -23,7 +23,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_seqpack import PackedBatchSampler
+from lit_seqpack import PlannedBatchSampler
+from lit_seqpack.planning.config import PlanConfig
 from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S, stages_timeout
 from tests._ranks import free_port
 from tests.reliability import _train_script as script
@@ -199,7 +200,9 @@ def test_resume_with_a_schedule_that_reads_estimated_stepping_batches_continues_
 ) -> None:
     """Regression: the resumed epoch restarted from its first microbatch (samples trained twice, others never)."""
     lengths = script.IndexedSamples().lengths
-    sampler = PackedBatchSampler(lengths, max_tokens=script.MAX_TOKENS, accumulate_grad_batches=script.ACCUMULATE)
+    sampler = PlannedBatchSampler(
+        lengths, PlanConfig(mode="packing", max_tokens=script.MAX_TOKENS, accumulate_grad_batches=script.ACCUMULATE)
+    )
     steps_per_epoch = len(sampler) // script.ACCUMULATE
     mid_second_epoch = steps_per_epoch + steps_per_epoch // 2
     _fit_in_process(tmp_path / "reference", save_at=mid_second_epoch)

@@ -17,18 +17,16 @@ from hypothesis import strategies as st
 
 from lit_seqpack import (
     PACKING_ALGORITHMS,
-    DynamicBatchSampler,
-    PackedBatchSampler,
-    PaddedBatchSampler,
     SeqPackDataModule,
 )
 from lit_seqpack.data import PlannedDataset
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.model.attention import varlen_attention
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
+from tests._samplers import planned_sampler
 from tests.reliability.conftest import FUZZ_SETTINGS
 
-SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
+MODES = ("packing", "dynamic", "padded")
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -38,7 +36,7 @@ def _round_up(value: int, multiple: int) -> int:
 @st.composite
 def plans(draw: st.DrawFn, *, min_length: int = 0) -> dict:
     """A random planning problem: lengths, mode, layout and every knob the samplers take."""
-    mode = draw(st.sampled_from(list(SAMPLERS)))
+    mode = draw(st.sampled_from(list(MODES)))
     # edge values (the shortest allowed, exactly the largest) are drawn often, not only by luck
     lengths = draw(st.lists(st.integers(min_length, 70) | st.sampled_from([min_length, 70]), max_size=120))
     r = draw(st.sampled_from([1, 2, 8]))
@@ -66,7 +64,7 @@ def plans(draw: st.DrawFn, *, min_length: int = 0) -> dict:
 
 def _samplers(case: dict) -> list:
     world = case["knobs"]["num_replicas"]
-    samplers = [SAMPLERS[case["mode"]](case["lengths"], rank=r, **case["knobs"]) for r in range(world)]
+    samplers = [planned_sampler(case["mode"], case["lengths"], rank=r, **case["knobs"]) for r in range(world)]
     for sampler in samplers:
         sampler.set_epoch(case["epoch"])
     return samplers
@@ -130,13 +128,13 @@ def test_a_resume_at_any_cut_yields_exactly_the_rest_and_plans_are_deterministic
     for _ in range(k):
         next(iterator)
     state = again.state_dict()
-    resumed = SAMPLERS[case["mode"]](case["lengths"], rank=0, **case["knobs"])
+    resumed = planned_sampler(case["mode"], case["lengths"], rank=0, **case["knobs"])
     resumed.load_state_dict(state)
     rest = [list(mb) for mb in resumed]
     if k < len(full) or not full:
         assert rest == full[k:]
     else:  # a finished epoch is saved as the start of the next one
-        nxt = SAMPLERS[case["mode"]](case["lengths"], rank=0, **case["knobs"])
+        nxt = planned_sampler(case["mode"], case["lengths"], rank=0, **case["knobs"])
         nxt.set_epoch(case["epoch"] + 1)
         assert rest == [list(mb) for mb in nxt]
 
@@ -204,7 +202,7 @@ def test_collated_batches_keep_the_contract_and_sum_to_the_step_loss_tokens(case
         if mode == "packing"
         else PaddedCollator(pad_to_multiple_of=r)
     )
-    samplers = [SAMPLERS[mode](planned, rank=rank, **knobs) for rank in range(knobs["num_replicas"])]
+    samplers = [planned_sampler(mode, planned, rank=rank, **knobs) for rank in range(knobs["num_replicas"])]
     dataset = PlannedDataset(docs)
     step_sums: dict[int, int] = {}
     for sampler in samplers:

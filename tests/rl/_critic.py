@@ -10,7 +10,9 @@ import torch
 
 from lit_seqpack.model.lm import ReferenceLM
 from lit_seqpack.model.loss import LossOutput
-from lit_seqpack.rl import Rollout, loss_output, policy_logits, token_values, value_loss
+from lit_seqpack.rl import Rollout, policy_logits, value_loss
+from lit_seqpack.rl.loss import loss_output
+from lit_seqpack.rl.values import token_values
 from tests.rl._rollouts import TINY_REFERENCE, VOCAB, plain_logits, reference_step_mean, stock_model
 
 VALUE_CLIP = 0.1

@@ -14,13 +14,12 @@ from lit_seqpack.rl import (
     Rollout,
     clipped_policy_loss,
     kl_estimate,
-    loss_output,
-    sequence_log_ratio,
-    temperature_scaled,
     token_entropy,
     token_logprobs,
     truncated_importance_weights,
 )
+from lit_seqpack.rl.loss import loss_output
+from lit_seqpack.rl.objectives import sequence_log_ratio, temperature_scaled
 from tests.rl._rollouts import TINY_REFERENCE, VOCAB, alone_logprobs, plain_logits, reference_step_mean, stock_model
 
 TEMPERATURE, CAP, DUAL_CLIP, KL_COEF, ENTROPY_COEF = 0.7, 1.2, 1.5, 0.1, 0.05

@@ -10,15 +10,8 @@ from lightning.pytorch import LightningDataModule, Trainer
 
 from lit_seqpack.model.lm import ReferenceLM
 from lit_seqpack.model.loss import LossOutput
-from lit_seqpack.rl import (
-    Rollout,
-    RolloutPlanner,
-    clipped_policy_loss,
-    loss_output,
-    policy_logits,
-    step_loss,
-    token_logprobs,
-)
+from lit_seqpack.rl import Rollout, RolloutPlanner, clipped_policy_loss, policy_logits, step_loss, token_logprobs
+from lit_seqpack.rl.loss import loss_output
 from tests.rl._rollouts import TINY_REFERENCE, VOCAB
 
 

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_seqpack.rl import Rollout, gather_rollout
+from lit_seqpack.rl import Rollout
+from lit_seqpack.rl.gather import gather_rollout
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 from tests.rl._rollouts import make_rollout
 

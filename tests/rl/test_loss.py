@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_seqpack.rl import RolloutPlanner, loss_output, scale_step_loss, step_loss, token_logprobs
+from lit_seqpack.rl import RolloutPlanner, step_loss, token_logprobs
+from lit_seqpack.rl.loss import loss_output, scale_step_loss
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
 from tests.rl._policies import AutomaticPolicy, ManualPolicy, cpu_trainer, one_item_loader, prefixed
 from tests.rl._rollouts import (

@@ -9,16 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_seqpack.rl import (
-    RolloutPlanner,
-    clipped_policy_loss,
-    kl_estimate,
-    sequence_log_ratio,
-    temperature_scaled,
-    token_entropy,
-    truncated_importance_weights,
-    unpack,
-)
+from lit_seqpack.rl import RolloutPlanner, clipped_policy_loss, kl_estimate, token_entropy, truncated_importance_weights
+from lit_seqpack.rl.objectives import sequence_log_ratio, temperature_scaled
+from lit_seqpack.rl.unpack import unpack
 from tests._limits import TEST_TIMEOUT_S
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
 from tests.rl._objectives import ObjectivePolicy, padded_objective_gradients, with_objective_fields

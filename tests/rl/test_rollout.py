@@ -134,7 +134,7 @@ def test_the_token_digest_is_the_same_compiled_or_not(monkeypatch: pytest.Monkey
     import numpy as np
 
     from lit_seqpack.planning._kernels import DISABLE_ENV_VAR
-    from lit_seqpack.rl._digest import token_lanes
+    from lit_seqpack.rl.rollout import token_lanes
 
     rng = np.random.default_rng(0)
     ids, mask = rng.integers(0, 2**31, 5000), rng.random(5000) < 0.5

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
-from lit_seqpack.rl import document_index, document_sums, per_document_to_tokens, unpack
+from lit_seqpack.rl.unpack import document_index, document_sums, per_document_to_tokens, unpack
 
 SAMPLES = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}, {"input_ids": [1, 2, 3, 4]}]
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from lit_seqpack.rl import RolloutPlanner, gae, token_values, value_loss
+from lit_seqpack.rl import RolloutPlanner, gae, value_loss
+from lit_seqpack.rl.values import token_values
 from tests._limits import TEST_TIMEOUT_S
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
 from tests.rl._critic import Critic, alone_values, padded_critic_gradients, ppo_rollout, textbook_gae

@@ -15,7 +15,7 @@ from typing import Any
 
 from lit_seqpack._checks import check_int
 from lit_seqpack.data.batching.collate import PackedCollator
-from lit_seqpack.parallel import shard_packed_batch
+from lit_seqpack.parallel.context import shard_packed_batch
 
 __all__ = ["ContextParallelCollator", "TensorParallelCollator"]
 

@@ -32,7 +32,7 @@ import numpy as np
 from lit_seqpack.data.batching._samples import sample_loss_tokens
 from lit_seqpack.data.indexed._reads import read_sample
 from lit_seqpack.data.indexed.validation import DataScan, scan_dataset
-from lit_seqpack.data.sources.protocol import declared_counts, declared_fingerprint
+from lit_seqpack.data.sources.base import declared_counts, declared_fingerprint
 
 __all__ = [
     "cache_path",

@@ -7,6 +7,24 @@ and delegates every hook to it:
 2. ``setup``: the layout read from the Trainer, the over-long policy applied, the held-out splits made;
 3. ``train_loader`` / ``eval_loader``: a rank's planned batch sampler in a resumable ``StatefulDataLoader``;
 4. ``state_dict`` / ``load_state_dict``: the facts a resume must agree with and the loader's position.
+
+Datasets whose samples change between epochs (``lengths_change_per_epoch = True``): what they need to be re-planned.
+
+Such a dataset (augmentation, a prompt that grows, a file re-tokenised between epochs) is re-scanned at the start of
+every epoch (:meth:`~lit_seqpack.data.indexed.pipeline.IndexedPipeline.train_loader`) and planned again on its new
+lengths. The new plan has its own number of microbatches, which Lightning only reads from a rebuilt loader, and the
+over-long policy must keep every sample, or the samples trained would change from epoch to epoch.
+
+Evaluation data of the DataModule: validation / test files (or ``DatasetDict`` splits) and their token budget.
+
+Validation and test samples come either from the training data (``val_fraction`` / ``test_fraction``, held out by
+:func:`~lit_seqpack.data.indexed.splits.split_indices`), from a source of their own (``val_source`` /
+``test_source``), or from the training source's own split (a file source's ``val_path`` / ``val_split``). Two ways
+for one split at once is an error, and so is evaluating on the very samples that train.
+
+Evaluation has no gradients, so its microbatches may hold more tokens: ``eval_max_tokens`` (default:
+``max_tokens``) is the budget the validation and test samplers plan with. Documents keep the training budget
+(``max_tokens`` and the over-long policy), so every document evaluated is one the model could have trained on.
 """
 
 from __future__ import annotations
@@ -21,30 +39,30 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_seqpack._hashing import content_digest
 from lit_seqpack.data._trainer import read_layout, training_start
-from lit_seqpack.data.batching._budget import apply_document_budget, planned_lengths
 from lit_seqpack.data.batching.loss_weights import with_step_loss_weights
 from lit_seqpack.data.batching.overlong import OverlongReport
-from lit_seqpack.data.indexed._changing import check_changing_lengths
-from lit_seqpack.data.indexed._eval_data import eval_sources, eval_split
 from lit_seqpack.data.indexed._loader import ResumableDataLoader
 from lit_seqpack.data.indexed._reads import read_sample
 from lit_seqpack.data.indexed._resume import LOADER_STATE, PLAN_STATE, check_resume, layout_state, plan_settings
 from lit_seqpack.data.indexed.lengths import cached_scan
-from lit_seqpack.data.indexed.planned_dataset import PlannedDataset
-from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler
-from lit_seqpack.data.indexed.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
-from lit_seqpack.data.indexed.splits import IndexView, Split, split_indices
+from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler, PlannedDataset
+from lit_seqpack.data.indexed.splits import EVAL_SPLITS, IndexView, Split, split_indices
 from lit_seqpack.data.indexed.validation import DataScan, check_vocab_range, scan_dataset
-from lit_seqpack.data.settings import BatchingSettings
-from lit_seqpack.data.sources.base import IndexedSource
+from lit_seqpack.data.settings import BatchingSettings, apply_document_budget, planned_lengths
+from lit_seqpack.data.sources.base import (
+    IndexedSource,
+    declared_counts,
+    declared_fingerprint,
+    lengths_change_per_epoch,
+    source_splits,
+)
 from lit_seqpack.data.sources.files import FileSource
-from lit_seqpack.data.sources.protocol import declared_counts, declared_fingerprint, lengths_change_per_epoch
 from lit_seqpack.parallel import DataParallelLayout
 
-__all__ = ["IndexedPipeline"]
+__all__ = ["IndexedPipeline", "check_changing_lengths"]
+
 
 Dataset = Sequence[Mapping[str, Any]]
-_SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
 
 
 def _int32(counts: np.ndarray) -> np.ndarray:
@@ -260,7 +278,7 @@ class IndexedPipeline:
             self.eval_overlong_reports[name] = report
 
     def _model_vocab(self) -> int | None:
-        from lit_seqpack.model.vocab import model_vocab_size  # the model's side of the check, read at setup only
+        from lit_seqpack.model.hf_load import model_vocab_size  # the model's side of the check, read at setup only
 
         model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         return None if model is None else model_vocab_size(model)
@@ -306,7 +324,7 @@ class IndexedPipeline:
         planned = planned_lengths(lengths, settings.document_multiple) if settings.mode == "packing" else lengths
         count = settings.content_check_samples
         content = functools.partial(content_digest, data, count, settings.seed, read=read_sample) if count else None
-        sampler = _SAMPLERS[settings.mode].from_config(
+        sampler = PlannedBatchSampler(
             planned, config, rank=self.layout.rank, loss_tokens=loss_tokens, content_digest=content
         )
         if train:
@@ -391,3 +409,112 @@ class IndexedPipeline:
             self._train_loader.load_state_dict(loader_state)  # restored after the loader was built
         else:
             self._pending_state = loader_state
+
+
+def check_changing_lengths(dataset: Any, *, overlong: str, trainer: Any) -> None:
+    """Refuse the settings a dataset that declares ``lengths_change_per_epoch`` cannot be re-planned under.
+
+    Args:
+        dataset: the training dataset.
+        overlong: the over-long policy (``"drop"`` is refused).
+        trainer: the Lightning Trainer (``None``: not checked); its ``reload_dataloaders_every_n_epochs`` must be 1.
+
+    Raises:
+        ValueError: naming the setting and the value to use.
+    """
+    if not lengths_change_per_epoch(dataset):
+        return
+    name = type(dataset).__name__
+    if overlong == "drop":
+        raise ValueError(
+            f"overlong='drop' cannot be used with {name}, which declares lengths_change_per_epoch=True: the samples "
+            "dropped would change from epoch to epoch; use overlong='truncate' or 'error'"
+        )
+    reload = getattr(trainer, "reload_dataloaders_every_n_epochs", 1)
+    if trainer is not None and reload != 1:
+        raise ValueError(
+            f"{name} declares lengths_change_per_epoch=True, so every epoch is re-planned with its own number of "
+            "microbatches, which Lightning only reads from a rebuilt loader: set the Trainer's "
+            f"reload_dataloaders_every_n_epochs=1 (got {reload})"
+        )
+
+
+def eval_sources(
+    source: IndexedSource,
+    explicit: Mapping[str, IndexedSource | None],
+    fractions: Mapping[str, float],
+) -> dict[str, tuple[IndexedSource, str]]:
+    """Where each evaluation split held in its own data is read from: ``{name: (source, split to load)}``.
+
+    A split comes from ``val_source`` / ``test_source`` (its training samples), or from the training source's own
+    ``"val"`` / ``"test"`` split (a file source's ``val_path`` / ``val_split``), or is held out of the training
+    samples by ``val_fraction`` / ``test_fraction`` (then it is not listed here). Two ways for one split is an error.
+
+    Args:
+        source: the training source.
+        explicit: ``val_source`` / ``test_source`` by split name (resolved, or ``None``).
+        fractions: ``val_fraction`` / ``test_fraction`` by split name.
+
+    Raises:
+        ValueError: naming the settings that choose the same split twice.
+    """
+    held = source_splits(source)
+    chosen = {}
+    for name in EVAL_SPLITS:
+        ways = []
+        if explicit.get(name) is not None:
+            ways.append((f"{name}_source", (explicit[name], "train")))
+        if name in held:
+            ways.append(
+                (f"the source's {name} data ({name}_path / {name}_split of {type(source).__name__})", (source, name))
+            )
+        if fractions.get(name, 0.0):
+            ways.append((f"{name}_fraction={fractions[name]}", None))
+        if len(ways) > 1:
+            raise ValueError(
+                f"{' and '.join(way for way, _ in ways)} all choose the {name} samples: set one of them "
+                f"({name}_fraction holds samples out of the training data, {name}_source or {name}_path read their own)"
+            )
+        if ways and ways[0][1] is not None:
+            chosen[name] = ways[0][1]
+    return chosen
+
+
+def eval_split(
+    dataset: Sequence[Mapping[str, Any]],
+    scan: DataScan,
+    *,
+    name: str,
+    model_vocab: int | None,
+    pad_token_id: int,
+    **budget_kwargs: Any,
+) -> tuple[Split, OverlongReport | None]:
+    """One evaluation file as a :class:`~lit_seqpack.data.indexed.splits.Split`, under the training document budget.
+
+    Args:
+        dataset: the evaluation dataset.
+        scan: its validation pass (lengths, loss tokens, largest id).
+        name: ``"val"`` or ``"test"``, for messages.
+        model_vocab: the model's vocabulary, when known.
+        pad_token_id: the padding id.
+        **budget_kwargs: the settings of :func:`~lit_seqpack.data.settings.apply_document_budget`
+            (``max_tokens``
+            ``None`` in padded mode without a cap: no policy).
+
+    Raises:
+        ValueError: an empty file, an empty sample, or an id outside the model's vocabulary.
+    """
+    if len(dataset) == 0:
+        raise ValueError(f"the {name} data is empty")
+    check_vocab_range(scan, vocab_size=model_vocab, pad_token_id=pad_token_id)
+    lengths, loss_tokens = scan.lengths, scan.loss_tokens
+    empty = np.flatnonzero(lengths == 0)
+    if empty.size:
+        raise ValueError(f"sample {int(empty[0])} of the {name} data has no token")
+    if budget_kwargs.get("max_tokens") is None:
+        return Split(dataset, lengths, loss_tokens), None
+    try:
+        view, lengths, loss_tokens, report = apply_document_budget(dataset, lengths, loss_tokens, **budget_kwargs)
+    except ValueError as err:
+        raise ValueError(f"the {name} data: {err}") from None
+    return Split(view, lengths, loss_tokens), report

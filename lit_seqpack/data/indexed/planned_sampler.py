@@ -1,11 +1,40 @@
-"""The planned batch sampler: one rank's view of an epoch's plan (:mod:`lit_seqpack.data.indexed.samplers` has the
-three mode conveniences and the contract every planned sampler keeps).
+"""Rank-aware, resumable batch sampling: one rank's view of the global :class:`~lit_seqpack.planning.Plan`.
 
-A sampler holds the lengths (in their smallest dtype) and a :class:`~lit_seqpack.planning.PlanConfig`,
-counts the current epoch's steps once, plans one window at a time as this rank reaches it
-(:class:`~lit_seqpack.planning.lazy.LazyPlan`: memory O(window)), and keeps its progress (epoch,
-microbatches consumed) in a rank-independent ``state_dict``. Ranks compare a digest of their inputs
-(config, lengths, loss tokens) and the epoch, never the whole plan, which is a pure function of them.
+Every rank builds the same plan (a pure function of the lengths, the config, the seed and the epoch) and yields its
+own column of it, as :class:`~lit_seqpack.batch.Microbatch` lists of dataset indices carrying a
+:class:`~lit_seqpack.batch.MicrobatchMeta` (step, loss tokens of the whole step over all ranks, world size,
+accumulation, budget, empty filler or not)::
+
+    plan, epoch e        step 0        step 1       ...
+      rank 0           [mb0, mb1]    [mb4, mb5]           <- PlannedBatchSampler(lengths, config, rank=0)
+      rank 1           [mb2, mb3]    [mb6, mb7]           <- PlannedBatchSampler(lengths, config, rank=1)
+
+One class serves every mode: the :class:`~lit_seqpack.planning.PlanConfig` says which. Use it as
+``DataLoader(PlannedDataset(ds), batch_sampler=sampler, collate_fn=collator)`` (torchdata's ``StatefulDataLoader``
+for exact mid-epoch resume with workers) under ``Trainer(use_distributed_sampler=False)``.
+
+- A sampler holds the lengths (in their smallest dtype), counts the current epoch's steps once and plans one window
+  at a time as this rank reaches it (:class:`~lit_seqpack.planning.lazy.LazyPlan`: memory O(window)).
+- ``len(sampler)`` is the exact number of microbatches of the current epoch, equal on every rank.
+- ``__iter__`` is lazy: the epoch is read at the first ``next()``, so ``set_epoch`` may come after ``iter()``.
+  Lightning calls ``set_epoch`` only on ``loader.sampler`` and ``loader.batch_sampler.sampler``, so the sampler
+  exposes ``.sampler`` (this rank's sample indices) whose ``set_epoch`` forwards.
+- ``state_dict`` holds the epoch and the microbatches consumed, never the rank: rank 0's checkpoint resumes every
+  rank. StatefulDataLoader snapshots it when each batch is requested, so prefetching by workers does not move the
+  resume point.
+- With ``torch.distributed`` initialised, the first iteration of each epoch compares a digest of the plan's inputs
+  (config, lengths, loss tokens, epoch; and the data's ``content_digest`` when given) across ranks (one
+  ``all_gather_object``) and fails loudly, on every rank, on a mismatch; never the whole plan, which is a pure
+  function of them.
+- Lightning reads ``len(dataloader)`` once. The count is constant across epochs with ``window=None`` and a sort-based
+  packer (or dynamic or padded batching); otherwise reload the dataloaders every epoch (a warning says so when the
+  count changes).
+
+``PlannedDataset``: a map-style dataset whose batched reads carry the batch sampler's microbatch metadata.
+
+A planned batch sampler yields :class:`~lit_seqpack.batch.Microbatch` lists of indices with a
+:class:`~lit_seqpack.batch.MicrobatchMeta`; wrapping the dataset in :class:`PlannedDataset` hands the collator the
+samples as a ``Microbatch`` with the same metadata and the original dataset indices (named in its errors).
 """
 
 from __future__ import annotations
@@ -21,12 +50,23 @@ from torch.utils.data import Sampler
 
 from lit_seqpack._checks import check_int, is_int
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
+from lit_seqpack.data.indexed._reads import read_sample
+from lit_seqpack.data.indexed.splits import source_index
 from lit_seqpack.planning._windows import compact_counts
 from lit_seqpack.planning.config import PlanConfig
 from lit_seqpack.planning.lazy import LazyPlan
 from lit_seqpack.planning.plan import Plan, build_plan
 
-__all__ = ["PLAN_FORMAT", "PlannedBatchSampler", "RankSampler", "distributed", "resolve_replicas"]
+__all__ = [
+    "PLAN_FORMAT",
+    "PlannedBatchSampler",
+    "RankSampler",
+    "distributed",
+    "resolve_replicas",
+    "PlannedDataset",
+    "SourceIndices",
+]
+
 
 log = logging.getLogger(__name__)
 # the version of the plan's format (sample order, chunks): bumped when the same inputs would plan differently.
@@ -73,9 +113,8 @@ class RankSampler(Sampler[int]):
 class PlannedBatchSampler(Sampler[Microbatch]):
     """One rank's planned microbatches of a :class:`~lit_seqpack.planning.PlanConfig`, in any mode.
 
-    The batch sampler behind :class:`~lit_seqpack.data.indexed.samplers.PackedBatchSampler`,
-    :class:`~lit_seqpack.data.DynamicBatchSampler` and :class:`~lit_seqpack.data.PaddedBatchSampler`
-    (conveniences that build the config from keywords); build it directly when the config is at hand.
+    The one batch sampler of every mode: the config says which (``mode="packing" | "dynamic" | "padded"``), how
+    many ranks and microbatches a step holds, and how the plan is made.
 
     Args:
         lengths: token count of every sample of the dataset.
@@ -94,8 +133,6 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         [[2, 3]]
     """
 
-    _mode: str | None = None  # the mode a convenience subclass plans (None: the config's)
-
     def __init__(
         self,
         lengths: Sequence[int] | np.ndarray,
@@ -108,33 +145,9 @@ class PlannedBatchSampler(Sampler[Microbatch]):
     ) -> None:
         if not isinstance(config, PlanConfig):
             raise TypeError(f"config must be a PlanConfig, got {type(config).__name__}")
-        if self._mode is not None and config.mode != self._mode:
-            raise ValueError(f"{type(self).__name__} plans mode={self._mode!r}, got a config with mode={config.mode!r}")
         _, rank = resolve_replicas(config.world_size, rank)
         self._setup(lengths, config, rank, loss_tokens, verify_plan, False)
         self.content_digest = content_digest
-
-    @classmethod
-    def from_config(
-        cls,
-        lengths: Sequence[int] | np.ndarray,
-        config: PlanConfig,
-        *,
-        rank: int | None = None,
-        loss_tokens: Sequence[int] | np.ndarray | None = None,
-        verify_plan: bool = True,
-        content_digest: str | Callable[[], str] | None = None,
-    ) -> PlannedBatchSampler:
-        """``PlannedBatchSampler(lengths, config, ...)``, after checking that ``config`` plans this class's mode.
-
-        Kept for the mode samplers (``PackedBatchSampler.from_config(lengths, config)``); it returns a
-        :class:`PlannedBatchSampler`, since a mode sampler's own constructor takes keywords, not a config.
-        """
-        if cls._mode is not None and config.mode != cls._mode:
-            raise ValueError(f"{cls.__name__} plans mode={cls._mode!r}, got a config with mode={config.mode!r}")
-        return PlannedBatchSampler(
-            lengths, config, rank=rank, loss_tokens=loss_tokens, verify_plan=verify_plan, content_digest=content_digest
-        )
 
     def _setup(
         self,
@@ -366,3 +379,60 @@ class PlannedBatchSampler(Sampler[Microbatch]):
                 "with the checkpoint's values, or from an epoch-boundary checkpoint"
             )
         self._epoch, self._position, self._resume = int(epoch), int(position), True
+
+
+class PlannedDataset:
+    """Wraps a map-style dataset so that a batch sampler's :class:`Microbatch` metadata reaches the collator.
+
+    Use it to wire a planned batch sampler and a collator into a plain ``DataLoader`` by hand (the DataModule does
+    it for you).
+
+    Args:
+        dataset: any object with ``__getitem__`` and ``__len__`` returning sample mappings.
+
+    Example:
+        >>> planned = PlannedDataset([{"input_ids": [5, 6]}, {"input_ids": [7]}])
+        >>> batch = planned.__getitems__(Microbatch([1, 0], meta=None))
+        >>> [sample["input_ids"] for sample in batch], list(batch.indices)
+        ([[7], [5, 6]], [1, 0])
+    """
+
+    def __init__(self, dataset: Sequence[Mapping[str, Any]]) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Mapping[str, Any]:
+        return read_sample(self.dataset, index)
+
+    def __getitems__(self, indices: Sequence[int]) -> Microbatch:
+        return Microbatch(
+            (read_sample(self.dataset, i) for i in indices),
+            meta=getattr(indices, "meta", None),
+            indices=SourceIndices(self.dataset, indices),
+        )
+
+
+class SourceIndices(Sequence[int]):
+    """The original dataset indices of a microbatch's samples, resolved only when asked (in an error message).
+
+    Args:
+        dataset: the (possibly split, dropped or truncated) dataset the indices point into.
+        indices: positions in ``dataset``.
+    """
+
+    def __init__(self, dataset: Any, indices: Sequence[int]) -> None:
+        self._dataset, self._indices = dataset, list(indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, position: Any) -> Any:
+        # the data layer's views (split, drop, truncate) know how to map back; resolved on the error path only
+        if isinstance(position, slice):
+            return [source_index(self._dataset, int(i)) for i in self._indices[position]]
+        return source_index(self._dataset, int(self._indices[position]))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # never ship the dataset: the resolved indices are small
+        return (list, (list(self),))

@@ -9,7 +9,14 @@ import numpy as np
 
 from lit_seqpack.data.batching.overlong import DroppedDataset, TruncatedDataset
 
-__all__ = ["HeldOut", "IndexView", "Split", "source_index", "split_indices", "trained_in"]
+__all__ = [
+    "HeldOut",
+    "IndexView",
+    "Split",
+    "source_index",
+    "split_indices",
+    "trained_in",
+]
 
 
 class Split(NamedTuple):
@@ -120,3 +127,6 @@ def source_index(dataset: Any, index: int) -> int:
             dataset = dataset.dataset
         else:
             return index
+
+
+EVAL_SPLITS: tuple[str, ...] = ("val", "test")

@@ -30,7 +30,7 @@ import numpy as np
 
 from lit_seqpack.batch import IGNORE_INDEX
 from lit_seqpack.data.indexed._reads import read_sample
-from lit_seqpack.data.sources.protocol import declared_counts
+from lit_seqpack.data.sources.base import declared_counts
 
 __all__ = ["DataScan", "check_vocab_range", "scan_dataset"]
 
@@ -64,7 +64,8 @@ def scan_dataset(dataset: Sequence[Mapping[str, Any]], *, weighted_mask: bool = 
         ValueError: the first bad sample, naming its dataset index and the rule it breaks; or ``lengths`` /
             ``loss_tokens`` attributes that disagree with the samples.
     """
-    from lit_seqpack.data.sources import SyntheticInstructionDataset, TokenizedDataset
+    from lit_seqpack.data.sources import SyntheticInstructionDataset
+    from lit_seqpack.data.sources.tokenized import TokenizedDataset
 
     if isinstance(dataset, TokenizedDataset):
         return _scan_columnar(dataset)
@@ -269,4 +270,4 @@ def check_vocab_range(scan: DataScan, *, vocab_size: int | None, pad_token_id: i
         )
 
 
-# model_vocab_size is the model's side of the vocabulary check: it lives in lit_seqpack.model.vocab now
+# model_vocab_size is the model's side of the vocabulary check: it lives in lit_seqpack.model.hf_load now

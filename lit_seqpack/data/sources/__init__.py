@@ -39,61 +39,27 @@ Example:
 
 from __future__ import annotations
 
-from lit_seqpack.data.sources.base import SHORTCUTS, DatasetSource, IndexedSource, resolve_source
-from lit_seqpack.data.sources.chat import ChatDataset, ChatSource
-from lit_seqpack.data.sources.file_streams import JsonlStream, ParquetStream
-from lit_seqpack.data.sources.files import FileSource, TokenizedSource
-from lit_seqpack.data.sources.litdata import LitDataStream, write_litdata
-from lit_seqpack.data.sources.protocol import TokenDataset, declared_counts, declared_fingerprint
-from lit_seqpack.data.sources.streams import (
-    GeneratorStream,
-    HFIterableStream,
-    MixtureStream,
-    SplittableStream,
-    StreamReader,
-    StreamSource,
-    SyntheticStream,
-)
-from lit_seqpack.data.sources.synthetic import (
-    LENGTH_DISTRIBUTIONS,
-    SYNTHETIC_TASKS,
-    SyntheticInstructionDataset,
-    SyntheticTaskConfig,
-)
-from lit_seqpack.data.sources.text import TextDataset, TextSource
-from lit_seqpack.data.sources.tokenized import TOKENIZED_FORMATS, TokenizedDataset, load_tokenized, validate_record
+from lit_seqpack._lazy import lazy_exports
 
-__all__ = [
-    "LENGTH_DISTRIBUTIONS",
-    "SHORTCUTS",
-    "SYNTHETIC_TASKS",
-    "TOKENIZED_FORMATS",
-    "ChatDataset",
-    "ChatSource",
-    "DatasetSource",
-    "FileSource",
-    "GeneratorStream",
-    "HFIterableStream",
-    "IndexedSource",
-    "JsonlStream",
-    "LitDataStream",
-    "MixtureStream",
-    "ParquetStream",
-    "SplittableStream",
-    "StreamReader",
-    "StreamSource",
-    "SyntheticInstructionDataset",
-    "SyntheticStream",
-    "SyntheticTaskConfig",
-    "TextDataset",
-    "TextSource",
-    "TokenDataset",
-    "TokenizedDataset",
-    "TokenizedSource",
-    "declared_counts",
-    "declared_fingerprint",
-    "load_tokenized",
-    "resolve_source",
-    "validate_record",
-    "write_litdata",
-]
+_EXPORTS: dict[str, str] = {
+    "IndexedSource": "lit_seqpack.data.sources.base",
+    "DatasetSource": "lit_seqpack.data.sources.base",
+    "FileSource": "lit_seqpack.data.sources.files",
+    "SyntheticInstructionDataset": "lit_seqpack.data.sources.synthetic",
+    "TokenizedSource": "lit_seqpack.data.sources.files",
+    "TextSource": "lit_seqpack.data.sources.text",
+    "ChatSource": "lit_seqpack.data.sources.chat",
+    "StreamSource": "lit_seqpack.data.sources.streams",
+    "SplittableStream": "lit_seqpack.data.sources.streams",
+    "JsonlStream": "lit_seqpack.data.sources.file_streams",
+    "ParquetStream": "lit_seqpack.data.sources.file_streams",
+    "LitDataStream": "lit_seqpack.data.sources.litdata",
+    "HFIterableStream": "lit_seqpack.data.sources.streams",
+    "GeneratorStream": "lit_seqpack.data.sources.streams",
+    "MixtureStream": "lit_seqpack.data.sources.streams",
+    "SyntheticStream": "lit_seqpack.data.sources.streams",
+    "write_litdata": "lit_seqpack.data.sources.litdata",
+}
+__all__ = list(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

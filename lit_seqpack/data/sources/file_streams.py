@@ -17,8 +17,14 @@ from typing import Any
 import numpy as np
 
 from lit_seqpack._imports import require
-from lit_seqpack.data.sources._split import check_share, interval_share, weighted_share
-from lit_seqpack.data.sources.streams import Sample, StreamReader, describe_stream
+from lit_seqpack.data.sources.streams import (
+    Sample,
+    StreamReader,
+    check_share,
+    describe_stream,
+    interval_share,
+    weighted_share,
+)
 
 __all__ = ["JsonlStream", "ParquetStream"]
 

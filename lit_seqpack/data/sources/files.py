@@ -12,6 +12,8 @@ In YAML::
       source:
         class_path: lit_seqpack.data.sources.TokenizedSource
         init_args: {path: data/train.jsonl, val_path: data/val.jsonl}
+
+Reading files safely: UTF-8 lines that name the line of a bad byte, and a content fingerprint of files.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from lit_seqpack.data.sources.tokenized import TOKENIZED_FORMATS, load_tokenized
 
 __all__ = ["SPLITS", "FileSource", "TokenizedSource", "check_tokenizer_folder"]
 
+
 SPLITS: tuple[str, ...] = ("train", "val", "test")
-"""The splits a source is asked for."""
 
 
 class FileSource(IndexedSource):

@@ -38,8 +38,7 @@ import torch
 
 from lit_seqpack._imports import require
 from lit_seqpack.batch import IGNORE_INDEX
-from lit_seqpack.data.sources._files import text_lines
-from lit_seqpack.data.sources.tokenized import TokenizedDataset
+from lit_seqpack.data.sources.tokenized import TokenizedDataset, text_lines
 
 __all__ = [
     "PROCESSORS",
@@ -313,7 +312,7 @@ def _records(path: Path, messages_field: str, images_field: str) -> Iterator[tup
 
 def _check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     """Messages whose ``content`` is a string or a list of ``{"type": "text", "text"}`` / ``{"type": "image"}``."""
-    from lit_seqpack.data.sources._conversations import ROLES
+    from lit_seqpack.data.sources.chat import ROLES
 
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: a conversation must be a non-empty list of messages")

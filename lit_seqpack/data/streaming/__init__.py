@@ -5,25 +5,18 @@
 ``IterableDataset``, a weighted mixture of those) without reading it up front:
 
 - :mod:`~lit_seqpack.data.sources.streams`: the readers, each reopenable at a saved position;
-- :mod:`~lit_seqpack.data.streaming.buffer`: the stream cut into windows of ``window`` samples, each planned
-  by the offline planner (for all ranks under ``stream_split="replicate"``, for the rank's own share under
-  ``"rank"``) with the over-long policy counted;
-- :mod:`~lit_seqpack.data.streaming.window_packing`: how a window is packed (its least-full rows wait for the next
-  window; the last window is spread evenly);
-- :mod:`~lit_seqpack.data.streaming.dataset`: the rank's ``IterableDataset`` of collated microbatches;
-- :mod:`~lit_seqpack.data.streaming.loader`: the DataLoader and its mid-stream resume state;
-- :mod:`~lit_seqpack.data.streaming.lockstep`: ranks reading their own shares kept in lock step by one small
-  collective a window (each rank's steps and loss tokens), fillers once a share ends;
+- :mod:`~lit_seqpack.data.streaming.buffer`: the stream cut into windows of ``window`` samples, each planned by the
+  offline planner (for all ranks under ``stream_split="replicate"``, for the rank's own share under ``"rank"``) with
+  the over-long policy counted, and how a window is packed (its least-full rows wait for the next window);
+- :mod:`~lit_seqpack.data.streaming.dataset`: the rank's ``IterableDataset`` of collated microbatches, and each
+  sample's stream number and file position, named by the errors;
+- :mod:`~lit_seqpack.data.streaming.lanes`: a rank's share read in lanes by its loader workers;
+- :mod:`~lit_seqpack.data.streaming.loader`: the DataLoader, its mid-stream resume state, and the lock step of ranks
+  reading their own shares (one small collective a window; fillers once a share ends);
 - :mod:`~lit_seqpack.data.streaming.rank_check`: the windows' digests, compared across ranks under
   ``stream_split="replicate"`` (every rank must read the same stream);
-- :mod:`~lit_seqpack.data.streaming.pipeline`: what the DataModule delegates to;
-- :mod:`~lit_seqpack.data.streaming.prefix`: the samples training reads first, planned as the loaders plan them
-  (``lit-seqpack inspect``);
-- ``_where.py``: each sample's stream number and file position, named by the errors.
+- :mod:`~lit_seqpack.data.streaming.pipeline`: what the DataModule delegates to, the resume checks, and the samples
+  training reads first, planned as the loaders plan them (``lit-seqpack inspect``).
 """
 
-from lit_seqpack.data.streaming.buffer import OverlongCounter, StreamWindow, stream_windows
-from lit_seqpack.data.streaming.dataset import StreamingDataset
-from lit_seqpack.data.streaming.loader import StreamingDataLoader
-
-__all__ = ["OverlongCounter", "StreamWindow", "StreamingDataLoader", "StreamingDataset", "stream_windows"]
+from __future__ import annotations

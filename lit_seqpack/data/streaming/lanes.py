@@ -7,7 +7,7 @@ ONE DataLoader item per window: the window's collated microbatches and the facts
 DataLoader returns the workers' items in round-robin worker order, skipping workers that have ended (deterministic,
 ``in_order=True``), so the rank's microbatches are the lanes' windows concatenated in arrival order; the loader gives
 each arriving window its rank-level first microbatch and step (running counts) and feeds the lock step with it as
-before (:mod:`~lit_seqpack.data.streaming.lockstep`). A collated microbatch's own ``MicrobatchMeta.step`` counts in
+before (:mod:`~lit_seqpack.data.streaming.loader`). A collated microbatch's own ``MicrobatchMeta.step`` counts in
 its lane (its worker does not know the rank's count; nothing downstream of a stream reads it): the loader sets the
 rank-level ``step_loss_tokens`` of every batch.
 

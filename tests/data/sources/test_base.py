@@ -16,8 +16,8 @@ from lit_seqpack.data.sources import (
     SyntheticInstructionDataset,
     SyntheticStream,
     TokenizedSource,
-    resolve_source,
 )
+from lit_seqpack.data.sources.base import resolve_source
 from lit_seqpack.data.streaming.pipeline import StreamPipeline
 
 

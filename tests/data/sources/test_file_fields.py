@@ -13,8 +13,8 @@ import torch
 import yaml
 
 from lit_seqpack.data.datamodule import SeqPackDataModule
-from lit_seqpack.data.sources import ChatSource, TokenizedSource, load_tokenized
-from lit_seqpack.data.sources._fields import FieldColumns
+from lit_seqpack.data.sources import ChatSource, TokenizedSource
+from lit_seqpack.data.sources.tokenized import FieldColumns, load_tokenized
 from tests.data.test_datamodule_fields import FIELDS, PAD, _check_batch, _records
 
 FORMATS = ["jsonl", "parquet", "hf_disk"]

@@ -5,14 +5,10 @@ import pytest
 
 from lit_seqpack.data.batching.overlong import apply_overlong_policy
 from lit_seqpack.data.indexed.lengths import compute_lengths, dataset_fingerprint
-from lit_seqpack.data.sources import (
-    SyntheticInstructionDataset,
-    TextDataset,
-    TokenDataset,
-    TokenizedDataset,
-    declared_counts,
-    resolve_source,
-)
+from lit_seqpack.data.sources import SyntheticInstructionDataset
+from lit_seqpack.data.sources.base import TokenDataset, declared_counts, resolve_source
+from lit_seqpack.data.sources.text import TextDataset
+from lit_seqpack.data.sources.tokenized import TokenizedDataset
 
 RECORDS = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9]}]
 

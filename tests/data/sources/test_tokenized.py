@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lit_seqpack.data.sources import TokenizedDataset, load_tokenized
-from lit_seqpack.data.sources.tokenized import validate_record
+from lit_seqpack.data.sources.tokenized import TokenizedDataset, load_tokenized, validate_record
 
 RECORDS = [
     {"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]},

@@ -10,7 +10,7 @@ import pytest
 
 from lit_seqpack.data.batching.overlong import apply_overlong_policy
 from lit_seqpack.data.sources import GeneratorStream
-from lit_seqpack.data.streaming import OverlongCounter, stream_windows
+from lit_seqpack.data.streaming.buffer import OverlongCounter, stream_windows
 from lit_seqpack.planning.plan import PlanConfig, build_plan
 
 CONFIG = PlanConfig(

@@ -13,7 +13,8 @@ import pytest
 
 from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.sources import GeneratorStream, JsonlStream, ParquetStream
-from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
+from lit_seqpack.data.streaming.dataset import StreamingDataset
+from lit_seqpack.data.streaming.loader import StreamingDataLoader
 from lit_seqpack.planning.plan import PlanConfig
 from tests.model.test_exact_loss import assert_gradients_match, make_module, make_samples, reference_gradients
 

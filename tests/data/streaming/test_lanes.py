@@ -23,8 +23,8 @@ from lit_seqpack.data.sources import (
     file_streams,
 )
 from lit_seqpack.data.sources.litdata import LitDataStream, write_litdata
-from lit_seqpack.data.streaming import StreamingDataLoader
 from lit_seqpack.data.streaming.lanes import LaneHistory, lane_source
+from lit_seqpack.data.streaming.loader import StreamingDataLoader
 from lit_seqpack.parallel import DataParallelLayout
 from tests._limits import TEST_TIMEOUT_S
 from tests.data.streaming.test_lockstep import Shares, ThreadGather, _check, _run

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from lit_seqpack.data.sources import GeneratorStream
-from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
-from lit_seqpack.data.streaming.lockstep import LockStep, ShareFacts, _data_parallel, gather_object
+from lit_seqpack.data.streaming.dataset import StreamingDataset
+from lit_seqpack.data.streaming.loader import LockStep, ShareFacts, StreamingDataLoader, _data_parallel, gather_object
 from lit_seqpack.parallel import ParallelLayout
 from lit_seqpack.planning.plan import PlanConfig
 from tests._limits import COLLECTIVE_TIMEOUT, SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S

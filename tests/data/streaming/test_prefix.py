@@ -13,7 +13,7 @@ import pytest
 from lit_seqpack import SeqPackDataModule
 from lit_seqpack.__main__ import inspect_command
 from lit_seqpack.data.sources import JsonlStream
-from lit_seqpack.data.streaming.prefix import share_sizes
+from lit_seqpack.data.streaming.pipeline import share_sizes
 from lit_seqpack.parallel import DataParallelLayout
 from tests._limits import TEST_TIMEOUT_S
 from tests.data.streaming.test_lockstep import ThreadGather, _run

@@ -18,9 +18,11 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lit_seqpack import ReferenceLM, SeqPackDataModule
 from lit_seqpack.data.sources import GeneratorStream
-from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset, rank_check
 from lit_seqpack.data.streaming import loader as loader_module
+from lit_seqpack.data.streaming import rank_check
 from lit_seqpack.data.streaming.buffer import stream_windows
+from lit_seqpack.data.streaming.dataset import StreamingDataset
+from lit_seqpack.data.streaming.loader import StreamingDataLoader
 from lit_seqpack.data.streaming.rank_check import window_digest
 from lit_seqpack.planning.plan import PlanConfig
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S

@@ -14,7 +14,7 @@ import torch
 from lit_seqpack import SeqPackDataModule
 from lit_seqpack.data.batching._samples import sample_loss_tokens, window_loss_tokens
 from lit_seqpack.data.sources import JsonlStream, ParquetStream
-from lit_seqpack.data.streaming._where import LocatedReader
+from lit_seqpack.data.streaming.dataset import LocatedReader
 
 
 def _write(path: Path, samples: list[dict]) -> str:

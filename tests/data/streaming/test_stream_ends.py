@@ -26,7 +26,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lit_seqpack import ReferenceLM, SeqPackDataModule
 from lit_seqpack.data.sources import GeneratorStream, JsonlStream
-from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
+from lit_seqpack.data.streaming.dataset import StreamingDataset
+from lit_seqpack.data.streaming.loader import StreamingDataLoader
 from lit_seqpack.planning.plan import PlanConfig
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 from tests._ranks import free_port, join_ranks

@@ -10,7 +10,8 @@ import pytest
 
 from lit_seqpack.data.batching.collate import PackedCollator
 from lit_seqpack.data.sources import JsonlStream, ParquetStream
-from lit_seqpack.data.streaming import StreamingDataLoader, StreamingDataset
+from lit_seqpack.data.streaming.dataset import StreamingDataset
+from lit_seqpack.data.streaming.loader import StreamingDataLoader
 from lit_seqpack.planning.plan import PlanConfig
 
 
@@ -96,7 +97,7 @@ def test_a_truncated_stream_sample_keeps_its_place(tmp_path):
 def test_good_samples_are_never_located_in_their_file(tmp_path, monkeypatch):
     """Where a sample comes from is worked out only for an error: locating every sample read the file up to it,
     once per sample (a 370x slower stream loader)."""
-    from lit_seqpack.data.streaming import _where
+    from lit_seqpack.data.streaming import dataset as _where
 
     located = []
     monkeypatch.setattr(_where, "describe_position", lambda *args: located.append(args))

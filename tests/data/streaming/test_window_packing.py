@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from lit_seqpack.data.sources import GeneratorStream
-from lit_seqpack.data.streaming import stream_windows
-from lit_seqpack.data.streaming.window_packing import CARRY_FILL, carried_over, even_bins
+from lit_seqpack.data.streaming.buffer import CARRY_FILL, carried_over, even_bins, stream_windows
 from lit_seqpack.planning.algorithms import get_packer
 from lit_seqpack.planning.plan import PlanConfig, build_plan
 

@@ -1,14 +1,14 @@
 """The ground truth of the attention tests: dense masked attention, and a CPU stand-in for flash-attn's kernel.
 
-Both are re-exported by :mod:`lit_seqpack.model.attention`.
+Both check their arguments and compute with :mod:`lit_seqpack.model.attention`'s own checks and arithmetic, so the
+reference and the ``"sdpa"`` backend share one definition of windows, softcaps and sinks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lit_seqpack.model._attention_checks import check_extras, check_inputs, segment_lengths
-from lit_seqpack.model._attention_math import allowed_mask, explicit_attention
+from lit_seqpack.model.attention import allowed_mask, check_extras, check_inputs, explicit_attention, segment_lengths
 
 
 def reference_varlen_attention(
