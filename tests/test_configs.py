@@ -36,6 +36,7 @@ EXPECTED = {
     "chat_sft": (ReferenceLM, "packing", "first_fit_decreasing", 1),
     "text_sft": (ReferenceLM, "packing", "first_fit_decreasing", 1),
     "tokenized_sft": (ReferenceLM, "packing", "first_fit_decreasing", 1),
+    "vlm_sft": (HFCausalLM, "packing", "first_fit_decreasing", 1),
     "stream": (ReferenceLM, "packing", "best_fit_decreasing", 1),
     "litdata_stream": (ReferenceLM, "packing", "best_fit_decreasing", 1),
 }
@@ -94,7 +95,7 @@ _TINY = {
 def test_config_trains_three_steps_from_any_folder_under_its_own_name(path, tmp_path, monkeypatch):
     """Package assets resolve wherever the command runs; logs, TensorBoard events and checkpoints go to
     outputs/<config name>/."""
-    if path.stem in ("chat_sft", "text_sft", "hf_llama"):
+    if path.stem in ("chat_sft", "text_sft", "hf_llama", "vlm_sft"):
         pytest.importorskip("transformers")
     if path.stem == "litdata_stream":
         pytest.importorskip("litdata")

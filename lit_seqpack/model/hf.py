@@ -210,8 +210,10 @@ def _check_packed_call(module: Any, kwargs: dict[str, Any]) -> None:
     given = [key for key in _MULTIMODAL_KWARGS if kwargs.get(key) is not None]
     if given:
         raise ValueError(
-            f"{name} got {', '.join(given)} on a packed row: their attention pattern (e.g. bidirectional image "
-            "tokens) lives in a mask that packed rows do not build; train multimodal rows with mode: dynamic"
+            f"{name} got {', '.join(given)} on a packed row: the packing keywords would reach its vision tower and "
+            "their attention pattern (e.g. bidirectional image tokens) lives in a mask that packed rows do not "
+            "build; train image rows through HFCausalLM (lit_seqpack.model.vlm.multimodal_inputs runs the vision "
+            "tower per image and gives each conversation its own positions), or with mode: dynamic"
         )
 
 

@@ -53,6 +53,8 @@ def model_vocab_size(model: Any) -> int | None:
     """
     inner_config = getattr(getattr(model, "model", None), "config", None)
     value = getattr(inner_config, "vocab_size", None)
+    if value is None:  # a vision-language model: its text model's vocabulary
+        value = getattr(getattr(inner_config, "text_config", None), "vocab_size", None)
     hparams = getattr(model, "hparams", None) or {}
     if value is None:
         value = hparams.get("vocab_size")
@@ -88,6 +90,9 @@ def load_hf_model(
 ) -> Any:
     """A transformers causal LM in train mode, from a checkpoint or a config dict.
 
+    A config that ``AutoModelForCausalLM`` does not map but ``AutoModelForImageTextToText`` does (a vision-language
+    model) is built by the latter.
+
     Args:
         model_name_or_path: a checkpoint for ``AutoModelForCausalLM.from_pretrained`` (a local path offline).
         config: instead, the keyword arguments of a config (with its ``model_type``, default ``"llama"``).
@@ -117,16 +122,25 @@ def load_hf_model(
                 "(a typo would otherwise be ignored silently)"
             )
         setattr(model_config, key, value)
+    auto = _auto_class(transformers, model_config)
     if model_name_or_path is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_name_or_path, config=model_config, dtype=torch_dtype, **kwargs
-        )
+        model = auto.from_pretrained(model_name_or_path, config=model_config, dtype=torch_dtype, **kwargs)
     else:
         build = {k: v for k, v in kwargs.items() if k not in hub or k == "trust_remote_code"}
-        model = transformers.AutoModelForCausalLM.from_config(
-            model_config, dtype=None if dtype == "auto" else torch_dtype, **build
-        )
+        model = auto.from_config(model_config, dtype=None if dtype == "auto" else torch_dtype, **build)
     return model.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes
+
+
+def _auto_class(transformers: Any, config: Any) -> Any:
+    """``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a config only the latter maps (Qwen2-VL,
+    LLaVA, ...: a vision-language model whose causal LM is its text part)."""
+    auto = require("transformers.models.auto.modeling_auto", purpose="HFCausalLM")
+    if (
+        type(config) not in auto.MODEL_FOR_CAUSAL_LM_MAPPING
+        and type(config) in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    ):
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 def apply_peft(model: Any, peft_config: Mapping[str, Any]) -> Any:

@@ -6,6 +6,7 @@ build them from YAML), ``save_hyperparameters`` and AdamW with an optional linea
     model = ReferenceLM(vocab_size=32000, n_layer=12, n_head=12, n_kv_head=4, n_embd=768, lr=3e-4)
     model = HFCausalLM(model_name_or_path="/models/llama-1b")                        # a local checkpoint
     model = HFCausalLM(config={"model_type": "llama", "vocab_size": 64, "hidden_size": 32, ...})  # random init
+    model = HFCausalLM(model_name_or_path="/models/qwen2-vl-2b")   # image-text-to-text: AutoModelForImageTextToText
 
 A trained :class:`~lit_seqpack.model.lm.ReferenceLM` as a plain folder: ``config.json`` + ``model.safetensors``.
 
@@ -50,6 +51,7 @@ from lit_seqpack.model.hf_load import (
 )
 from lit_seqpack.model.mixin import _VERIFIED, PackedSequenceMixin
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
+from lit_seqpack.model.vlm import is_multimodal_batch, multimodal_inputs
 
 __all__ = [
     "HFCausalLM",
@@ -281,7 +283,9 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
     adapters merged and the stock attention restored.
 
     Args:
-        model_name_or_path: a checkpoint for ``AutoModelForCausalLM.from_pretrained`` (a local path offline).
+        model_name_or_path: a checkpoint for ``AutoModelForCausalLM.from_pretrained`` (a local path offline), or
+            ``AutoModelForImageTextToText`` for a vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA; see
+            :mod:`lit_seqpack.model.vlm`).
         config: instead, the keyword arguments of a config for a randomly initialised model, with its
             ``model_type`` (default ``"llama"``), e.g. ``{"vocab_size": 64, "hidden_size": 32, ...}``.
         model_kwargs: more ``from_pretrained`` / ``from_config`` keywords (``revision``, ``trust_remote_code``,
@@ -329,7 +333,11 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         _check_optim(lr, weight_decay, warmup_steps, min_lr_ratio, lr_schedule)
         self.save_hyperparameters()
         if vocab_size is not None and config is not None and "vocab_size" not in config:
-            config = {**config, "vocab_size": vocab_size}
+            text = config.get("text_config")  # a vision-language model: the vocabulary is its text model's
+            if isinstance(text, dict):
+                config = {**config, "text_config": {"vocab_size": vocab_size, **text}}
+            else:
+                config = {**config, "vocab_size": vocab_size}
         model = load_hf_model(
             model_name_or_path=model_name_or_path,
             config=config,
@@ -338,6 +346,8 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
             dtype=dtype,
         )
         embedded = getattr(model.config, "vocab_size", None)
+        if embedded is None:  # a vision-language model: its text model's vocabulary
+            embedded = getattr(getattr(model.config, "text_config", None), "vocab_size", None)
         if vocab_size is not None and isinstance(embedded, int) and embedded < vocab_size:
             raise ValueError(
                 f"vocab_size={vocab_size} (the data's ids) is more than the model's config.vocab_size={embedded}: "
@@ -384,9 +394,12 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         """transformers keywords: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``, ``use_cache=False``.
 
         A model that keeps its own attention (see :class:`~lit_seqpack.model.hf.UnsupportedAttentionError`) gets
-        transformers' keywords only, and a packed row is refused.
+        transformers' keywords only, and a packed row is refused. A batch with images (``pixel_values``) gets the
+        vision tower's outputs and its positions from :func:`~lit_seqpack.model.vlm.multimodal_inputs`.
         """
         inputs = hf_model_inputs(batch, backend=self.hparams.attn_backend)
+        if is_multimodal_batch(batch):  # images: the vision tower's outputs and per-conversation (mRoPE) positions
+            multimodal_inputs(unwrapped_model(self.model), batch, inputs)
         if not uses_varlen_attention(self.model):
             refuse_packing_without_interface(self.model, batch)
             for key in (BACKEND_KWARG, RIGHT_PADDED_KWARG):

@@ -130,10 +130,13 @@ def apply_overlong_policy(
         unchanged = lengths.view()
         unchanged.flags.writeable = False
         return dataset, unchanged, OverlongReport(**base)
+    where = getattr(dataset, "sample_where", None)  # a dataset that names its samples' file and line
+    named = f" ({where(int(over[0]))} is the first)" if callable(where) else ""
     if policy == "error":
         report = OverlongReport(**base)
-        raise ValueError(f"{report.summary()}; raise max_tokens, or set overlong='truncate' or overlong='drop'")
+        raise ValueError(f"{report.summary()}{named}; raise max_tokens, or set overlong='truncate' or overlong='drop'")
     if policy == "truncate":
+        _refuse_cut(dataset, over, max_tokens, lengths)
         excess = int((lengths[over] - max_tokens).sum())
         report = OverlongReport(**base, num_truncated=len(over), tokens_truncated=excess)
         view: Sequence[Mapping[str, Any]] = TruncatedDataset(dataset, lengths, int(max_tokens), token_fields)
@@ -144,6 +147,22 @@ def apply_overlong_policy(
         view = DroppedDataset(dataset, lengths, np.flatnonzero(lengths <= max_tokens))
     log.warning("%s", report.summary())
     return view, view.lengths.copy(), report
+
+
+def _refuse_cut(dataset: Sequence[Mapping[str, Any]], over: np.ndarray, max_tokens: int, lengths: np.ndarray) -> None:
+    """Raise for an over-long sample that cannot be cut: one with images (``has_images``) of a dataset that declares
+    ``truncatable = False`` (its image tokens and patches belong together), naming it."""
+    if getattr(dataset, "truncatable", True):
+        return
+    has_images = getattr(dataset, "has_images", lambda i: True)
+    for i in over:
+        if has_images(int(i)):
+            where = getattr(dataset, "sample_where", lambda i: f"sample {i}")(int(i))
+            raise ValueError(
+                f"{where}: {int(lengths[i])} tokens (its images' tokens included) exceed max_tokens={max_tokens}, and "
+                "overlong='truncate' cannot cut a conversation with images (its image tokens and pixels belong "
+                "together); raise max_tokens, or set overlong='drop' (dropped conversations are counted)"
+            )
 
 
 class TruncatedDataset:

@@ -44,6 +44,7 @@ from lit_seqpack.data.sources._arrow import load_disk_split, require
 from lit_seqpack.data.sources.files import FileSource, check_tokenizer_folder
 from lit_seqpack.data.sources.text import load_tokenizer, tokenizer_vocab_size
 from lit_seqpack.data.sources.tokenized import TokenizedDataset, text_lines
+from lit_seqpack.data.sources.vision import VISION_TOKEN_FIELDS, VisionChatDataset, is_vision_processor
 
 __all__ = [
     "MASK_METHODS",
@@ -388,9 +389,15 @@ class ChatSource(FileSource):
     """Conversations (JSONL / Parquet / ``save_to_disk``, a ``messages`` list each) rendered with a local tokenizer's
     chat template and trained on the assistant turns (:class:`ChatDataset`).
 
+    A ``tokenizer`` folder with an image processor (``preprocessor_config.json``: a vision-language model's processor
+    folder) reads TRL's vision format instead (:class:`~lit_seqpack.data.sources.vision.VisionChatDataset`: JSONL,
+    ``images`` relative to the file, assistant turns by prefix); its samples carry ``mm_token_type_ids``,
+    ``pixel_values`` and (Qwen) ``image_grid_thw``, which the DataModule must declare as token and sample fields.
+
     Args:
         path: the training file or folder.
-        tokenizer: the folder of a local Hugging Face tokenizer (``save_pretrained``; nothing is downloaded).
+        tokenizer: the folder of a local Hugging Face tokenizer (``save_pretrained``; nothing is downloaded), or of a
+            vision-language processor.
         chat_template: a Jinja template (text or a file) instead of the tokenizer's own.
         train_on: ``"assistant"``, ``"last_assistant"`` or ``"all"``.
         mask_method: ``"auto"``, ``"generation"`` (the template's ``{% generation %}`` tags) or ``"prefix"``.
@@ -413,6 +420,12 @@ class ChatSource(FileSource):
         **files: Any,
     ) -> None:
         self.tokenizer = check_tokenizer_folder(type(self).__name__, tokenizer)
+        self.reads_fields = is_vision_processor(self.tokenizer)  # vision samples carry their images as fields
+        if self.reads_fields and (train_on != "assistant" or mask_method == "generation"):
+            raise ValueError(
+                f"ChatSource(train_on={train_on!r}, mask_method={mask_method!r}): vision conversations train every "
+                "assistant turn, located by prefix; use train_on='assistant' and mask_method='auto' or 'prefix'"
+            )
         if train_on not in TRAIN_ON:
             raise ValueError(f"ChatSource(train_on={train_on!r}) must be one of {TRAIN_ON}")
         if mask_method not in MASK_METHODS:
@@ -429,4 +442,19 @@ class ChatSource(FileSource):
         self, path: str, split: str | None, *, token_fields: tuple[str, ...], sample_fields: tuple[str, ...]
     ) -> ChatDataset:
         """Render and mask one file or folder of conversations."""
-        return ChatDataset(path, self.tokenizer, split=split, **self.options)
+        if not self.reads_fields:
+            return ChatDataset(path, self.tokenizer, split=split, **self.options)
+        if split is not None:
+            raise ValueError(f"ChatSource(split={split!r}): vision conversations are read from a JSONL file")
+        options = {"chat_template": self.options["chat_template"], "messages_field": self.options["messages_field"]}
+        dataset = VisionChatDataset(path, self.tokenizer, **options)
+        missing = [n for n in VISION_TOKEN_FIELDS if n not in token_fields]
+        missing += [n for n in dataset.sample_field_names if n not in sample_fields]
+        if missing:
+            raise ValueError(
+                f"ChatSource({path!r}) with the vision processor {self.tokenizer!r} gives every sample {missing}, "
+                f"which the DataModule does not declare, so the images would not reach the model: set "
+                f"token_fields={VISION_TOKEN_FIELDS} and sample_fields={list(dataset.sample_field_names)} "
+                "(data.token_fields / data.sample_fields in YAML)"
+            )
+        return dataset

@@ -1,0 +1,151 @@
+"""Vision-language models on packed and padded rows: each conversation's images, positions and vision features.
+
+A multimodal batch carries, beside the tokens, the sample fields ``pixel_values`` (and for Qwen ``image_grid_thw``)
+as one tensor per document and the token field ``mm_token_type_ids`` (1 on image tokens), as
+:class:`~lit_seqpack.data.sources.vision.VisionChatDataset` writes them. :func:`multimodal_inputs` turns them into
+the keywords of the stock ``*ForConditionalGeneration`` model::
+
+    packed row   the vision tower runs once on the row's images (its own per-image attention, no packing keyword
+                 reaches it) and its outputs go in as mm_encoder_outputs={"image": ...}, which the model scatters
+                 onto the image tokens in document order;
+                 Qwen: position_ids [4, 1, T] = the row's text positions over the 3-D mRoPE positions that
+                 get_rope_index gives each document alone (restarting at 0 per document; the padding tail
+                 keeps its text positions);
+                 LLaVA: the row's 1-D positions
+    padded rows  the same vision outputs, plus image_grid_thw / mm_token_type_ids / attention_mask: the stock model
+                 computes each row's mRoPE positions itself
+
+The language model then runs lit_seqpack's varlen attention on the packed row exactly as for text. What stays
+refused, by name (:data:`REFUSED`): architectures whose image tokens attend bidirectionally (Gemma3, PaliGemma:
+their pattern lives in a mask that packed rows do not build), and any architecture not in :data:`ARCHITECTURES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ARCHITECTURES", "REFUSED", "is_multimodal_batch", "multimodal_inputs", "mrope_position_ids"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Architecture:
+    """What a vision-language architecture needs from a batch."""
+
+    mrope: bool
+    """3-D mRoPE positions (Qwen's ``get_rope_index``) and ``image_grid_thw``; else 1-D positions."""
+
+
+ARCHITECTURES: dict[str, _Architecture] = {
+    "qwen2_vl": _Architecture(mrope=True),
+    "qwen2_5_vl": _Architecture(mrope=True),
+    "llava": _Architecture(mrope=False),
+}
+"""The ``model_type`` of every vision-language model trained here, packed, dynamic and padded."""
+
+REFUSED: dict[str, str] = {
+    "gemma3": "its image tokens attend to each other bidirectionally (token_type_ids build that mask)",
+    "paligemma": "its image and prefix tokens attend bidirectionally (token_type_ids build that mask)",
+}
+"""Vision-language architectures refused on multimodal rows, with the reason."""
+
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+def is_multimodal_batch(batch: Mapping[str, Any]) -> bool:
+    """Whether ``batch`` carries images (a ``pixel_values`` field)."""
+    return batch.get("pixel_values") is not None
+
+
+def _architecture(model: Any) -> _Architecture:
+    model_type = getattr(model.config, "model_type", None)
+    if model_type in REFUSED:
+        raise ValueError(
+            f"{type(model).__name__} (model_type={model_type!r}) is refused on image rows: {REFUSED[model_type]}, "
+            "which lit_seqpack does not build for packed or padded rows; train it on text rows only"
+        )
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"{type(model).__name__} (model_type={model_type!r}) got a batch with pixel_values: image rows are "
+            f"trained for model_type in {sorted(ARCHITECTURES)} only (each checked against the stock model)"
+        )
+    return ARCHITECTURES[model_type]
+
+
+def _cat(parts: Any) -> torch.Tensor | None:
+    """The non-empty per-document tensors of a sample field, concatenated (``None`` when there is none)."""
+    if isinstance(parts, torch.Tensor):
+        return parts if parts.numel() else None
+    kept = [p for p in parts if p.numel()]
+    return torch.cat(kept) if kept else None
+
+
+def multimodal_inputs(model: Any, batch: Mapping[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    """``inputs`` (from :func:`~lit_seqpack.model.hf.hf_model_inputs`) completed with ``batch``'s images.
+
+    Args:
+        model: the transformers ``*ForConditionalGeneration`` model (unwrapped from PEFT).
+        batch: a packed row or a padded batch with the fields ``pixel_values`` (per document), ``image_grid_thw``
+            (Qwen, per document) and ``mm_token_type_ids`` (per token).
+        inputs: the text keywords; changed in place and returned.
+
+    Raises:
+        ValueError: an architecture refused on image rows (:data:`REFUSED`) or not supported, or a batch without
+            ``mm_token_type_ids`` / ``image_grid_thw`` that the architecture needs.
+    """
+    architecture = _architecture(model)
+    for key in _IMAGE_KEYS:
+        inputs.pop(key, None)
+    if architecture.mrope:
+        for key in ("image_grid_thw", "mm_token_type_ids"):
+            if batch.get(key) is None:
+                raise ValueError(
+                    f"{type(model).__name__}: a batch with pixel_values but no {key!r}; declare it on the DataModule "
+                    "(token_fields={'mm_token_type_ids': 0}, sample_fields=['pixel_values', 'image_grid_thw'])"
+                )
+    pixels = _cat(batch["pixel_values"])
+    grid = _cat(batch["image_grid_thw"]) if architecture.mrope else None
+    if pixels is not None:
+        extra = {"image_grid_thw": grid} if architecture.mrope else {}
+        # no packing keyword reaches the vision tower: it runs its own per-image attention, as in the stock model
+        features = model.model.get_image_features(pixel_values=pixels, return_dict=True, **extra)
+        inputs["mm_encoder_outputs"] = {"image": features}
+    if not architecture.mrope:
+        return inputs
+    if batch.get("cu_seqlens") is not None:
+        inputs["position_ids"] = mrope_position_ids(model, batch)
+    else:  # the stock model computes each row's positions from its mask, its grids and its token types
+        inputs.pop("position_ids", None)
+        inputs["mm_token_type_ids"] = batch["mm_token_type_ids"]
+        inputs["image_grid_thw"] = grid
+    return inputs
+
+
+def mrope_position_ids(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+    """``[4, 1, T]`` positions of a packed row: its text positions over each document's own 3-D mRoPE positions.
+
+    Every document's positions are the stock ``get_rope_index`` of that document alone (its tokens, token types
+    and image grids), so they restart at each document; the segments after the documents (the padding tail) keep
+    their text positions on all three axes.
+    """
+    text = batch["position_ids"]
+    bounds = batch["cu_seqlens"].tolist()
+    documents = int(batch.get("num_documents", len(bounds) - 1))
+    ids, types = batch["input_ids"], batch["mm_token_type_ids"]
+    parts = []
+    for d in range(len(bounds) - 1):
+        start, end = bounds[d], bounds[d + 1]
+        if d >= documents:
+            parts.append(text[:, start:end].unsqueeze(0).expand(3, -1, -1))
+            continue
+        grid = batch["image_grid_thw"][d]
+        positions, _ = model.model.get_rope_index(
+            ids[:, start:end],
+            mm_token_type_ids=types[:, start:end],
+            image_grid_thw=grid if grid.numel() else None,
+        )
+        parts.append(positions.to(text.dtype))
+    return torch.cat([text.unsqueeze(0), torch.cat(parts, dim=2)], dim=0)
