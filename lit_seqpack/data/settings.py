@@ -19,7 +19,7 @@ from lit_seqpack.data.batching.collate import PackedCollator, PaddedCollator
 from lit_seqpack.data.batching.context_parallel import ContextParallelCollator, TensorParallelCollator
 from lit_seqpack.data.batching.fields import check_fields
 from lit_seqpack.data.batching.loss_weights import check_loss_weight_field
-from lit_seqpack.data.batching.overlong import OVERLONG_POLICIES
+from lit_seqpack.data.batching.overlong import OVERLONG_POLICIES, check_truncation_side
 from lit_seqpack.parallel import DataParallelLayout, ParallelLayout
 from lit_seqpack.planning.algorithms import DEFAULT_ALGORITHM
 from lit_seqpack.planning.config import PlanConfig
@@ -84,9 +84,14 @@ class BatchingSettings:
     """``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`)."""
     cost_quadratic: float | Literal["auto"] = "auto"
     """``b`` of the per-document cost ``L + b*L^2`` that ranks are balanced on; ``"auto"``: ``1 / max_tokens``."""
-    overlong: Literal["error", "truncate", "drop"] = "error"
-    """What happens to samples longer than ``max_tokens``: ``"error"``, ``"truncate"`` or ``"drop"``; counted, logged
-    and kept in ``overlong_report``."""
+    overlong: Literal["error", "truncate", "drop", "split"] = "error"
+    """What happens to samples longer than the document budget (``max_tokens``, less per-document padding):
+    ``"error"``, ``"truncate"`` (see ``truncation_side``), ``"drop"`` or ``"split"`` (cut at multiples of the budget
+    into ``ceil(L / budget)`` pieces, each a document of its own: every token kept); counted, logged and kept in
+    ``overlong_report``."""
+    truncation_side: Literal["right", "left"] = "right"
+    """Which end ``overlong="truncate"`` cuts: ``"right"`` keeps a sample's first tokens, ``"left"`` its last ones
+    (the first kept token then carries no label, as every document's first token). Only with ``"truncate"``."""
     batch_size: int | None = None
     """Samples per microbatch (padded mode only, where it is required)."""
     val_fraction: float = 0.0
@@ -140,6 +145,7 @@ class BatchingSettings:
                 raise ValueError(f"max_tokens={self.max_tokens!r} must be an int, 'auto' or null")
             set_(self, "max_tokens", None if self.mode == "padded" else DEFAULT_MAX_TOKENS)
         check_choice("overlong", self.overlong, OVERLONG_POLICIES)
+        check_truncation_side(self.truncation_side, self.overlong)
         check_flag("shuffle", self.shuffle)
         check_int("pad_token_id", self.pad_token_id, minimum=0)
         check_int("num_workers", self.num_workers, minimum=0)

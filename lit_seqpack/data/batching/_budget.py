@@ -14,7 +14,13 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_seqpack.data.batching._samples import sample_loss_tokens
-from lit_seqpack.data.batching.overlong import DroppedDataset, OverlongReport, TruncatedDataset, apply_overlong_policy
+from lit_seqpack.data.batching.overlong import (
+    DroppedDataset,
+    OverlongReport,
+    SplitDataset,
+    TruncatedDataset,
+    apply_overlong_policy,
+)
 from lit_seqpack.data.sources.protocol import declared_counts
 
 __all__ = ["apply_document_budget", "budget_note", "document_budget", "planned_lengths", "view_loss_tokens"]
@@ -66,6 +72,7 @@ def apply_document_budget(
     pad_to_multiple_of: int,
     document_multiple: int,
     token_fields: Sequence[str] = (),
+    truncation_side: str = "right",
 ) -> tuple[Sequence[Mapping[str, Any]], np.ndarray, np.ndarray, OverlongReport]:
     """Apply the over-long policy at the document budget; log a summary when some samples were over it.
 
@@ -75,10 +82,11 @@ def apply_document_budget(
         loss_tokens: loss-token count of every sample.
         max_tokens: token budget of a microbatch.
         mode: the DataModule's batching mode.
-        overlong: ``"error"``, ``"truncate"`` or ``"drop"``.
+        overlong: ``"error"``, ``"truncate"``, ``"drop"`` or ``"split"``.
         pad_to_multiple_of: the user's per-document pad multiple.
         document_multiple: the multiple every document is really padded to.
-        token_fields: the declared per-token fields, truncated with the tokens.
+        token_fields: the declared per-token fields, truncated (or split) with the tokens.
+        truncation_side: the end ``overlong="truncate"`` cuts.
 
     Returns:
         The policy's view of the data, its lengths and loss tokens, and the over-long report.
@@ -86,7 +94,9 @@ def apply_document_budget(
     pads = {"pad_to_multiple_of": pad_to_multiple_of, "document_multiple": document_multiple}
     budget = document_budget(max_tokens, mode=mode, **pads)
     try:
-        view, view_lengths, report = apply_overlong_policy(data, lengths, budget, overlong, token_fields)
+        view, view_lengths, report = apply_overlong_policy(
+            data, lengths, budget, overlong, token_fields, truncation_side=truncation_side
+        )
     except ValueError as err:
         if budget == max_tokens:
             raise
@@ -111,20 +121,24 @@ def planned_lengths(lengths: np.ndarray, multiple: int) -> np.ndarray:
 
 
 def view_loss_tokens(view: Any, full_lengths: np.ndarray, full_loss_tokens: np.ndarray) -> np.ndarray:
-    """Loss tokens of the samples of an over-long policy's view (dropped samples gone, cut ones recounted).
+    """Loss tokens of the samples of an over-long policy's view (dropped samples gone, cut or split ones recounted).
 
     Args:
         view: what :func:`~lit_seqpack.data.batching.overlong.apply_overlong_policy` returned for the data.
         full_lengths: token count of every sample of the whole dataset.
         full_loss_tokens: loss-token count of every sample of the whole dataset.
     """
-    if not isinstance(view, (DroppedDataset, TruncatedDataset)):  # the data itself: its (validated) counts
+    if not isinstance(
+        view, (DroppedDataset, TruncatedDataset, SplitDataset)
+    ):  # the data itself: its (validated) counts
         return full_loss_tokens
     offered = declared_counts(view, "loss_tokens")
     if offered is not None:
         return offered
     if isinstance(view, DroppedDataset):
         return full_loss_tokens[view.original_indices]
+    if isinstance(view, SplitDataset):
+        return view.piece_loss_tokens(full_loss_tokens)
     if isinstance(view, TruncatedDataset):
         counts = full_loss_tokens.copy()
         for i in np.flatnonzero(full_lengths > view.max_tokens):

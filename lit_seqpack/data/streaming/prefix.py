@@ -149,8 +149,7 @@ def prefix_lengths(
     """
     lengths, loss = [], []
     for number, sample in enumerate(samples):
-        kept = sample if counter is None else counter.admit(number, sample)
-        if kept is not None:
+        for kept in [sample] if counter is None else counter.pieces(number, sample):
             lengths.append(len(kept["input_ids"]))
             loss.append(sample_loss_tokens(kept))
     report = None if counter is None else counter.report()
