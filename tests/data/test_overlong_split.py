@@ -263,3 +263,19 @@ def test_a_stream_splits_as_it_reads_and_resumes_mid_stream(mode: str) -> None:
         for key, value in want.items():
             assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value
     assert resumed.overlong_report == dm.overlong_report
+
+
+def test_a_dataset_whose_lengths_change_per_epoch_is_split_again_every_epoch() -> None:
+    """Re-planned every epoch (``lengths_change_per_epoch``): the second epoch's longer samples are split anew."""
+    from lit_seqpack.model import ReferenceLM
+    from tests.data.test_plan_check import GrowingPrompt, _Lengths, _trainer
+
+    data = GrowingPrompt({0: 3, 1: 70}, declare=True)  # 7 tokens, then 74 = 64 + 10
+    model = ReferenceLM(
+        vocab_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, intermediate_size=32, max_seq_len=64
+    )
+    seen = _Lengths()
+    dm = SeqPackDataModule(source=data, max_tokens=64, overlong="split")
+    _trainer(reload_dataloaders_every_n_epochs=1, callbacks=[seen]).fit(model, datamodule=dm)
+    assert sorted(seen.seen[0]) == [7] * 24 and sorted(seen.seen[1]) == [10] * 24 + [64] * 24
+    assert (dm.overlong_report.num_split, dm.overlong_report.num_pieces) == (24, 48)
