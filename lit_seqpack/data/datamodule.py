@@ -18,7 +18,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import Dataset
 
 from lit_seqpack._checks import check_int
-from lit_seqpack.data.batching.overlong import OverlongReport
+from lit_seqpack.data.batching.overlong import OverlongReport, SplitDataset
 from lit_seqpack.data.indexed.pipeline import IndexedPipeline
 from lit_seqpack.data.indexed.splits import HeldOut, IndexView, Split, trained_in
 from lit_seqpack.data.settings import BatchingSettings, Mode, StreamSplit
@@ -84,7 +84,8 @@ class SeqPackDataModule(LightningDataModule):
         pad_to_multiple_of: int = 1,
         microbatch_order: Literal["largest_first", "packer"] = "largest_first",
         cost_quadratic: float | Literal["auto"] = "auto",
-        overlong: Literal["error", "truncate", "drop"] = "error",
+        overlong: Literal["error", "truncate", "drop", "split"] = "error",
+        truncation_side: Literal["right", "left"] = "right",
         batch_size: int | None = None,
         val_fraction: float = 0.0,
         test_fraction: float = 0.0,
@@ -134,7 +135,7 @@ class SeqPackDataModule(LightningDataModule):
 
     @property
     def overlong_report(self) -> OverlongReport | None:
-        """What the over-long policy dropped or truncated in the training data (``None`` before setup)."""
+        """What the over-long policy dropped, truncated or split in the training data (``None`` before setup)."""
         return self.pipeline.overlong_report
 
     @property
@@ -231,7 +232,8 @@ class SeqPackDataModule(LightningDataModule):
             return None
         splits = self.pipeline.splits
         train = splits["train"].dataset
-        size = len(train.dataset) if isinstance(train, IndexView) else len(train)
+        view = train.dataset if isinstance(train, IndexView) else train
+        size = len(view.dataset) if isinstance(view, SplitDataset) else len(view)  # held out by sample, not piece
         settings = self.settings
         return HeldOut(size, settings.val_fraction, settings.test_fraction, settings.seed)
 

@@ -33,8 +33,10 @@ from lit_seqpack.data.batching.overlong import (
     OVERLONG_POLICIES,
     DroppedDataset,
     OverlongReport,
+    SplitDataset,
     TruncatedDataset,
     apply_overlong_policy,
+    check_truncation_side,
 )
 from lit_seqpack.data.sources.base import declared_counts
 from lit_seqpack.parallel import DataParallelLayout, ParallelLayout
@@ -104,6 +106,7 @@ def apply_document_budget(
     pad_to_multiple_of: int,
     document_multiple: int,
     token_fields: Sequence[str] = (),
+    truncation_side: str = "right",
 ) -> tuple[Sequence[Mapping[str, Any]], np.ndarray, np.ndarray, OverlongReport]:
     """Apply the over-long policy at the document budget; log a summary when some samples were over it.
 
@@ -113,10 +116,11 @@ def apply_document_budget(
         loss_tokens: loss-token count of every sample.
         max_tokens: token budget of a microbatch.
         mode: the DataModule's batching mode.
-        overlong: ``"error"``, ``"truncate"`` or ``"drop"``.
+        overlong: ``"error"``, ``"truncate"``, ``"drop"`` or ``"split"``.
         pad_to_multiple_of: the user's per-document pad multiple.
         document_multiple: the multiple every document is really padded to.
-        token_fields: the declared per-token fields, truncated with the tokens.
+        token_fields: the declared per-token fields, truncated (or split) with the tokens.
+        truncation_side: the end ``overlong="truncate"`` cuts.
 
     Returns:
         The policy's view of the data, its lengths and loss tokens, and the over-long report.
@@ -124,7 +128,9 @@ def apply_document_budget(
     pads = {"pad_to_multiple_of": pad_to_multiple_of, "document_multiple": document_multiple}
     budget = document_budget(max_tokens, mode=mode, **pads)
     try:
-        view, view_lengths, report = apply_overlong_policy(data, lengths, budget, overlong, token_fields)
+        view, view_lengths, report = apply_overlong_policy(
+            data, lengths, budget, overlong, token_fields, truncation_side=truncation_side
+        )
     except ValueError as err:
         if budget == max_tokens:
             raise
@@ -149,20 +155,22 @@ def planned_lengths(lengths: np.ndarray, multiple: int) -> np.ndarray:
 
 
 def view_loss_tokens(view: Any, full_lengths: np.ndarray, full_loss_tokens: np.ndarray) -> np.ndarray:
-    """Loss tokens of the samples of an over-long policy's view (dropped samples gone, cut ones recounted).
+    """Loss tokens of the samples of an over-long policy's view (dropped samples gone, cut or split ones recounted).
 
     Args:
         view: what :func:`~lit_seqpack.data.batching.overlong.apply_overlong_policy` returned for the data.
         full_lengths: token count of every sample of the whole dataset.
         full_loss_tokens: loss-token count of every sample of the whole dataset.
     """
-    if not isinstance(view, (DroppedDataset, TruncatedDataset)):  # the data itself: its (validated) counts
+    if not isinstance(view, (DroppedDataset, TruncatedDataset, SplitDataset)):  # the data itself: its counts
         return full_loss_tokens
     offered = declared_counts(view, "loss_tokens")
     if offered is not None:
         return offered
     if isinstance(view, DroppedDataset):
         return full_loss_tokens[view.original_indices]
+    if isinstance(view, SplitDataset):
+        return view.piece_loss_tokens(full_loss_tokens)
     if isinstance(view, TruncatedDataset):
         counts = full_loss_tokens.copy()
         for i in np.flatnonzero(full_lengths > view.max_tokens):
@@ -220,9 +228,14 @@ class BatchingSettings:
     """``"largest_first"`` or ``"packer"`` (see :class:`~lit_seqpack.planning.PlanConfig`)."""
     cost_quadratic: float | Literal["auto"] = "auto"
     """``b`` of the per-document cost ``L + b*L^2`` that ranks are balanced on; ``"auto"``: ``1 / max_tokens``."""
-    overlong: Literal["error", "truncate", "drop"] = "error"
-    """What happens to samples longer than ``max_tokens``: ``"error"``, ``"truncate"`` or ``"drop"``; counted, logged
-    and kept in ``overlong_report``."""
+    overlong: Literal["error", "truncate", "drop", "split"] = "error"
+    """What happens to samples longer than the document budget (``max_tokens``, less per-document padding):
+    ``"error"``, ``"truncate"`` (see ``truncation_side``), ``"drop"`` or ``"split"`` (cut at multiples of the budget
+    into ``ceil(L / budget)`` pieces, each a document of its own: every token kept); counted, logged and kept in
+    ``overlong_report``."""
+    truncation_side: Literal["right", "left"] = "right"
+    """Which end ``overlong="truncate"`` cuts: ``"right"`` keeps a sample's first tokens, ``"left"`` its last ones
+    (the first kept token then carries no label, as every document's first token). Only with ``"truncate"``."""
     batch_size: int | None = None
     """Samples per microbatch (padded mode only, where it is required)."""
     val_fraction: float = 0.0
@@ -276,6 +289,7 @@ class BatchingSettings:
                 raise ValueError(f"max_tokens={self.max_tokens!r} must be an int, 'auto' or null")
             set_(self, "max_tokens", None if self.mode == "padded" else DEFAULT_MAX_TOKENS)
         check_choice("overlong", self.overlong, OVERLONG_POLICIES)
+        check_truncation_side(self.truncation_side, self.overlong)
         check_flag("shuffle", self.shuffle)
         check_int("pad_token_id", self.pad_token_id, minimum=0)
         check_int("num_workers", self.num_workers, minimum=0)

@@ -280,7 +280,7 @@ def _cli(tmp_path: Path, data: dict[str, Any]) -> SeqPackCLI:
 
 @pytest.mark.parametrize(
     ("knob", "value", "choices"),
-    [("mode", "both", "'packing', 'dynamic', 'padded'"), ("overlong", "skip", "'error', 'truncate', 'drop'")],
+    [("mode", "both", "'packing', 'dynamic', 'padded'"), ("overlong", "skip", "'error', 'truncate', 'drop', 'split'")],
 )
 def test_an_unknown_mode_or_policy_in_yaml_is_refused_by_the_cli_parser(
     tmp_path: Path, capsys: pytest.CaptureFixture, knob: str, value: str, choices: str

@@ -18,10 +18,10 @@ __all__ = ["read_sample", "sample_error"]
 
 def _original(dataset: Any) -> Any:
     """The dataset under the data layer's views (split, drop, truncate), whose class the user wrote."""
-    from lit_seqpack.data.batching.overlong import DroppedDataset, TruncatedDataset
+    from lit_seqpack.data.batching.overlong import DroppedDataset, SplitDataset, TruncatedDataset
     from lit_seqpack.data.indexed.splits import IndexView
 
-    while isinstance(dataset, (IndexView, DroppedDataset, TruncatedDataset)):
+    while isinstance(dataset, (IndexView, DroppedDataset, TruncatedDataset, SplitDataset)):
         dataset = dataset.dataset
     return dataset
 

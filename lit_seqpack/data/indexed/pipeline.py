@@ -40,7 +40,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_seqpack._hashing import content_digest
 from lit_seqpack.data._trainer import read_layout, training_start
 from lit_seqpack.data.batching.loss_weights import with_step_loss_weights
-from lit_seqpack.data.batching.overlong import OverlongReport
+from lit_seqpack.data.batching.overlong import OverlongReport, SplitDataset
 from lit_seqpack.data.indexed._loader import ResumableDataLoader
 from lit_seqpack.data.indexed._reads import read_sample
 from lit_seqpack.data.indexed._resume import LOADER_STATE, PLAN_STATE, check_resume, layout_state, plan_settings
@@ -69,6 +69,15 @@ def _int32(counts: np.ndarray) -> np.ndarray:
     """Token counts in 4 bytes a sample when they fit (they always do below 2^31 tokens a sample)."""
     fits = counts.size == 0 or int(counts.max()) < 1 << 31
     return counts.astype(np.int32, copy=False) if fits else counts
+
+
+def _split_samples(data: Any) -> int:
+    """The samples of a training split under ``overlong="split"`` (its pieces' samples counted once)."""
+    view = data.dataset if isinstance(data, IndexView) else data
+    if not isinstance(view, SplitDataset):
+        return len(data)
+    pieces = view.piece_indices if not isinstance(data, IndexView) else view.piece_indices[data.indices]
+    return int(np.count_nonzero(pieces == 0))
 
 
 class IndexedPipeline:
@@ -243,8 +252,13 @@ class IndexedPipeline:
             self.splits["train"] = Split(data, lengths, loss_tokens)
             return
         parts = split_indices(
-            len(data), settings.val_fraction, seed=settings.seed, test_fraction=settings.test_fraction
+            len(self.dataset) if isinstance(data, SplitDataset) else len(data),
+            settings.val_fraction,
+            seed=settings.seed,
+            test_fraction=settings.test_fraction,
         )
+        if isinstance(data, SplitDataset):  # held out by sample: every piece of a sample in the same split
+            parts = tuple(np.flatnonzero(np.isin(data.original_indices, idx)) for idx in parts)
         for name, idx in zip(("train", "val", "test"), parts, strict=True):
             if name == "train" or len(idx):
                 self.splits[name] = Split(IndexView(data, idx), lengths[idx], loss_tokens[idx])
@@ -259,6 +273,7 @@ class IndexedPipeline:
             "pad_to_multiple_of": settings.pad_to_multiple_of,
             "document_multiple": settings.document_multiple,
             "token_fields": tuple(settings.token_fields),
+            "truncation_side": settings.truncation_side,
         }
 
     def _setup_eval_data(self) -> None:
@@ -384,11 +399,17 @@ class IndexedPipeline:
         )
         if lengths_change_per_epoch(self.dataset):  # re-scanned every epoch; each microbatch checks its lengths
             state["train_lengths"] = "re-scanned every epoch"
+        train = self.splits.get("train")
+        if train is not None and self.settings.overlong == "split":  # samples, not pieces: max_tokens may change
+            state["num_train_samples"] = _split_samples(train.dataset)
         return state
 
     def _plan_settings(self) -> dict[str, Any]:
         settings = plan_settings(self.settings.plan_config(self.layout))
-        return settings | {"pad_to_multiple_of": self.settings.pad_to_multiple_of}  # the lengths the planner sees
+        settings["pad_to_multiple_of"] = self.settings.pad_to_multiple_of  # the lengths the planner sees
+        if self.settings.truncation_side != "right":  # the tokens kept (older checkpoints hold no side)
+            settings["truncation_side"] = self.settings.truncation_side
+        return settings
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Refuse to resume on other data, or mid-epoch on another layout or other settings; restore the loader.

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from lit_seqpack.data.batching.overlong import DroppedDataset, TruncatedDataset
+from lit_seqpack.data.batching.overlong import DroppedDataset, SplitDataset, TruncatedDataset
 
 __all__ = [
     "HeldOut",
@@ -112,7 +112,8 @@ class IndexView:
 
 
 def source_index(dataset: Any, index: int) -> int:
-    """The index in the original dataset of ``dataset[index]``, through split, drop and truncate views.
+    """The index in the original dataset of ``dataset[index]``, through split, drop, truncate and piece views (a piece
+    of ``overlong="split"`` maps to the sample it was cut from).
 
     Example:
         >>> source_index(IndexView(list(range(10)), [2, 5, 7]), 1)
@@ -121,7 +122,7 @@ def source_index(dataset: Any, index: int) -> int:
     while True:
         if isinstance(dataset, IndexView):
             index, dataset = int(dataset.indices[index]), dataset.dataset
-        elif isinstance(dataset, DroppedDataset):
+        elif isinstance(dataset, (DroppedDataset, SplitDataset)):
             index, dataset = int(dataset.original_indices[index]), dataset.dataset
         elif isinstance(dataset, TruncatedDataset):
             dataset = dataset.dataset

@@ -14,7 +14,8 @@ rows wait for the next window, the last window is spread evenly; other modes by
 - every sample of the window is in exactly one microbatch of one rank.
 
 The over-long policy is applied sample by sample as the stream is read and counted in a
-:class:`OverlongCounter` (the same :class:`~lit_seqpack.data.batching.overlong.OverlongReport` as the map-style path).
+:class:`OverlongCounter` (the same :class:`~lit_seqpack.data.batching.overlong.OverlongReport` as the map-style path);
+under ``overlong="split"`` a sample's pieces enter the window together, as samples of their own.
 
 How a stream window is packed: the least-full rows wait for the next window, the last window is spread evenly.
 
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from lit_seqpack.data.batching._samples import token_arrays, window_loss_tokens
-from lit_seqpack.data.batching.overlong import OverlongReport
+from lit_seqpack.data.batching.overlong import OverlongReport, check_truncation_side, cut_tokens
 from lit_seqpack.planning._windows import window_seeds
 from lit_seqpack.planning.algorithms import get_packer, pack_first, packing_algorithm
 from lit_seqpack.planning.plan import Plan, PlanConfig, build_plan, plan_packed
@@ -179,23 +180,45 @@ class OverlongCounter:
     """Running counts of the over-long policy over a stream (samples are numbered from the stream's start).
 
     Args:
-        policy: ``"error"``, ``"truncate"`` or ``"drop"``.
+        policy: ``"error"``, ``"truncate"``, ``"drop"`` or ``"split"``.
         max_tokens: the longest document allowed.
         token_fields: the declared per-token fields (:mod:`lit_seqpack.data.batching.fields`), cut with the tokens under
-            ``"truncate"``; each must be as long as ``input_ids`` before the cut (a longer one would otherwise be
-            cut to the same length and misalign silently).
+            ``"truncate"`` and ``"split"``; each must be as long as ``input_ids`` before the cut (a longer one would
+            otherwise be cut to the same length and misalign silently).
+        truncation_side: the end ``"truncate"`` cuts: ``"right"`` keeps the first tokens, ``"left"`` the last ones.
     """
 
     policy: str
     max_tokens: int
     token_fields: tuple[str, ...] = ()
+    truncation_side: str = "right"
     num_samples: int = 0
     num_overlong: int = 0
     tokens_cut: int = 0
+    num_pieces: int = 0
     shown: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_truncation_side(self.truncation_side, self.policy)
 
     def admit(self, number: int, sample: Mapping[str, Any], name: object = None) -> Mapping[str, Any] | None:
         """The sample under the policy (``None``: dropped); raises under ``"error"`` for an over-long sample.
+
+        Under ``"split"`` use :meth:`pieces` (a sample may become several).
+
+        Args:
+            number: the sample's number in the stream (what the report lists).
+            sample: the sample read.
+            name: what an error calls the sample (default ``sample <number> of the stream``).
+        """
+        if self.policy == "split":
+            raise ValueError("overlong='split' may cut a sample into several: read them with OverlongCounter.pieces")
+        kept = self.pieces(number, sample, name)
+        return kept[0] if kept else None
+
+    def pieces(self, number: int, sample: Mapping[str, Any], name: object = None) -> list[Mapping[str, Any]]:
+        """What the policy makes of the sample: ``[]`` (dropped), the sample itself or cut, or its pieces (``"split"``,
+        in order, each of at most ``max_tokens`` tokens); raises under ``"error"`` for an over-long sample.
 
         Args:
             number: the sample's number in the stream (what the report lists).
@@ -209,29 +232,33 @@ class OverlongCounter:
             raise ValueError(f"{name} has no token: input_ids must hold at least one token")
         self.num_samples += 1
         if length <= self.max_tokens:
-            return sample
+            return [sample]
         if self.policy == "error":
             raise ValueError(
-                f"{name} has {length} tokens, more than max_tokens={self.max_tokens}; "
-                "raise max_tokens, or set overlong='truncate' or overlong='drop'"
+                f"{name} has {length} tokens, more than max_tokens={self.max_tokens}; raise max_tokens, or set "
+                "overlong='split' (every token kept, in pieces), overlong='truncate' or overlong='drop'"
             )
         self.num_overlong += 1
         if len(self.shown) < _SHOWN:
             self.shown.append((number, length))
         if self.policy == "drop":
             self.tokens_cut += length
-            return None
-        self.tokens_cut += length - self.max_tokens
-        cut = (*_TOKEN_KEYS, *self.token_fields)
-        for key in cut:
-            if sample.get(key) is not None and len(sample[key]) != length:
-                raise ValueError(
-                    f"{name}: {key} has {len(sample[key])} entries but input_ids has {length} "
-                    f"tokens (before overlong='truncate' cuts both to max_tokens={self.max_tokens})"
-                )
-        truncated = {k: v[: self.max_tokens] if k in cut and v is not None else v for k, v in sample.items()}
-        relocated = getattr(sample, "relocated", None)  # keep where the sample comes from (streaming/_where.py)
-        return truncated if relocated is None else relocated(truncated)
+            return []
+        budget = self.max_tokens
+        if self.policy == "split":
+            why = f"overlong='split' cuts both into pieces of max_tokens={budget}"
+            starts = range(0, length, budget)
+            self.num_pieces += len(starts)
+        else:
+            why = f"overlong='truncate' cuts both to max_tokens={budget}"
+            starts = range(length - budget if self.truncation_side == "left" else 0, length, length)
+            self.tokens_cut += length - budget
+        relocated = getattr(sample, "relocated", None)  # keep where the sample comes from (streaming/dataset.py)
+        kept = []
+        for start in starts:
+            cut = cut_tokens(sample, start, start + budget, token_fields=self.token_fields, name=name, why=why)
+            kept.append(cut if relocated is None else relocated(cut))
+        return kept
 
     def state(self) -> dict[str, Any]:
         """The counts as a small dict (a checkpoint keeps the counts at the start of the window it resumes in)."""
@@ -239,6 +266,7 @@ class OverlongCounter:
             "num_samples": self.num_samples,
             "num_overlong": self.num_overlong,
             "tokens_cut": self.tokens_cut,
+            "num_pieces": self.num_pieces,
             "shown": [list(item) for item in self.shown],
         }
 
@@ -246,22 +274,24 @@ class OverlongCounter:
         """Continue from counts saved by :meth:`state`."""
         self.num_samples, self.num_overlong = int(state["num_samples"]), int(state["num_overlong"])
         self.tokens_cut = int(state["tokens_cut"])
+        self.num_pieces = int(state.get("num_pieces", 0))  # written before overlong="split" had none
         self.shown = [(int(i), int(n)) for i, n in state["shown"]]
 
     def report(self) -> OverlongReport:
         """The counts so far as an :class:`~lit_seqpack.data.batching.overlong.OverlongReport`."""
-        dropped = self.policy == "drop"
+        counted = {"drop": "num_dropped", "truncate": "num_truncated", "split": "num_split"}.get(self.policy)
+        cut = {"drop": "tokens_dropped", "truncate": "tokens_truncated"}.get(self.policy)
         return OverlongReport(
             policy=self.policy,
             max_tokens=self.max_tokens,
             num_samples=self.num_samples,
             num_overlong=self.num_overlong,
-            num_dropped=self.num_overlong if dropped else 0,
-            num_truncated=0 if dropped else self.num_overlong,
-            tokens_dropped=self.tokens_cut if dropped else 0,
-            tokens_truncated=0 if dropped else self.tokens_cut,
+            num_pieces=self.num_pieces,
+            truncation_side=self.truncation_side,
             indices=tuple(i for i, _ in self.shown),
             lengths=tuple(n for _, n in self.shown),
+            **({counted: self.num_overlong} if counted else {}),
+            **({cut: self.tokens_cut} if cut else {}),
         )
 
 
@@ -318,8 +348,8 @@ def stream_windows(
     """Read ``reader`` into windows of ``window_size`` samples and plan each one.
 
     In packing mode the samples of a window's least-full bins (at most a third of the buffer) are carried into the
-    next window instead of being trained in half-empty rows (:func:`~.window_packing.carried_over`); the last window
-    carries nothing and is spread evenly over its rows (:func:`~.window_packing.even_bins`).
+    next window instead of being trained in half-empty rows (:func:`carried_over`); the last window
+    carries nothing and is spread evenly over its rows (:func:`even_bins`).
 
     Args:
         reader: a :class:`~lit_seqpack.data.sources.streams.StreamReader` (its ``position`` is read at each
@@ -359,10 +389,11 @@ def stream_windows(
                 return False
             name = f"sample {number} of the stream" if last is None else last  # a LocatedReader names its file
             sample = token_arrays(sample, name)  # converted once, not at every use
-            kept = sample if counter is None else counter.admit(number, sample, name)
             number += 1
-            if kept is not None:
-                into.append(kept)
+            if counter is None:
+                into.append(sample)
+            else:  # dropped, kept, cut, or split into pieces that enter the window together
+                into.extend(counter.pieces(number - 1, sample, name))
         return True
 
     while True:

@@ -248,7 +248,8 @@ class StreamingDataset(IterableDataset):
         rank: this data-parallel rank.
         window_size: samples per window.
         collator: turns a :class:`~lit_seqpack.batch.Microbatch` of samples into a batch dict.
-        overlong: the over-long policy (``"error"``, ``"truncate"``, ``"drop"``).
+        overlong: the over-long policy (``"error"``, ``"truncate"``, ``"drop"``, ``"split"``).
+        truncation_side: the end ``overlong="truncate"`` cuts (``"right"`` or ``"left"``).
         document_budget: the longest document allowed (``max_tokens`` less per-document padding).
         document_multiple: packed documents are padded to a multiple of this.
         vocab_size: the ids the model embeds (``None``: unchecked); a batch holding a larger id (a stream is never
@@ -257,7 +258,7 @@ class StreamingDataset(IterableDataset):
             record; :mod:`~lit_seqpack.data.streaming.rank_check`); 0: no content digest (the window's numbers are
             still compared across ranks, so streams of other lengths never hang).
         seed: picks those samples.
-        token_fields: the declared per-token fields, cut with the tokens by ``overlong="truncate"``.
+        token_fields: the declared per-token fields, cut with the tokens by ``overlong="truncate"`` and ``"split"``.
         data_parallel: ``(rank, world_size)`` when ``source`` is this rank's own share (``stream_split="rank"``):
             ``config`` then plans this rank alone (``world_size=1``), the batches name the real world size, and
             the loader keeps the ranks in lock step (:mod:`~lit_seqpack.data.streaming.loader`).
@@ -272,6 +273,7 @@ class StreamingDataset(IterableDataset):
         window_size: int,
         collator: Callable[[Microbatch], dict[str, Any]],
         overlong: str = "error",
+        truncation_side: str = "right",
         document_budget: int | None = None,
         document_multiple: int = 1,
         vocab_size: int | None = None,
@@ -285,6 +287,7 @@ class StreamingDataset(IterableDataset):
             raise ValueError(f"rank must be in [0, {config.world_size}), got {rank}")
         self.source, self.config, self.rank, self.window_size = source, config, rank, window_size
         self.collator, self.overlong, self.document_multiple = collator, overlong, document_multiple
+        self.truncation_side = truncation_side
         self.document_budget = document_budget if document_budget is not None else config.max_tokens
         self.vocab_size, self.check_samples, self.seed = vocab_size, check_samples, seed
         self.token_fields = tuple(token_fields)
@@ -327,7 +330,10 @@ class StreamingDataset(IterableDataset):
         counter = None
         if self.document_budget is not None:
             counter = OverlongCounter(
-                policy=self.overlong, max_tokens=self.document_budget, token_fields=self.token_fields
+                policy=self.overlong,
+                max_tokens=self.document_budget,
+                token_fields=self.token_fields,
+                truncation_side=self.truncation_side,
             )
             if record is not None and record["overlong_before"] is not None:
                 counter.load_state(record["overlong_before"])

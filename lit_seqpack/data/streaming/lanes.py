@@ -232,5 +232,6 @@ def merged_overlong(states: Sequence[Mapping[str, Any] | None]) -> dict[str, Any
         return None
     merged: dict[str, Any] = {key: sum(int(s[key]) for s in known) for key in ("num_samples", "num_overlong")}
     merged["tokens_cut"] = sum(int(s["tokens_cut"]) for s in known)
+    merged["num_pieces"] = sum(int(s.get("num_pieces", 0)) for s in known)
     merged["shown"] = [list(item) for s in known for item in s["shown"]][:_SHOWN]
     return merged

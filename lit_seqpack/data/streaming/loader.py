@@ -514,7 +514,11 @@ class StreamingDataLoader(DataLoader):
         dataset = self.dataset
         if self._overlong is None or dataset.document_budget is None:
             return None
-        counter = OverlongCounter(policy=dataset.overlong, max_tokens=dataset.document_budget)
+        counter = OverlongCounter(
+            policy=dataset.overlong,
+            max_tokens=dataset.document_budget,
+            truncation_side=getattr(dataset, "truncation_side", "right"),
+        )
         counter.load_state(self._overlong)
         return counter.report()
 

@@ -142,6 +142,7 @@ class StreamPipeline:
             "mode": settings.mode,
             "max_tokens": settings.max_tokens,
             "overlong": settings.overlong,
+            "truncation_side": settings.truncation_side,
             **plan_settings(config),
             "window": settings.stream_window,  # the stream's window, not the planner's (None: one buffer)
             "pad_to_multiple_of": settings.pad_to_multiple_of,
@@ -154,7 +155,10 @@ class StreamPipeline:
         if budget is None:
             return None
         return OverlongCounter(
-            policy=self.settings.overlong, max_tokens=budget, token_fields=tuple(self.settings.token_fields)
+            policy=self.settings.overlong,
+            max_tokens=budget,
+            token_fields=tuple(self.settings.token_fields),
+            truncation_side=self.settings.truncation_side,
         )
 
     # ------------------------------------------------------------------ loaders
@@ -172,6 +176,7 @@ class StreamPipeline:
             window_size=settings.stream_window,
             collator=settings.collator(self.context_parallel_rank),
             overlong=settings.overlong,
+            truncation_side=settings.truncation_side,
             document_budget=None if counter is None else counter.max_tokens,
             document_multiple=settings.planned_document_multiple,
             vocab_size=self._model_vocab(),
@@ -289,6 +294,7 @@ class StreamPipeline:
         saved, current = dict(state["facts"]), self.facts()
         if _LEGACY_WINDOW in saved:
             saved["window"] = saved.pop(_LEGACY_WINDOW)
+        saved.setdefault("truncation_side", "right")  # written before there was a choice
         if "stream_split" not in saved:  # written before there was a choice: every rank read the whole stream
             saved["stream_split"] = "replicate" if saved.get("world_size", 1) > 1 else None
         changed = [f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in current if saved.get(k) != current[k]]
@@ -501,8 +507,7 @@ def prefix_lengths(
     """
     lengths, loss = [], []
     for number, sample in enumerate(samples):
-        kept = sample if counter is None else counter.admit(number, sample)
-        if kept is not None:
+        for kept in [sample] if counter is None else counter.pieces(number, sample):
             lengths.append(len(kept["input_ids"]))
             loss.append(sample_loss_tokens(kept))
     report = None if counter is None else counter.report()
