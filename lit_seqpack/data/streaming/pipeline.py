@@ -154,6 +154,7 @@ class StreamPipeline:
             start_source=self._training_start,
             report_to=lambda report: setattr(self, "overlong_report", report),
             on_batch=self._on_batch,
+            loader_timeout=settings.loader_timeout,
         )
         if self._pending_state is not None:
             loader.load_state_dict(self._pending_state)
