@@ -80,7 +80,7 @@ def test_a_damaged_folder_is_refused_at_construction_naming_the_file(folder: Pat
     name = named(folder)
     harm(folder)
     with pytest.raises(ValueError) as caught:
-        LitDataStream(str(folder)).num_samples
+        _ = LitDataStream(str(folder)).num_samples
     assert str(caught.value).startswith(f"{name}: ") and what in str(caught.value)
 
 
