@@ -230,7 +230,7 @@ def check_folder(input_dir: str) -> None:
         return
     index = folder / "index.json"
     if not index.is_file():
-        raise ValueError(f"{index}: missing: {folder} is not a folder written by litdata.optimize")
+        return  # not a litdata folder at all: litdata's own error names the folder
     try:
         data = json.loads(index.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
