@@ -90,6 +90,7 @@ class SeqPackDataModule(LightningDataModule):
         val_fraction: float = 0.0,
         test_fraction: float = 0.0,
         num_workers: int = 0,
+        loader_timeout: float = 600.0,
         pad_token_id: int = 0,
         seed: int = 0,
         shuffle: bool = True,

@@ -243,7 +243,11 @@ class BatchingSettings:
     test_fraction: float = 0.0
     """Share of the training source's samples held out for testing (0: none; indexed sources only)."""
     num_workers: int = 0
-    """DataLoader worker processes (may differ between a checkpoint and its resume)."""
+    """DataLoader worker processes (may differ between a checkpoint and its resume). Under ``torch.distributed``
+    they start with ``forkserver`` when the data pickles (:mod:`~lit_seqpack.data.workers`)."""
+    loader_timeout: float = 600.0
+    """Seconds a loader waits for a worker's start-up or next batch before every rank raises, naming the loader and
+    the stuck rank (with ``num_workers > 0``; must be > 0: a stuck worker never hangs the job)."""
     pad_token_id: int = 0
     """The id written on padding positions."""
     seed: int = 0
@@ -293,6 +297,9 @@ class BatchingSettings:
         check_flag("shuffle", self.shuffle)
         check_int("pad_token_id", self.pad_token_id, minimum=0)
         check_int("num_workers", self.num_workers, minimum=0)
+        timeout = self.loader_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"loader_timeout={timeout!r} must be a finite number of seconds > 0")
         check_int("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
         check_int("content_check_samples", self.content_check_samples, minimum=0)
         check_choice("stream_split", self.stream_split, STREAM_SPLITS)

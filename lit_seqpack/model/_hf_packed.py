@@ -181,6 +181,15 @@ def refuse_packing_without_interface(model: Any, batch: Mapping[str, Any]) -> No
     """Raise ``ValueError`` for a packed ``batch`` when ``model`` keeps its own attention (no AttentionInterface)."""
     if batch.get("cu_seqlens") is None or uses_varlen_attention(model):
         return
+    inner = unwrapped_model(model)
+    if getattr(inner, "_lit_seqpack_attention_record", None) is not None:  # prepared (RECORD_ATTR), then switched
+        now = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+        raise ValueError(
+            f"{type(inner).__name__}: the model's config was changed to {now!r} after it was prepared; build other "
+            "models from a copy of the config (e.g. AutoModelForCausalLM.from_config(copy.deepcopy(model.config)) "
+            "for a reference model: from_config(config) sets that config object's attention implementation, which "
+            "this model shares)"
+        )
     raise ValueError(
         f"{type(unwrapped_model(model)).__name__} cannot be trained with mode: packing: it does not dispatch "
         "attention through transformers' AttentionInterface, so lit_seqpack cannot give its attention the packed "

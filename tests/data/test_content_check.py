@@ -36,6 +36,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             digest = functools.partial(content_digest, data, 8, 0)
             sampler = PlannedBatchSampler(LENGTHS, PlanConfig(mode="packing", max_tokens=128), content_digest=digest)
             try:
+                sampler.check_plan()
                 outcome[case] = f"ok {sum(1 for _ in sampler)}"
             except RuntimeError as err:
                 outcome[case] = str(err)

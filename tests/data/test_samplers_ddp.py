@@ -56,6 +56,7 @@ def _samplers(rank: int, out_dir: str) -> None:
     }
     for mode, sampler in samplers.items():
         assert (sampler.config.world_size, sampler.rank) == (WORLD, rank)  # resolved from torch.distributed
+        sampler.check_plan()
         mine = [list(mb) for mb in sampler]
         everyone: list[list[list[int]] | None] = [None] * WORLD
         dist.all_gather_object(everyone, mine)
@@ -66,7 +67,7 @@ def _samplers(rank: int, out_dir: str) -> None:
     # a rank with different settings: every rank must fail loudly instead of hanging or training on garbage
     odd = PlannedBatchSampler(LENGTHS, PlanConfig(mode="packing", max_tokens=256, seed=rank))
     try:
-        next(iter(odd))
+        odd.check_plan()  # in the main process before iterating (the batch sampler's __iter__ never talks to ranks)
         outcome["mismatch"] = "no error"
     except RuntimeError as err:
         outcome["mismatch"] = str(err)

@@ -10,13 +10,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
 from lit_seqpack.rl import RolloutPlanner
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
-from tests._ranks import free_port, join_ranks
+from tests._ranks import free_port, join_ranks, spawn_ranks
 from tests.model.test_exact_loss import GradientCapture, assert_gradients_match
 from tests.rl._policies import AutomaticPolicy, ManualPolicy, RolloutBatches, one_item_loader, prefixed
 from tests.rl._rollouts import (
@@ -50,7 +49,7 @@ def _planner_worker(rank: int, init_file: str, out_dir: str) -> None:
 def planner_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder of :func:`_planner_worker`'s results (``logprobs{rank}.pt``, ``check{rank}.pt``)."""
     out = tmp_path_factory.mktemp("planner")
-    mp.spawn(_planner_worker, args=(str(out / "init"), str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(_planner_worker, (str(out / "init"), str(out)), WORLD)
     return out
 
 
@@ -196,7 +195,7 @@ def ddp_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder of :func:`_steps_worker`'s results (one spawned pair of ranks for all of them: ~7 s of start-up
     each)."""
     out = tmp_path_factory.mktemp("ddp_steps")
-    mp.spawn(_steps_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(_steps_worker, (free_port(), str(out)), WORLD)
     return out
 
 

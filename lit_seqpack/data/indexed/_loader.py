@@ -8,6 +8,11 @@ Two ways a resumed run could train the wrong microbatches without an error, and 
   microbatches. :meth:`ResumableDataLoader.__iter__` therefore returns an iterator that builds the real one at
   its first ``next()``, so a state loaded in between is used; a state loaded after batches were drawn makes the
   stale iterator raise.
+- **A cross-rank check behind a wait for workers.** The batch sampler's plan check is a collective; run at the
+  sampler's first ``next()`` it would sit behind torch's wait for every worker's start-up, so a worker stuck on one
+  rank would park the other inside the collective. The deferred iterator runs ``batch_sampler.check_plan()`` in the
+  main process before it starts the workers, and every rank agrees that its workers started
+  (:func:`~lit_seqpack.data.workers.agree_started`) before the first batch is returned.
 - **The worker count changed** (``num_workers`` 0 -> 2, 2 -> 1, ...). torchdata's worker snapshot then
   cannot be restored (``AssertionError: State doesn't contain key '_snapshot'``). The batch sampler's position
   is the truth, so :meth:`ResumableDataLoader.load_state_dict` restores only the sampler and lets the workers
@@ -29,6 +34,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lit_seqpack.data.workers import DEFAULT_LOADER_TIMEOUT, agree_started, named_timeout, worker_options
 
 __all__ = ["ResumableDataLoader", "loader_workers", "sampler_state_of"]
 
@@ -98,23 +105,75 @@ class _DeferredIterator:
     def __next__(self) -> Any:
         loader = self._loader
         if self._iterator is None:
-            self._iterator, self._generation = StatefulDataLoader.__iter__(loader), loader._generation
-        elif self._generation != loader._generation:
+            return self._first()
+        if self._generation != loader._generation:
             raise RuntimeError(
                 "the loader's state was loaded after this iterator had drawn batches: those batches came from "
                 "the old position. Call iter(loader) again to continue from the loaded state"
             )
-        return next(self._iterator)
+        try:
+            return next(self._iterator)
+        except RuntimeError as err:
+            named = named_timeout(err, loader.name, loader.timeout)
+            if named is None:
+                raise
+            raise named from err
+
+    def _first(self) -> Any:
+        """Check the plan across ranks, start the workers, draw the first batch; every rank learns whether every
+        rank's workers started (a rank whose workers are stuck makes every rank raise)."""
+        loader = self._loader
+        check = getattr(loader.batch_sampler, "check_plan", None)
+        if check is not None:
+            check()  # a collective, in the main process, before any worker starts
+        workers = loader.num_workers > 0
+        try:
+            self._iterator, self._generation = StatefulDataLoader.__iter__(loader), loader._generation
+            first = next(self._iterator)
+        except StopIteration:
+            if workers:
+                agree_started(loader.name, loader.timeout)
+            raise
+        except Exception as err:
+            named = named_timeout(err, loader.name, loader.timeout)
+            if workers:
+                agree_started(loader.name, loader.timeout, error=str(named or f"{type(err).__name__}: {err}"))
+            if named is None:
+                raise
+            raise named from err
+        if workers:
+            agree_started(loader.name, loader.timeout)
+        return first
 
 
 class ResumableDataLoader(StatefulDataLoader):
     """A ``StatefulDataLoader`` that resumes from its batch sampler's position, whenever the state arrives.
 
     Same arguments as ``StatefulDataLoader``; the batch sampler must have ``state_dict`` / ``load_state_dict``
-    (the planned samplers do).
+    (the planned samplers do), and may have ``check_plan()`` (run before the workers start).
+
+    Args:
+        *args: ``StatefulDataLoader``'s.
+        name: the loader's name in errors (``"train"``, ``"val"``, ...), the same on every rank.
+        loader_timeout: seconds to wait for a worker (see :data:`~lit_seqpack.data.workers.DEFAULT_LOADER_TIMEOUT`);
+            with workers, they also start with ``forkserver`` under ``torch.distributed``
+            (:func:`~lit_seqpack.data.workers.worker_options`) unless ``multiprocessing_context`` is given.
+        **kwargs: ``StatefulDataLoader``'s.
     """
 
     _generation = 0
+
+    def __init__(
+        self, *args: Any, name: str = "loader", loader_timeout: float = DEFAULT_LOADER_TIMEOUT, **kwargs: Any
+    ) -> None:
+        workers = kwargs.get("num_workers", 0)
+        if workers and "multiprocessing_context" not in kwargs and "timeout" not in kwargs:
+            dataset = args[0] if args else kwargs.get("dataset")
+            kwargs.update(
+                worker_options(workers, loader_timeout, dataset, kwargs.get("collate_fn"), kwargs.get("worker_init_fn"))
+            )
+        super().__init__(*args, **kwargs)
+        self.name = name
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         return _DeferredIterator(self)

@@ -355,6 +355,8 @@ class IndexedPipeline:
             batch_sampler=with_step_loss_weights(sampler, data, settings.loss_weight_field),
             collate_fn=settings.collator(self.context_parallel_rank),
             num_workers=settings.num_workers,
+            name=split,
+            loader_timeout=settings.loader_timeout,
         )
         if train:
             self._train_loader = loader

@@ -22,10 +22,12 @@ for exact mid-epoch resume with workers) under ``Trainer(use_distributed_sampler
 - ``state_dict`` holds the epoch and the microbatches consumed, never the rank: rank 0's checkpoint resumes every
   rank. StatefulDataLoader snapshots it when each batch is requested, so prefetching by workers does not move the
   resume point.
-- With ``torch.distributed`` initialised, the first iteration of each epoch compares a digest of the plan's inputs
-  (config, lengths, loss tokens, epoch; and the data's ``content_digest`` when given) across ranks (one
+- With ``torch.distributed`` initialised, :meth:`PlannedBatchSampler.check_plan` compares a digest of the plan's
+  inputs (config, lengths, loss tokens, epoch; and the data's ``content_digest`` when given) across ranks (one
   ``all_gather_object``) and fails loudly, on every rank, on a mismatch; never the whole plan, which is a pure
-  function of them.
+  function of them. The comparison is a collective, so the loader calls it in the main process before its workers
+  start (:class:`~lit_seqpack.data.indexed._loader.ResumableDataLoader`), on every rank alike; iterating never talks
+  to other ranks, so no rank can wait in a collective behind another rank's wait for its loader workers.
 - Lightning reads ``len(dataloader)`` once. The count is constant across epochs with ``window=None`` and a sort-based
   packer (or dynamic or padded batching); otherwise reload the dataloaders every epoch (a warning says so when the
   count changes).
@@ -121,7 +123,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         config: the plan configuration; its ``world_size`` is the number of data-parallel ranks.
         rank: this process's data-parallel rank (default: ``torch.distributed`` rank, or 0).
         loss_tokens: loss tokens per sample (default ``max(length - 1, 0)``).
-        verify_plan: compare the plan across ranks once per epoch when ``torch.distributed`` is initialised.
+        verify_plan: compare the plan across ranks (:meth:`check_plan`) when ``torch.distributed`` is initialised.
         content_digest: a digest of the data's content (e.g. :func:`~lit_seqpack._hashing.content_digest`
             of a few samples' tokens), or a function computing it, compared with the plan: ranks that read
             different data with the same lengths then fail too. ``None``: lengths only.
@@ -175,6 +177,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
         self._start_source: Callable[[int, int], tuple[int, int]] | None = None
         self._plan: Plan | None = None
         self._verified_epoch: int | None = None
+        self._unchecked_warned = False
         self._reported_len: tuple[int, int] | None = None
         self._plan_key = self._key()
         self.sampler = RankSampler(self)
@@ -270,7 +273,7 @@ class PlannedBatchSampler(Sampler[Microbatch]):
                 total = plan.microbatches_per_rank
             if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= total:
                 raise ValueError(f"the start source returned microbatch {start!r}, not one in [0, {total}]")
-        self._check_plan(plan)
+        self._check_local(plan)
         self._position = start
         config = self.config
         for position in range(start, total):
@@ -288,7 +291,8 @@ class PlannedBatchSampler(Sampler[Microbatch]):
             self._position = position + 1
             yield Microbatch(indices, meta=meta)
 
-    def _check_plan(self, plan: LazyPlan) -> None:
+    def _check_local(self, plan: LazyPlan) -> None:
+        """The checks of an iteration's start that need no other rank (iteration never talks to other ranks)."""
         reported = self._reported_len
         if self.rank == 0 and reported and reported[0] != plan.epoch and reported[1] != plan.microbatches_per_rank:
             log.warning(
@@ -302,34 +306,61 @@ class PlannedBatchSampler(Sampler[Microbatch]):
             )
         if not distributed():
             return
+        self._check_world()
+        if self.verify_plan and self._verified_epoch is None and not self._unchecked_warned:
+            self._unchecked_warned = True
+            log.warning(
+                "lit_seqpack: this PlannedBatchSampler's plan was not compared across ranks: call "
+                "sampler.check_plan() on every rank before iterating (ResumableDataLoader does it before its workers "
+                "start), or pass verify_plan=False"
+            )
+
+    def _check_world(self) -> None:
         world = dist.get_world_size()
         if self._world_defaulted and world != self.config.world_size:
             raise RuntimeError(
                 f"the sampler was built for {self.config.world_size} ranks but torch.distributed has {world}: "
                 "build it after the process group is initialised (e.g. in train_dataloader) or pass num_replicas"
             )
-        if not self.verify_plan or self._verified_epoch == plan.epoch:
+
+    def check_plan(self) -> None:
+        """Compare this rank's plan inputs (settings, lengths, loss tokens, content digest) and epoch with every rank's.
+
+        A collective (one ``all_gather_object``) when ``torch.distributed`` is initialised and ``verify_plan`` is on,
+        once per epoch; nothing otherwise. Call it on every rank alike, in the main process, before the loader's
+        workers start: :class:`~lit_seqpack.data.indexed._loader.ResumableDataLoader` does it when an epoch's
+        iterator starts. Iterating never calls it.
+
+        Raises:
+            RuntimeError: on every rank, when some rank planned with other inputs or reads other data, naming them.
+        """
+        if not distributed():
             return
+        self._check_world()
+        epoch = self._epoch
+        if not self.verify_plan or self._verified_epoch == epoch:
+            return
+        world = dist.get_world_size()
         # the plan is a pure function of these: equal digests, equal plans (no need to hash the plan itself)
         content = self.content_digest() if callable(self.content_digest) else self.content_digest
-        mine = (self._plan_key, plan.epoch, plan.num_steps, self.config.world_size, content)
+        mine = (self._plan_key, epoch, self.config.world_size, content)
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine)
         if len(set(everyone)) > 1:  # every rank sees the same list, so every rank raises: no hang
-            others = [r for r, f in enumerate(everyone) if f[:4] != mine[:4]]
+            others = [r for r, f in enumerate(everyone) if f[:3] != mine[:3]]
             if others:
                 raise RuntimeError(
-                    f"rank {dist.get_rank()} computed a different plan for epoch {plan.epoch} than ranks {others}: "
+                    f"rank {dist.get_rank()} computed a different plan for epoch {epoch} than ranks {others}: "
                     "every rank must pass the same lengths, loss tokens and settings (seed, max_tokens, window, ...)"
                 )
-            others = [r for r, f in enumerate(everyone) if f[4] != content]
+            others = [r for r, f in enumerate(everyone) if f[3] != content]
             raise RuntimeError(
                 f"rank {dist.get_rank()} reads different data than ranks {others}: the lengths agree but the tokens of "
-                f"the sampled samples do not (content digest {content} vs {[everyone[r][4] for r in others]}); every "
+                f"the sampled samples do not (content digest {content} vs {[everyone[r][3] for r in others]}); every "
                 "rank must read the same dataset (same files, tokenizer and preprocessing). A dataset whose samples "
                 "change between reads (random augmentation) needs the check off (content_check_samples=0)"
             )
-        self._verified_epoch = plan.epoch
+        self._verified_epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
         """Progress through the epoch; identical on every rank (rank 0 writes the checkpoint).

@@ -226,7 +226,45 @@ class _ParquetReader(StreamReader):
                 self._rows, self.position = None, [file, group + 1, 0]
                 continue
             self.position = [file, group, row + 1]
-            return self._rows[row]
+            sample = self._rows[row]
+            _check_token_columns(sample, self._files[file], group, row)
+            return sample
+
+
+def _check_token_columns(sample: Sample, path: str, group: int, row: int) -> None:
+    """Refuse a row whose ``input_ids`` is null or whose token column is not a list of integers, naming the file,
+    row group and row (arrays from :func:`_int_lists` are checked already).
+
+    Example:
+        >>> _check_token_columns({"input_ids": None}, "a.parquet", 0, 3)
+        Traceback (most recent call last):
+        ...
+        ValueError: a.parquet: row group 0, row 3: input_ids is null (every row needs its tokens)
+    """
+    for key in _TOKEN_KEYS:
+        value = sample.get(key)
+        if isinstance(value, np.ndarray):
+            continue
+        if value is None:
+            if key == "input_ids":
+                raise ValueError(
+                    f"{path}: row group {group}, row {row}: input_ids is null (every row needs its tokens)"
+                )
+            continue
+        if not isinstance(value, list):
+            raise ValueError(
+                f"{path}: row group {group}, row {row}: {key} must be a list of integers, got "
+                f"{type(value).__name__} {value!r:.60}"
+            )
+        bad = next((v for v in value if isinstance(v, bool) or not isinstance(v, int)), _NONE)
+        if bad is not _NONE:
+            raise ValueError(
+                f"{path}: row group {group}, row {row}: {key} must be a list of integers, holds {bad!r:.40} "
+                f"({type(bad).__name__})"
+            )
+
+
+_NONE = object()
 
 
 def _row_group_samples(table: Any) -> list[Sample]:

@@ -26,8 +26,11 @@ which pulls another torch; install it without its dependencies: see :data:`lit_s
 from __future__ import annotations
 
 import copy
+import json
 import multiprocessing
 import numbers
+import struct
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -97,6 +100,7 @@ class LitDataStream:
         self.input_dir, self.vocab_size, self.cache_dir = str(input_dir), vocab_size, cache_dir
         self.storage_options, self.max_cache_size = storage_options, max_cache_size
         self.share: tuple[int, int] | None = None  # samples [start, stop) of the folder (None: all, counted lazily)
+        self._checked = False  # the local folder's index and chunks were checked (check_folder)
 
     def __repr__(self) -> str:
         share = "" if self.share is None else f", samples [{self.share[0]}, {self.share[1]})"
@@ -107,6 +111,9 @@ class LitDataStream:
         litdata = _litdata()
         from litdata.utilities.env import _DistributedEnv, _WorkerEnv
 
+        if not self._checked:
+            check_folder(self.input_dir)
+            self._checked = True
         try:
             dataset = litdata.StreamingDataset(
                 self.input_dir,
@@ -115,8 +122,11 @@ class LitDataStream:
                 storage_options=self.storage_options,
                 max_cache_size=self.max_cache_size,
             )
-        except (ValueError, FileNotFoundError, OSError) as err:
-            raise ValueError(f"{self!r}: not a folder written by litdata.optimize ({err})") from None
+        except (ValueError, FileNotFoundError, OSError, KeyError, TypeError, IndexError) as err:
+            raise ValueError(
+                f"{self!r}: not a folder written by litdata.optimize ({type(err).__name__}: {err}); its index is "
+                f"{self.input_dir.rstrip('/')}/index.json"
+            ) from None
         dataset.set_drop_last(False)
         dataset.distributed_env = _DistributedEnv(world_size=1, global_rank=0, num_nodes=1)  # a share is read whole
         dataset._forced_worker_env = _WorkerEnv(world_size=1, rank=0)  # not cut again per DataLoader worker
@@ -170,6 +180,10 @@ class _LitDataReader(StreamReader):
     def __init__(self, stream: LitDataStream, dataset: Any, position: int) -> None:
         start, stop = stream._range(dataset)
         self.position, self._number, self._stream = position, start + position, stream
+        self._chunks = [
+            (name, last - first)
+            for name, (first, last) in zip(dataset.subsampled_files, dataset.region_of_interest, strict=True)
+        ]
         self._items: Any = iter(())
         if start + position < stop:
             dataset.subsampled_files, dataset.region_of_interest = _restrict(
@@ -178,10 +192,98 @@ class _LitDataReader(StreamReader):
             self._items = iter(dataset)
 
     def __next__(self) -> Mapping[str, Any]:
-        item = next(self._items)
+        try:
+            item = next(self._items)
+        except StopIteration:
+            raise
+        except Exception as err:  # noqa: BLE001 - litdata's errors name neither the chunk nor the sample
+            raise ValueError(
+                f"{self._stream.input_dir}: sample {self._number} (in {self._chunk_name()}) cannot be read: "
+                f"{type(err).__name__}: {err}. The chunk is damaged, truncated or missing: rewrite the folder"
+            ) from err
         sample = _stream_sample(item, f"{self._stream.input_dir}: sample {self._number}")
         self.position, self._number = self.position + 1, self._number + 1
         return sample
+
+    def _chunk_name(self) -> str:
+        """The chunk file holding the folder's sample ``self._number``."""
+        cursor = 0
+        for name, count in self._chunks:
+            if self._number < cursor + count:
+                return str(Path(self._stream.input_dir, name)) if "://" not in self._stream.input_dir else name
+            cursor += count
+        return "no chunk of index.json"
+
+
+def check_folder(input_dir: str) -> None:
+    """Refuse a local litdata folder whose ``index.json`` or chunks are damaged, naming the file and what is wrong.
+
+    Checks that ``index.json`` is litdata's JSON index, and that every chunk it lists exists with the listed size and
+    (for uncompressed ``PyTreeLoader`` chunks, which ``write_litdata`` writes) a header of the listed sample count
+    whose offsets end at the file's end. A remote folder (a URL) is left to litdata.
+
+    Raises:
+        ValueError: naming the damaged file and what is wrong with it.
+    """
+    folder = Path(input_dir)
+    if "://" in str(input_dir) or not folder.is_dir():
+        return
+    index = folder / "index.json"
+    if not index.is_file():
+        return  # not a litdata folder at all: litdata's own error names the folder
+    try:
+        data = json.loads(index.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"{index}: not valid JSON ({err}): the index is truncated or damaged; rewrite the folder"
+        ) from None
+    chunks, config = (data.get("chunks"), data.get("config")) if isinstance(data, dict) else (None, None)
+    if not isinstance(chunks, list) or not isinstance(config, dict):
+        found = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(
+            f"{index}: not an index written by litdata.optimize (expected 'chunks', a list, and 'config', a "
+            f"mapping; found {found})"
+        )
+    if not chunks:
+        raise ValueError(
+            f"{index}: lists no chunk: the writer wrote nothing (an interrupted or failed litdata.optimize, or a "
+            "write_litdata whose worker could not start); rewrite the folder"
+        )
+    plain = config.get("compression") is None and config.get("item_loader", "PyTreeLoader") == "PyTreeLoader"
+    for number, chunk in enumerate(chunks):
+        _check_chunk(folder, index, number, chunk, plain)
+
+
+def _check_chunk(folder: Path, index: Path, number: int, chunk: Any, plain: bool) -> None:
+    keys = ("filename", "chunk_size", "chunk_bytes")
+    if not isinstance(chunk, dict) or any(key not in chunk for key in keys):
+        raise ValueError(
+            f"{index}: chunk entry {number} is not litdata's (expected the keys {list(keys)}): {chunk!r:.120}"
+        )
+    path = folder / str(chunk["filename"])
+    if not path.is_file():
+        raise ValueError(f"{path}: missing (index.json lists it as chunk {number}); rewrite the folder")
+    if not plain:
+        return
+    size, listed = path.stat().st_size, chunk["chunk_bytes"]
+    if size != listed:
+        raise ValueError(f"{path}: {size} bytes but index.json lists {listed}: the chunk is truncated or damaged")
+    count = chunk["chunk_size"]
+    with path.open("rb") as file:
+        head = file.read(4 * (count + 2))
+    damaged = len(head) < 4 * (count + 2) or struct.unpack_from("<I", head)[0] != count
+    if not damaged:
+        offsets = struct.unpack_from(f"<{count + 1}I", head, 4)
+        damaged = (
+            offsets[0] != 4 * (count + 2)
+            or offsets[-1] != size
+            or any(a > b for a, b in zip(offsets, offsets[1:], strict=False))
+        )
+    if damaged:
+        raise ValueError(
+            f"{path}: its header does not describe {count} samples ending at byte {size} (as index.json lists): "
+            "the chunk is damaged; rewrite the folder"
+        )
 
 
 def _stream_sample(item: Any, where: str) -> dict[str, Any]:
@@ -260,6 +362,7 @@ def write_litdata(
             non-numeric array, or a value whose type differs from the first sample's, naming the sample and key.
     """
     litdata = _litdata()
+    _refuse_unguarded_import()
     items: list[dict[str, Any]] = []
     for number, sample in enumerate(samples):
         if not isinstance(sample, Mapping) or "input_ids" not in sample:
@@ -298,4 +401,36 @@ def write_litdata(
         )
     finally:  # litdata forces the process-wide start method to "spawn"; every later DataLoader would spawn too
         multiprocessing.set_start_method(start_method, force=True)
+    _check_written(str(output_dir), len(items))
     return len(items)
+
+
+def _refuse_unguarded_import() -> None:
+    """Raise if called from the top level of a script that a spawned process is importing (no ``__main__`` guard):
+    litdata's writer runs in such a process, which would call ``write_litdata`` again instead of writing."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            raise RuntimeError(
+                f"write_litdata was called at the top level of {frame.f_code.co_filename}, which a spawned process "
+                '(litdata\'s writer) is importing: put the call under `if __name__ == "__main__":`'
+            )
+        frame = frame.f_back
+
+
+def _check_written(output_dir: str, count: int) -> None:
+    """Raise naming the folder if a local folder's index does not list the ``count`` samples just written."""
+    index = Path(output_dir, "index.json")
+    if "://" in output_dir:
+        return
+    try:
+        chunks = json.loads(index.read_bytes())["chunks"]
+        written = sum(int(chunk["chunk_size"]) for chunk in chunks)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        written, chunks = 0, f"unreadable ({type(err).__name__}: {err})"
+    if written != count:
+        raise RuntimeError(
+            f"write_litdata wrote {written} of {count} samples to {output_dir} (index.json lists {chunks!r:.80}): "
+            "litdata's writer process failed; it starts with 'spawn', which imports the calling script again, so a "
+            'script must call write_litdata under `if __name__ == "__main__":` (its error, if any, is on stderr)'
+        )

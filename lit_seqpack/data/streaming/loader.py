@@ -73,6 +73,7 @@ from lit_seqpack.data.streaming.lanes import (
     splits_by_worker,
 )
 from lit_seqpack.data.streaming.rank_check import WindowDigest, check_ranks_agree, stream_end
+from lit_seqpack.data.workers import DEFAULT_LOADER_TIMEOUT, agree_started, named_timeout, worker_options
 
 __all__ = ["KEPT_WINDOWS", "StreamingDataLoader", "Gather", "LockStep", "ShareFacts", "gather_object"]
 
@@ -276,6 +277,9 @@ class StreamingDataLoader(DataLoader):
             restored training loop back to an optimizer step's start there).
         gather: ``value -> every data-parallel rank's value``, the lock step's collective (shares read by rank;
             default: ``torch.distributed.all_gather_object``; a test or a benchmark simulates ranks with threads).
+        loader_timeout: seconds to wait for a worker's window (:mod:`~lit_seqpack.data.workers`): a stuck worker
+            raises, naming the loader and the rank, and the lock step's collective (or, for a replicated stream,
+            the workers' start-up agreement) makes every rank raise with it.
         **kwargs: other ``DataLoader`` arguments (``pin_memory``, ``prefetch_factor``, ...).
     """
 
@@ -288,6 +292,7 @@ class StreamingDataLoader(DataLoader):
         report_to: Callable[[OverlongReport], None] | None = None,
         on_batch: Callable[[], None] | None = None,
         gather: Gather | None = None,
+        loader_timeout: float = DEFAULT_LOADER_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("persistent_workers"):
@@ -295,6 +300,8 @@ class StreamingDataLoader(DataLoader):
                 "persistent_workers=True would keep each worker's copy of the stream's start: an iteration after a "
                 "resume or a new epoch would replay the old one; leave persistent_workers=False with a stream"
             )
+        if num_workers and "multiprocessing_context" not in kwargs and "timeout" not in kwargs:
+            kwargs.update(worker_options(num_workers, loader_timeout, dataset))
         # batches come collated: torch's default conversion would only walk each one (a tenth of the loader's time)
         super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=_as_collated, **kwargs)
         self.start_source, self.report_to, self.on_batch = start_source, report_to, on_batch
@@ -410,7 +417,7 @@ class StreamingDataLoader(DataLoader):
         lanes, history = start.lanes, self._history
         assert lanes is not None and history is not None
         microbatch, step = lanes.microbatch, lanes.step
-        for item in super().__iter__():
+        for item in self._worker_batches(agree=False):
             losses = item["step_loss_tokens"]
             history.arrive(item["lane"], item["record"], microbatch=microbatch, step=step, item=item)
             self._lane_overlong[item["lane"]] = item["overlong_after"]
@@ -435,7 +442,31 @@ class StreamingDataLoader(DataLoader):
         from the dataset, sparing the DataLoader's per-batch machinery (a tenth of a small microbatch's cost)."""
         if self.num_workers == 0 and not self.pin_memory:
             return iter(self.dataset)
-        return super().__iter__()
+        return self._worker_batches(agree=self.dataset.data_parallel is None and self.num_workers > 0)
+
+    def _worker_batches(self, *, agree: bool) -> Iterator[Any]:
+        """The workers' items; a timeout names the loader and the rank. ``agree``: every rank learns whether every
+        rank's workers gave a first item (a replicated stream's first collective would otherwise wait for a stuck
+        rank; the lock step's own collective carries a rank's error)."""
+        iterator, first = super().__iter__(), agree
+        while True:
+            try:
+                item = next(iterator)
+            except StopIteration:
+                if first:
+                    agree_started("stream", self.timeout)
+                return
+            except Exception as err:
+                named = named_timeout(err, "stream", self.timeout)
+                if first:
+                    agree_started("stream", self.timeout, error=str(named or f"{type(err).__name__}: {err}"))
+                if named is None:
+                    raise
+                raise named from err
+            if first:
+                agree_started("stream", self.timeout)
+                first = False
+            yield item
 
     def _refuse_empty(self, epoch: int) -> None:
         raise ValueError(

@@ -191,6 +191,7 @@ class StreamPipeline:
             start_source=self._training_start,
             report_to=lambda report: setattr(self, "overlong_report", report),
             on_batch=self._on_batch,
+            loader_timeout=settings.loader_timeout,
         )
         if self._pending_state is not None:
             loader.load_state_dict(self._pending_state)
@@ -298,6 +299,15 @@ class StreamPipeline:
         if "stream_split" not in saved:  # written before there was a choice: every rank read the whole stream
             saved["stream_split"] = "replicate" if saved.get("world_size", 1) > 1 else None
         changed = [f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in current if saved.get(k) != current[k]]
+        world, now = saved.get("world_size", 1), current["world_size"]
+        if world != now:  # stream_split is None on one rank: its change follows from the world size, not the user
+            derived = saved.get("stream_split") is None or current["stream_split"] is None
+            changed = [c for c in changed if not (derived and c.startswith("stream_split:"))]
+            raise ValueError(
+                f"cannot resume the stream on another world size ({'; '.join(changed)}): a stream's checkpoint "
+                f"resumes on the world size that wrote it; run on {world} rank(s) (an epoch-boundary checkpoint of "
+                "map-style data is what continues on another world size)"
+            )
         if changed:
             raise ValueError(
                 "cannot resume the stream exactly: the checkpoint's windows were planned with other settings "
