@@ -17,7 +17,7 @@ import argparse
 
 import numpy as np
 
-from lit_seqpack.planning.cp_balance import causal_work_per_cp_rank, cp_work_imbalance
+from lit_seqpack.planning.balance import causal_work_per_cp_rank, cp_work_imbalance
 from lit_seqpack.planning.plan import PlanConfig, build_plan
 
 

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from _reference_shard import nemo_rl_shard
 
-from lit_seqpack.planning._balance import karmarkar_karp
 from lit_seqpack.planning.algorithms import get_packer
+from lit_seqpack.planning.balance import karmarkar_karp
 from lit_seqpack.planning.rollout import RolloutPlanConfig, plan_rollout
 from lit_seqpack.rl import Rollout, RolloutPlanner
 from lit_seqpack.rl.advantages import advantages, spread_over_tokens

@@ -2,7 +2,7 @@
 
 Outside a Trainer nothing tells the planner how many microbatches an optimizer step holds, so the loop declares it
 once and both sides use it: ``SeqPackDataModule.attach_fabric`` plans every step's loss-token total for it, and
-:class:`~lit_seqpack.model.fabric.FabricAccumulation` checks every batch against it, skips the gradient sync until
+:class:`~lit_seqpack.model.mixin.FabricAccumulation` checks every batch against it, skips the gradient sync until
 the last microbatch and divides by the accumulation, as Lightning's loop does. The update is then the gradient of
 the token mean over every sample of the optimizer step, as with one big padded batch::
 
@@ -24,7 +24,7 @@ from lightning.fabric import Fabric
 
 from lit_seqpack import ReferenceLM, SeqPackDataModule
 from lit_seqpack.data.sources import SyntheticInstructionDataset
-from lit_seqpack.model.fabric import FabricAccumulation
+from lit_seqpack.model.mixin import FabricAccumulation
 
 TINY = {"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "intermediate_size": 64}
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from lit_seqpack._checks import check_int
 from lit_seqpack._imports import require
-from lit_seqpack.checkpoints import checkpoint_tokenizer, load_checkpoint, load_module
+from lit_seqpack.export import checkpoint_tokenizer, load_checkpoint, load_module
 
 __all__ = [
     "build_generate_parser",

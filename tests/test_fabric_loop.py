@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_seqpack.model.fabric import FabricAccumulation
 from lit_seqpack.model.lm import ReferenceLM
+from lit_seqpack.model.mixin import FabricAccumulation
 from tests._limits import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 from tests.model.test_exact_loss import assert_gradients_match, reference_gradients
 

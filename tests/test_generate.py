@@ -96,7 +96,7 @@ def test_a_run_without_tokenizer_generates_token_ids_and_says_why(tmp_path):
 
 
 def test_export_writes_a_reference_lm_as_a_plain_folder_that_loads_back(text_checkpoint, tmp_path, capsys):
-    from lit_seqpack.checkpoints import load_module
+    from lit_seqpack.export import load_module
     from lit_seqpack.model.lm import load_reference_lm
 
     main(["export", "--ckpt_path", str(text_checkpoint), "--output_dir", str(tmp_path / "model")])

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from lit_seqpack.metrics import PackingEfficiency, PaddingRatio, RankImbalance, TokensPerSecond
 from lit_seqpack.metrics.counts import BatchCounts, batch_counts
 from lit_seqpack.metrics.functional import bin_balance_from_moments, packing_summary, rank_imbalance_per_step
-from lit_seqpack.metrics.imbalance import imbalance_per_step
+from lit_seqpack.metrics.packing import imbalance_per_step
 from lit_seqpack.metrics.tracker import PackingTracker, RunTotals
 from lit_seqpack.planning import stats
 

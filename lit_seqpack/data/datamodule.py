@@ -178,7 +178,7 @@ class SeqPackDataModule(LightningDataModule):
 
         Outside a Trainer nothing else tells the DataModule how many microbatches an optimizer step holds; a plan
         made for another accumulation than the loop's would normalise the exact loss over the wrong step. Check
-        the loop with :class:`~lit_seqpack.model.fabric.FabricAccumulation` (see ``examples/fabric_loop.py``).
+        the loop with :class:`~lit_seqpack.model.mixin.FabricAccumulation` (see ``examples/fabric_loop.py``).
 
         Args:
             fabric: the launched ``lightning.fabric.Fabric``.

@@ -12,9 +12,9 @@ from lit_seqpack._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "PaddingRatio": "lit_seqpack.metrics.packing",
-    "TokensPerSecond": "lit_seqpack.metrics.throughput",
+    "TokensPerSecond": "lit_seqpack.metrics.packing",
     "PackingEfficiency": "lit_seqpack.metrics.packing",
-    "RankImbalance": "lit_seqpack.metrics.imbalance",
+    "RankImbalance": "lit_seqpack.metrics.packing",
 }
 __all__ = list(_EXPORTS)
 

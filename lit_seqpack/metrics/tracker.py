@@ -21,9 +21,13 @@ from torchmetrics import Metric
 
 from lit_seqpack.metrics.counts import BatchCounts, TokenKind, batch_counts
 from lit_seqpack.metrics.functional import packing_summary, padding_ratio, tokens_per_second
-from lit_seqpack.metrics.imbalance import RankImbalance, imbalance_per_step
-from lit_seqpack.metrics.packing import PackingEfficiency, PaddingRatio
-from lit_seqpack.metrics.throughput import TokensPerSecond
+from lit_seqpack.metrics.packing import (
+    PackingEfficiency,
+    PaddingRatio,
+    RankImbalance,
+    TokensPerSecond,
+    imbalance_per_step,
+)
 
 __all__ = ["PackingTracker", "RunTotals"]
 

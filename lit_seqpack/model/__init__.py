@@ -22,7 +22,7 @@ _EXPORTS: dict[str, str] = {
     "check_packing_equivalence": "lit_seqpack.model.isolation",
     "documents_batch": "lit_seqpack.model.isolation",
     "PackingLeakError": "lit_seqpack.model.isolation",
-    "FabricAccumulation": "lit_seqpack.model.fabric",
+    "FabricAccumulation": "lit_seqpack.model.mixin",
 }
 __all__ = list(_EXPORTS)
 

@@ -50,6 +50,24 @@ fillers) return ``0 * logits.sum()`` so every parameter still gets a (zero) grad
 context parallel; the default loss reads the shard's ``shift_labels`` (targets computed on the whole row), and the
 exact loss sums the CP ranks' gradients (see :func:`~lit_seqpack.model.loss.exact_loss`). The trainer's world size
 must be ``world_size x context_parallel_size x tensor_parallel_size`` of the batch.
+
+Exact gradient accumulation in a Lightning Fabric loop: the accumulation is declared once and checked.
+
+A Trainer knows ``accumulate_grad_batches`` and the mixin checks every batch against it. A Fabric loop has no such
+setting, so the plan (``SeqPackDataModule.attach_fabric`` or a batch sampler's ``accumulate_grad_batches``) and the
+loop could disagree silently: a plan made for accumulation 1 and a loop accumulating 2 microbatches gives a
+relative gradient error of ~0.35. :class:`FabricAccumulation` is the loop's side::
+
+    accumulation = FabricAccumulation(fabric, accumulate_grad_batches=2)
+    datamodule.attach_fabric(fabric, accumulate_grad_batches=accumulation.accumulate_grad_batches)
+    for batch in loader:
+        loss = model.training_step(batch, 0)             # exact: normalised over the plan's optimizer step
+        if accumulation.backward(model, loss, batch):    # checks the batch's plan, skips the sync until the step
+            optimizer.step()
+            optimizer.zero_grad()
+
+``backward`` divides by the accumulation (as Lightning's loop does), so with the mixin's exact loss the update is
+the gradient of the token mean over every microbatch of the optimizer step and every rank.
 """
 
 from __future__ import annotations
@@ -60,6 +78,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lit_seqpack._checks import check_int
 from lit_seqpack.batch import is_packed_batch
 from lit_seqpack.model.cp_attention import context_parallel_scope
 from lit_seqpack.model.hf_load import model_vocab_size
@@ -69,7 +88,14 @@ from lit_seqpack.parallel.layout import mesh_layout, strategy_mesh
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-__all__ = ["VOCAB_CHECKED_BATCHES", "PackedSequenceMixin", "check_batch_layout", "is_packed_batch"]
+__all__ = [
+    "VOCAB_CHECKED_BATCHES",
+    "PackedSequenceMixin",
+    "check_batch_layout",
+    "is_packed_batch",
+    "FabricAccumulation",
+]
+
 
 _STAGE_PREFIX = {"train": "train", "validate": "val", "test": "test"}
 _VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, set[bool]] = weakref.WeakKeyDictionary()
@@ -248,7 +274,7 @@ def _check_step_layout(batch: Mapping[str, Any], trainer: Trainer | None, fabric
 
     The data-parallel size is the strategy's device mesh's when it has one (``ModelParallelStrategy``), since
     ``trainer.world_size`` counts tensor-parallel ranks too. Under Fabric only the world size is checked here (the
-    accumulation is the loop's: :class:`~lit_seqpack.model.fabric.FabricAccumulation` checks it).
+    accumulation is the loop's: :class:`~lit_seqpack.model.mixin.FabricAccumulation` checks it).
     """
     owner = trainer if trainer is not None else fabric
     if owner is None:
@@ -300,3 +326,44 @@ def check_batch_layout(
             " for those, override seqpack_loss to return step_units=None (a local mean). With context or tensor "
             "parallelism the planned world size counts data x context x tensor parallel ranks."
         )
+
+
+class FabricAccumulation:
+    """The gradient accumulation of a Fabric loop: backward without sync until the step, and a check per batch.
+
+    Args:
+        fabric: the launched ``lightning.fabric.Fabric``.
+        accumulate_grad_batches: microbatches per rank per optimizer step.
+    """
+
+    def __init__(self, fabric: Any, *, accumulate_grad_batches: int = 1) -> None:
+        self.fabric = fabric
+        self.accumulate_grad_batches = check_int("accumulate_grad_batches", accumulate_grad_batches, minimum=1)
+        self.microbatches = 0
+
+    def check(self, batch: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` unless ``batch`` was planned for this loop's world size, mesh and accumulation."""
+        check_batch_layout(
+            batch,
+            world_size=int(self.fabric.world_size),
+            accumulate_grad_batches=self.accumulate_grad_batches,
+            strategy=getattr(self.fabric, "strategy", None),
+        )
+
+    def backward(self, model: Any, loss: torch.Tensor, batch: Mapping[str, Any]) -> bool:
+        """Back-propagate one microbatch's loss; ``True`` when the optimizer should step now.
+
+        Args:
+            model: the module returned by ``fabric.setup`` (its gradient sync is skipped until the last microbatch).
+            loss: the microbatch's loss (the mixin's ``training_step`` value, exactly normalised over the step).
+            batch: the microbatch, checked against the loop's layout.
+
+        Raises:
+            ValueError: the batch was planned for another world size, device mesh or accumulation.
+        """
+        self.check(batch)
+        self.microbatches += 1
+        last = self.microbatches % self.accumulate_grad_batches == 0
+        with self.fabric.no_backward_sync(model, enabled=not last):
+            self.fabric.backward(loss / self.accumulate_grad_batches)
+        return last

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from lit_seqpack.planning import _kernels
-from lit_seqpack.planning._balance import assign_slots, order_within_bundles
 from lit_seqpack.planning._sorting import decreasing_order, decreasing_runs, dense_histogram
+from lit_seqpack.planning.balance import assign_slots, order_within_bundles
 from lit_seqpack.planning.dynamic import dynamic_group_sizes, fixed_group_sizes, round_up, run_group_sizes
 
 if TYPE_CHECKING:

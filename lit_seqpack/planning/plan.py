@@ -26,10 +26,10 @@ from typing import NamedTuple
 import numpy as np
 
 from lit_seqpack._checks import check_int
-from lit_seqpack.planning._balance import step_imbalance
 from lit_seqpack.planning._order import WindowOrder, auto_window
 from lit_seqpack.planning._windows import WindowPlan, as_counts, check_budget, plan_window, slot_window, window_seeds
 from lit_seqpack.planning.algorithms import split_fullest_flat
+from lit_seqpack.planning.balance import step_imbalance
 from lit_seqpack.planning.config import MICROBATCH_ORDERS, MODES, PlanConfig
 
 __all__ = [

@@ -47,8 +47,8 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from lit_seqpack._checks import check_choice, check_flag, check_int, check_optional_int
-from lit_seqpack.planning._balance import karmarkar_karp_parts
 from lit_seqpack.planning._windows import as_counts
+from lit_seqpack.planning.balance import karmarkar_karp_parts
 from lit_seqpack.planning.dynamic import dynamic_group_sizes, round_up
 
 __all__ = [

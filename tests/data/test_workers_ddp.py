@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from lit_seqpack.data.indexed.planned_sampler import PlannedDataset
 
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.data.indexed._loader import ResumableDataLoader
-from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler
+from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler, PlannedDataset
 from lit_seqpack.data.workers import worker_options
 from lit_seqpack.planning.config import PlanConfig
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S

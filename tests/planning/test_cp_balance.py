@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_seqpack.planning.cp_balance import causal_work_per_cp_rank, cp_work_imbalance
+from lit_seqpack.planning.balance import causal_work_per_cp_rank, cp_work_imbalance
 from lit_seqpack.planning.plan import PlanConfig, build_plan
 
 
@@ -97,7 +97,7 @@ def test_bad_arguments_name_the_knob(kwargs, match):
 
 def test_importing_it_does_not_import_torch():
     code = (
-        "import sys; import lit_seqpack.planning.cp_balance\n"
+        "import sys; import lit_seqpack.planning.balance\n"
         "assert 'torch' not in sys.modules and 'lightning' not in sys.modules; print('ok')"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "ok\n"

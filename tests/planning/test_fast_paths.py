@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lit_seqpack.planning import _kernels
-from lit_seqpack.planning._balance import bucketed_order, order_within_bundles
 from lit_seqpack.planning._sorting import largest
 from lit_seqpack.planning._windows import microbatch_figures
+from lit_seqpack.planning.balance import bucketed_order, order_within_bundles
 from lit_seqpack.planning.config import PlanConfig
 from lit_seqpack.planning.dynamic import dynamic_group_sizes
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lit_seqpack.planning import _kernels
-from lit_seqpack.planning._balance import karmarkar_karp, karmarkar_karp_parts
+from lit_seqpack.planning.balance import karmarkar_karp, karmarkar_karp_parts
 from lit_seqpack.planning.rollout import RolloutPlanConfig, plan_rollout
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lit_seqpack.planning._balance import karmarkar_karp
+from lit_seqpack.planning.balance import karmarkar_karp
 from lit_seqpack.planning.rollout import RolloutPlanConfig, dense_group_labels, plan_rollout
 
 ROOT = Path(__file__).resolve().parents[2]

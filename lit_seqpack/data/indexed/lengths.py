@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from lit_seqpack.data.batching._samples import sample_loss_tokens
-from lit_seqpack.data.indexed._reads import read_sample
+from lit_seqpack.data.indexed.splits import read_sample
 from lit_seqpack.data.indexed.validation import DataScan, scan_dataset
 from lit_seqpack.data.sources.base import declared_counts, declared_fingerprint
 

@@ -42,11 +42,10 @@ from lit_seqpack.data._trainer import read_layout, training_start
 from lit_seqpack.data.batching.loss_weights import with_step_loss_weights
 from lit_seqpack.data.batching.overlong import OverlongReport, SplitDataset
 from lit_seqpack.data.indexed._loader import ResumableDataLoader
-from lit_seqpack.data.indexed._reads import read_sample
 from lit_seqpack.data.indexed._resume import LOADER_STATE, PLAN_STATE, check_resume, layout_state, plan_settings
 from lit_seqpack.data.indexed.lengths import cached_scan
 from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler, PlannedDataset
-from lit_seqpack.data.indexed.splits import EVAL_SPLITS, IndexView, Split, split_indices
+from lit_seqpack.data.indexed.splits import EVAL_SPLITS, IndexView, Split, read_sample, split_indices
 from lit_seqpack.data.indexed.validation import DataScan, check_vocab_range, scan_dataset
 from lit_seqpack.data.settings import BatchingSettings, apply_document_budget, planned_lengths
 from lit_seqpack.data.sources.base import (

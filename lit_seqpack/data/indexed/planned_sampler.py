@@ -52,8 +52,7 @@ from torch.utils.data import Sampler
 
 from lit_seqpack._checks import check_int, is_int
 from lit_seqpack.batch import Microbatch, MicrobatchMeta
-from lit_seqpack.data.indexed._reads import read_sample
-from lit_seqpack.data.indexed.splits import source_index
+from lit_seqpack.data.indexed.splits import read_sample, source_index
 from lit_seqpack.planning._windows import compact_counts
 from lit_seqpack.planning.config import PlanConfig
 from lit_seqpack.planning.lazy import LazyPlan

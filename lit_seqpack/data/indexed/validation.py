@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from lit_seqpack.batch import IGNORE_INDEX
-from lit_seqpack.data.indexed._reads import read_sample
+from lit_seqpack.data.indexed.splits import read_sample
 from lit_seqpack.data.sources.base import declared_counts
 
 __all__ = ["DataScan", "check_vocab_range", "scan_dataset"]

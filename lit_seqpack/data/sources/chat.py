@@ -42,7 +42,7 @@ import numpy as np
 from lit_seqpack.batch import IGNORE_INDEX
 from lit_seqpack.data.sources._arrow import load_disk_split, require
 from lit_seqpack.data.sources.files import FileSource, check_tokenizer_folder
-from lit_seqpack.data.sources.text import load_tokenizer, tokenizer_vocab_size
+from lit_seqpack.data.sources.text import ROLES, load_tokenizer, tokenizer_vocab_size
 from lit_seqpack.data.sources.tokenized import TokenizedDataset, text_lines
 from lit_seqpack.data.sources.vision import VISION_TOKEN_FIELDS, VisionChatDataset, is_vision_processor
 
@@ -60,7 +60,6 @@ __all__ = [
 
 
 CHAT_FORMATS: tuple[str, ...] = ("auto", "jsonl", "parquet", "hf_disk")
-ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 
 
 def read_conversations(
@@ -446,7 +445,11 @@ class ChatSource(FileSource):
             return ChatDataset(path, self.tokenizer, split=split, **self.options)
         if split is not None:
             raise ValueError(f"ChatSource(split={split!r}): vision conversations are read from a JSONL file")
-        options = {"chat_template": self.options["chat_template"], "messages_field": self.options["messages_field"]}
+        template = self.options["chat_template"]
+        options = {
+            "chat_template": None if template is None else _template(template, None),  # the text chats' rules
+            "messages_field": self.options["messages_field"],
+        }
         dataset = VisionChatDataset(path, self.tokenizer, **options)
         missing = [n for n in VISION_TOKEN_FIELDS if n not in token_fields]
         missing += [n for n in dataset.sample_field_names if n not in sample_fields]

@@ -26,6 +26,10 @@ from lit_seqpack.data.sources.tokenized import TokenizedDataset, text_lines
 __all__ = ["TextDataset", "TextSource", "tokenizer_vocab_size", "vocab_hint"]
 
 
+ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+"""The roles a chat message may have (text and vision conversations alike)."""
+
+
 def tokenizer_vocab_size(tokenizer: Any, tokens: np.ndarray) -> int:
     """The ids a model needs for data made by ``tokenizer``: ``len(tokenizer)`` (added tokens included), or more
     when the data holds a larger id.

@@ -38,6 +38,7 @@ import torch
 
 from lit_seqpack._imports import require
 from lit_seqpack.batch import IGNORE_INDEX
+from lit_seqpack.data.sources.text import ROLES
 from lit_seqpack.data.sources.tokenized import TokenizedDataset, text_lines
 
 __all__ = [
@@ -166,7 +167,7 @@ class VisionChatDataset(TokenizedDataset):
     Args:
         path: the JSONL file (one conversation a line; image paths relative to it).
         processor: the processor folder (see :class:`VisionProcessor`).
-        chat_template: a Jinja template instead of the folder's.
+        chat_template: the Jinja text of a template to use instead of the folder's (``ChatSource`` resolves a file).
         messages_field: the field holding each conversation.
         images_field: the field holding its image paths.
 
@@ -188,9 +189,7 @@ class VisionChatDataset(TokenizedDataset):
         messages_field: str = "messages",
         images_field: str = "images",
     ) -> None:
-        from lit_seqpack.data.sources.chat import _template  # the same template rules as text chats
-
-        self.processor = VisionProcessor(processor, None if chat_template is None else _template(chat_template, None))
+        self.processor = VisionProcessor(processor, chat_template)
         path = Path(path).expanduser()
         if path.suffix.lower() not in (".jsonl", ".ndjson") or not path.is_file():
             raise ValueError(f"path={str(path)!r}: vision conversations are read from an existing .jsonl file")
@@ -312,7 +311,6 @@ def _records(path: Path, messages_field: str, images_field: str) -> Iterator[tup
 
 def _check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     """Messages whose ``content`` is a string or a list of ``{"type": "text", "text"}`` / ``{"type": "image"}``."""
-    from lit_seqpack.data.sources.chat import ROLES
 
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: a conversation must be a non-empty list of messages")
