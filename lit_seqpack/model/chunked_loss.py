@@ -302,4 +302,3 @@ def _is_sharded(weight: torch.Tensor) -> bool:
 def with_temperature(head: OutputHead, temperature: float) -> OutputHead:
     """``head`` whose logits are also divided by ``temperature`` (an RL sampler's)."""
     return head if temperature == 1 else replace(head, temperature=head.temperature * temperature)
-

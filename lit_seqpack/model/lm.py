@@ -449,7 +449,7 @@ class HFCausalLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, Lightn
             raise refusal from err
 
     def seqpack_hidden_states(self, batch: Any) -> torch.Tensor:
-        """The decoder's ``last_hidden_state`` for ``batch`` (the chunked loss's input), with :meth:`forward`'s guards."""
+        """The decoder's ``last_hidden_state`` for ``batch`` (the chunked loss's input), with ``forward``'s guards."""
         inputs = self.seqpack_model_inputs(batch)
         try:
             return unwrapped_model(self.model).get_decoder()(**inputs).last_hidden_state

@@ -244,10 +244,7 @@ class PackedSequenceMixin:
                 logits = self.seqpack_forward(batch)
             else:
                 hidden = self.seqpack_hidden_states(batch)
-        if head is None:
-            output = self.seqpack_loss(logits, batch)
-        else:
-            output = self.seqpack_chunked_loss(hidden, head, batch)
+        output = self.seqpack_loss(logits, batch) if head is None else self.seqpack_chunked_loss(hidden, head, batch)
         if batch.get("is_empty", False):
             if stage != "train":  # weight 0: no effect on the epoch mean, same logged keys on every rank
                 self._seqpack_log(stage, output.loss_sum.detach() * 0.0, 0)
