@@ -150,7 +150,8 @@ def main() -> None:
     print(f"one packed row of {args.tokens:,} tokens, vocabulary {args.vocab:,} (float32 logits alone: "
           f"{logits_mib:,.0f} MiB); torch {torch.__version__}, {os.cpu_count()} CPUs")  # fmt: skip
     print()
-    print("| model | loss path | peak increase (MiB) | x plain | loss | loss rel. diff | max grad diff | step s | method |")
+    print("| model | loss path | peak increase (MiB) | x plain | loss | loss rel. diff | max grad diff | step s "
+          "| method |")  # fmt: skip
     print("|:--|:--|--:|--:|--:|--:|--:|--:|:--|")
     verdicts = []
     with tempfile.TemporaryDirectory() as tmp:
