@@ -214,6 +214,7 @@ class IndexedPipeline:
                 f"sample {int(empty[0])} of the dataset has no token ({empty.size} such samples): input_ids must "
                 "hold at least one token; remove empty samples from the dataset"
             )
+        self._check_lengths(lengths)
         data = self.dataset
         if settings.max_tokens is not None:
             data, lengths, loss_tokens, self.overlong_report = apply_document_budget(
@@ -230,6 +231,18 @@ class IndexedPipeline:
         for name, idx in zip(("train", "val", "test"), parts, strict=True):
             if name == "train" or len(idx):
                 self.splits[name] = Split(IndexView(data, idx), lengths[idx], loss_tokens[idx])
+
+    def _check_lengths(self, lengths: np.ndarray) -> None:
+        """One error for every length setting at once (budgets, over-long policy, the model's ``max_seq_len``),
+        from the lengths already scanned, before any split applies a budget of its own."""
+        splits = {"train": lengths, **{name: self.eval_data(name)[1].lengths for name in self.eval_sources}}
+        longest = {name: (int(v.max()), int(v.argmax())) for name, v in splits.items() if len(v)}
+        from lit_seqpack.model.vocab import model_max_seq_len  # the model's side, read at setup only
+
+        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        message = self.settings.length_conflict(longest, None if model is None else model_max_seq_len(model))
+        if message is not None:
+            raise ValueError(message)
 
     def _budget(self) -> dict[str, Any]:
         """The settings of the over-long policy at the document budget."""
