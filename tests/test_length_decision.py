@@ -13,8 +13,10 @@ from lit_seqpack.cli import SeqPackCLI
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_SFT = ROOT / "configs" / "text_sft.yaml"
-QUIET = ["--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
-         "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0"]  # fmt: skip
+QUIET = [
+    *("--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false"),
+    *("--trainer.enable_progress_bar", "false", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0"),
+]
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended to run from within Python.*")
 
