@@ -253,21 +253,23 @@ class BatchingSettings:
         without a budget (padded mode without ``max_tokens``): the model's ``max_seq_len`` must reach it."""
         return self.eval_max_tokens if self.max_tokens is not None else None
 
-    def length_conflict(self, longest: dict[str, tuple[int, int]], model_max_seq_len: int | None) -> str | None:
+    def length_conflict(self, longest: dict[str, tuple[int, ...]], model_max_seq_len: int | None) -> str | None:
         """One message naming every length setting and a value of each that works, or ``None`` when they fit.
 
         Args:
-            longest: per split read (``"train"``, ``"val"``, ``"test"``), its longest sample ``(tokens, index)``.
+            longest: per split read (``"train"``, ``"val"``, ``"test"``), its longest sample ``(tokens, index)``,
+                optionally followed by ``(samples over the document budget, samples)``.
             model_max_seq_len: the longest row the model accepts (``None``: no limit).
 
         Example:
             >>> settings = BatchingSettings(max_tokens=256, eval_max_tokens=512, sequence_length_round=8)
-            >>> print(settings.length_conflict({"train": (700, 3)}, 512))  # doctest: +NORMALIZE_WHITESPACE
-            the length settings do not fit the data: the longest train sample (index 3) has 700 tokens, but
-            data.max_tokens=256 (data.overlong='error'), data.eval_max_tokens=512, model max_seq_len=512. Values
-            that work together: data.max_tokens: 704 (a multiple of 8), data.eval_max_tokens: 704 or more (or null:
-            max_tokens), model.init_args.max_seq_len: at least data.eval_max_tokens (the CLI sets it so when the
-            config leaves it out); or keep data.max_tokens and set data.overlong: truncate or drop
+            >>> print(settings.length_conflict({"train": (700, 3, 2, 50)}, 512))  # doctest: +NORMALIZE_WHITESPACE
+            the length settings do not fit the data: 2 of 50 samples are longer than max_tokens=256 (the longest,
+            index 3, has 700 tokens), but data.max_tokens=256 (data.overlong='error'), data.eval_max_tokens=512,
+            model max_seq_len=512. Values that work together: data.max_tokens: 704 (a multiple of 8),
+            data.eval_max_tokens: 704 or more (or null: max_tokens), model.init_args.max_seq_len: at least
+            data.eval_max_tokens (the CLI sets it so when the config leaves it out); or keep data.max_tokens and
+            set data.overlong: truncate or drop
         """
         if self.max_tokens is None:
             return None
@@ -280,7 +282,7 @@ class BatchingSettings:
         tokens = max([value[0] for value in over.values()], default=0) if needs_docs else self.max_tokens
         tokens = -(-tokens // step) * step
         tokens = -(-tokens // self.row_multiple) * self.row_multiple
-        facts = [f"the longest {name} sample (index {i}) has {length} tokens" for name, (length, i) in over.items()]
+        facts = [self._over_fact(name, value) for name, value in over.items()]
         model = "no limit" if model_max_seq_len is None else str(model_max_seq_len)
         rounding = f" (a multiple of {self.row_multiple})" if self.row_multiple > 1 else ""
         eval_tokens = max(tokens, self.eval_max_tokens)
@@ -292,6 +294,16 @@ class BatchingSettings:
             f"{tokens}{rounding}, data.eval_max_tokens: {eval_tokens} or more (or null: max_tokens), "
             "model.init_args.max_seq_len: at least data.eval_max_tokens (the CLI sets it so when the config leaves it "
             f"out){fix}"
+        )
+
+    def _over_fact(self, name: str, value: tuple[int, ...]) -> str:
+        length, index, *counts = value
+        where = "" if name == "train" else f"the {name} data: "
+        if not counts:
+            return f"{where}the longest sample (index {index}) has {length} tokens"
+        return (
+            f"{where}{counts[0]} of {counts[1]} samples are longer than max_tokens={self.max_tokens} (the longest, "
+            f"index {index}, has {length} tokens)"
         )
 
     @property

@@ -236,7 +236,12 @@ class IndexedPipeline:
         """One error for every length setting at once (budgets, over-long policy, the model's ``max_seq_len``),
         from the lengths already scanned, before any split applies a budget of its own."""
         splits = {"train": lengths, **{name: self.eval_data(name)[1].lengths for name in self.eval_sources}}
-        longest = {name: (int(v.max()), int(v.argmax())) for name, v in splits.items() if len(v)}
+        budget = self.settings.document_budget or 0
+        longest = {
+            name: (int(v.max()), int(v.argmax()), int((v > budget).sum()), len(v))
+            for name, v in splits.items()
+            if len(v)
+        }
         from lit_seqpack.model.vocab import model_max_seq_len  # the model's side, read at setup only
 
         model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
