@@ -41,7 +41,7 @@ def test_a_too_small_max_tokens_fails_once_naming_every_length_setting(tmp_path,
         _cli("--data.max_tokens", "8", "--data.eval_max_tokens", "8", *QUIET, run=True)
     message = str(caught.value)
     for setting in ("data.max_tokens=8", "data.eval_max_tokens=8", "data.overlong='error'", "max_seq_len=8",
-                    "model.init_args.max_seq_len", "data.overlong: truncate or drop"):  # fmt: skip
+                    "model.init_args.max_seq_len", "overlong='truncate' or overlong='drop'"):  # fmt: skip
         assert setting in message, message
     tokens = int(re.search(r"data\.max_tokens: (\d+) \(a multiple of 8\)", message).group(1))
     evaluation = int(re.search(r"data\.eval_max_tokens: (\d+) or more", message).group(1))

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_seqpack._hashing import content_digest
 from lit_seqpack.data._trainer import read_layout, training_start
-from lit_seqpack.data.batching._budget import apply_document_budget, planned_lengths
+from lit_seqpack.data.batching._budget import apply_document_budget, budget_note, planned_lengths
 from lit_seqpack.data.batching.loss_weights import with_step_loss_weights
 from lit_seqpack.data.batching.overlong import OverlongReport
 from lit_seqpack.data.indexed._changing import check_changing_lengths
@@ -45,6 +45,26 @@ __all__ = ["IndexedPipeline"]
 
 Dataset = Sequence[Mapping[str, Any]]
 _SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
+
+
+def _longest(lengths: np.ndarray, settings: BatchingSettings) -> tuple[int, int, str]:
+    """A split's longest sample ``(tokens, index)`` and the over-long summary of its samples past the budget."""
+    settings_budget = settings.document_budget
+    budget = settings_budget if settings_budget is not None else int(lengths.max())
+    over = np.flatnonzero(lengths > budget)
+    report = OverlongReport(
+        policy=settings.overlong,
+        max_tokens=int(settings.max_tokens or budget),
+        num_samples=len(lengths),
+        num_overlong=len(over),
+        indices=tuple(int(i) for i in over[:5]),
+        lengths=tuple(int(lengths[i]) for i in over[:5]),
+    )
+    summary = report.summary()
+    if settings.max_tokens is not None and budget < settings.max_tokens:
+        pads = {"pad_to_multiple_of": settings.pad_to_multiple_of, "document_multiple": settings.document_multiple}
+        summary += f" ({budget_note(settings.max_tokens, budget, **pads)})"
+    return int(lengths.max()), int(lengths.argmax()), summary
 
 
 def _int32(counts: np.ndarray) -> np.ndarray:
@@ -236,12 +256,7 @@ class IndexedPipeline:
         """One error for every length setting at once (budgets, over-long policy, the model's ``max_seq_len``),
         from the lengths already scanned, before any split applies a budget of its own."""
         splits = {"train": lengths, **{name: self.eval_data(name)[1].lengths for name in self.eval_sources}}
-        budget = self.settings.document_budget or 0
-        longest = {
-            name: (int(v.max()), int(v.argmax()), int((v > budget).sum()), len(v))
-            for name, v in splits.items()
-            if len(v)
-        }
+        longest = {name: _longest(v, self.settings) for name, v in splits.items() if len(v)}
         from lit_seqpack.model.vocab import model_max_seq_len  # the model's side, read at setup only
 
         model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
