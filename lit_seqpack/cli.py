@@ -14,6 +14,11 @@ What it adds to a plain ``LightningCLI``:
 - ``data.vocab_size`` is linked to ``model.init_args.vocab_size`` when the model takes a ``vocab_size``
   (:class:`~lit_seqpack.model.lm.ReferenceLM`), so the vocabulary is written once, in the data section; it
   counts every id of the data (``input_ids`` and ``labels``) and ``data.pad_token_id``;
+- the model's ``max_seq_len`` (when it takes one: :class:`~lit_seqpack.model.lm.ReferenceLM`) follows the longest
+  row the data makes, ``data.eval_max_tokens`` (or ``data.max_tokens``), unless the config sets another value: the
+  row length is one decision, written in the data section; a conflict between the lengths of the data, the budgets
+  and the model is one setup error naming every setting and values that work
+  (:meth:`~lit_seqpack.data.settings.BatchingSettings.length_conflict`);
 - models whose vocabulary lives elsewhere (:class:`~lit_seqpack.model.lm.HFCausalLM`'s ``config`` dict or
   checkpoint) are checked after instantiation: a vocabulary smaller than the data's fails with a clear message;
 - only ``fit``, ``validate`` and ``test`` (the mixin trains and evaluates; it has no ``predict_step``);
@@ -62,6 +67,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_seqpack._checks import check_int
 from lit_seqpack.data.datamodule import SeqPackDataModule
+from lit_seqpack.data.settings import DEFAULT_MAX_TOKENS
 from lit_seqpack.data.sources.text import vocab_hint
 from lit_seqpack.model.hf_load import model_vocab_size
 
@@ -409,6 +415,22 @@ class SeqPackCLI(LightningCLI):
             torch.set_num_threads(check_int("torch_num_threads (null: torch's default)", threads, minimum=1))
         init_args = self._get(self.config, "model").get("init_args")
         self._configured_vocab = None if init_args is None else init_args.get("vocab_size")
+        self._link_row_length(init_args)
+
+    def _link_row_length(self, init_args: Any) -> None:
+        """``model.init_args.max_seq_len`` := the longest row of the data (``eval_max_tokens``, else ``max_tokens``)
+        when the model takes one and the config leaves it at the model's default."""
+        model_class = self._get(self.config, "model").get("class_path")
+        if init_args is None or model_class is None or not _accepts_named(_import_class(model_class), _ROW_KEY):
+            return
+        data = self._get(self.config, "data")
+        budgets = [data.get("max_tokens"), data.get("eval_max_tokens")]
+        if data.get("max_tokens") == "auto" and data.get("mode", "packing") != "padded":
+            budgets[0] = DEFAULT_MAX_TOKENS
+        rows = [value for value in budgets if isinstance(value, int) and not isinstance(value, bool)]
+        if not rows or init_args.get(_ROW_KEY) not in (None, _default_of(_import_class(model_class), _ROW_KEY)):
+            return  # no token budget (padded batches), or set in the config: the setup check compares it
+        init_args[_ROW_KEY] = max(rows)
 
     def after_instantiate_classes(self) -> None:
         """Check the vocabulary: set once (in the data), and large enough for every token id of the data."""
@@ -434,6 +456,7 @@ class SeqPackCLI(LightningCLI):
 
 
 _VOCAB_KEY = "vocab_size"
+_ROW_KEY = "max_seq_len"
 
 
 def _parameters(cls: type) -> Mapping[str, inspect.Parameter]:
@@ -443,6 +466,10 @@ def _parameters(cls: type) -> Mapping[str, inspect.Parameter]:
 def _accepts(cls: type, name: str) -> bool:
     params = _parameters(cls)
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _accepts_named(cls: type, name: str) -> bool:
+    return name in _parameters(cls)
 
 
 def _default_of(cls: type, name: str) -> Any:

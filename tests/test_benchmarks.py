@@ -273,3 +273,10 @@ def test_bench_rl_prints_the_balance_table_with_rl_at_the_bound():
     timed = [cell.strip(" \\") for cell in rows[1].strip("|").split("|")]
     assert timed[2].endswith(" ms") and timed[3].endswith(" ms") and timed[4].endswith("x")
     assert float(timed[6]) == pytest.approx(rl_cost, abs=1e-4) and float(timed[8]) >= float(timed[6])
+
+
+def test_memory_benchmark_runs_tiny_and_compares_the_loss_paths() -> None:
+    lines = _run("bench_memory.py", "--tokens", "128", "--vocab", "512", "--chunks", "32", "--models", "reference")
+    (table,) = _tables(lines)
+    assert [row[:2] for row in table[1:]] == [["ReferenceLM", "full logits"], ["ReferenceLM", "chunked 32"]]
+    assert any("loss and gradients exact" in line for line in lines), lines[-3:]

@@ -405,6 +405,62 @@ class BatchingSettings:
         )
 
     @property
+    def longest_row(self) -> int | None:
+        """The longest row a microbatch can have (``eval_max_tokens``: evaluation rows are the longest), ``None``
+        without a budget (padded mode without ``max_tokens``): the model's ``max_seq_len`` must reach it."""
+        return self.eval_max_tokens if self.max_tokens is not None else None
+
+    def length_conflict(self, longest: dict[str, tuple[Any, ...]], model_max_seq_len: int | None) -> str | None:
+        """One message naming every length setting and a value of each that works, or ``None`` when they fit.
+
+        Args:
+            longest: per split read (``"train"``, ``"val"``, ``"test"``), its longest sample ``(tokens, index)``,
+                optionally followed by the over-long summary of the split (which samples are past the budget).
+            model_max_seq_len: the longest row the model accepts (``None``: no limit).
+
+        Example:
+            >>> settings = BatchingSettings(max_tokens=256, eval_max_tokens=512, sequence_length_round=8)
+            >>> print(settings.length_conflict({"train": (700, 3)}, 512))  # doctest: +NORMALIZE_WHITESPACE
+            the length settings do not fit the data: the longest sample (index 3) has 700 tokens, but
+            data.max_tokens=256 (data.overlong='error'), data.eval_max_tokens=512,
+            model max_seq_len=512. Values that work together: data.max_tokens: 704 (a multiple of 8),
+            data.eval_max_tokens: 704 or more (or null: max_tokens), model.init_args.max_seq_len: at least
+            data.eval_max_tokens (the CLI sets it so when the config leaves it out); or raise max_tokens, or set
+            overlong='truncate' or overlong='drop'
+        """
+        if self.max_tokens is None:
+            return None
+        over = {name: value for name, value in longest.items() if value[0] > self.document_budget}
+        needs_docs = self.overlong == "error" and bool(over)
+        needs_model = model_max_seq_len is not None and model_max_seq_len < self.longest_row
+        if not (needs_docs or needs_model):
+            return None
+        step = self.planned_document_multiple
+        tokens = max([value[0] for value in over.values()], default=0) if needs_docs else self.max_tokens
+        tokens = -(-tokens // step) * step
+        tokens = -(-tokens // self.row_multiple) * self.row_multiple
+        facts = [self._over_fact(name, value) for name, value in over.items()]
+        model = "no limit" if model_max_seq_len is None else str(model_max_seq_len)
+        rounding = f" (a multiple of {self.row_multiple})" if self.row_multiple > 1 else ""
+        eval_tokens = max(tokens, self.eval_max_tokens)
+        fix = "" if not needs_docs else "; or raise max_tokens, or set overlong='truncate' or overlong='drop'"
+        return (
+            f"the length settings do not fit the data: {', '.join(facts) or 'every sample fits'}, but "
+            f"data.max_tokens={self.max_tokens} (data.overlong={self.overlong!r}), data.eval_max_tokens="
+            f"{self.eval_max_tokens}, model max_seq_len={model}. Values that work together: data.max_tokens: "
+            f"{tokens}{rounding}, data.eval_max_tokens: {eval_tokens} or more (or null: max_tokens), "
+            "model.init_args.max_seq_len: at least data.eval_max_tokens (the CLI sets it so when the config leaves it "
+            f"out){fix}"
+        )
+
+    def _over_fact(self, name: str, value: tuple[Any, ...]) -> str:
+        length, index, *summary = value
+        where = "" if name == "train" else f"the {name} data: "
+        if not summary:
+            return f"{where}the longest sample (index {index}) has {length} tokens"
+        return f"{where}{summary[0]}"
+
+    @property
     def stream_window(self) -> int:
         """Samples of a stream planned together: :attr:`window`, or :data:`DEFAULT_STREAM_WINDOW`."""
         return DEFAULT_STREAM_WINDOW if self.window is None else self.window

@@ -33,6 +33,7 @@ __all__ = [
     "export_hf_model",
     "load_hf_model",
     "weight_dtype_warning",
+    "model_max_seq_len",
     "model_vocab_size",
 ]
 
@@ -227,3 +228,20 @@ def export_hf_model(model: Any, path: str | Path, *, dtype: str | None = None) -
         if prepared and not copied:
             prepare_hf_model(target)
     return Path(path)
+
+
+def model_max_seq_len(model: Any) -> int | None:
+    """The longest row ``model`` accepts, or ``None`` when it sets no limit.
+
+    Read from the wrapped network's ``config.max_seq_len`` (the reference decoder), then the hyperparameter
+    ``max_seq_len``. A transformers model sets none (its ``max_position_embeddings`` is no hard limit).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> model_max_seq_len(SimpleNamespace(hparams={"max_seq_len": 512}))
+        512
+    """
+    value = getattr(getattr(getattr(model, "model", None), "config", None), "max_seq_len", None)
+    if value is None:
+        value = (getattr(model, "hparams", None) or {}).get("max_seq_len")
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None

@@ -40,6 +40,7 @@ from lit_seqpack.model._hf_packed import (
     unwrapped_model,
     uses_varlen_attention,
 )
+from lit_seqpack.model.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, OutputHead, hf_output_head, verify_output_head
 from lit_seqpack.model.hf import UnsupportedAttentionError, hf_model_inputs, prepare_hf_model, register_attention
 from lit_seqpack.model.hf_load import (
     DTYPES,
@@ -170,13 +171,46 @@ class _OptimizerMixin:
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class _ChunkedLossMixin:
+    """``seqpack_output_head`` for the ready-made modules: their ``chunked_loss`` / ``loss_chunk_size`` settings, or
+    the full-logits path with one log line naming why (an overridden loss, a sharded head, a transform the chunked
+    loss does not reproduce)."""
+
+    def seqpack_output_head(self) -> OutputHead | None:
+        """The head of the chunked loss, or ``None`` (full logits) when ``chunked_loss`` is off or cannot be exact."""
+        if not self.hparams.chunked_loss:  # type: ignore[attr-defined]
+            return None
+        cls = type(self)
+        if cls.seqpack_loss is not PackedSequenceMixin.seqpack_loss:  # type: ignore[attr-defined]
+            return self._seqpack_fall_back("seqpack_loss is overridden (it takes the full logits)")
+        if cls.seqpack_forward is not PackedSequenceMixin.seqpack_forward:  # type: ignore[attr-defined]
+            return self._seqpack_fall_back("seqpack_forward is overridden (the loss must see its logits)")
+        flattening = _flattening_strategy(self)
+        if flattening is not None:
+            return self._seqpack_fall_back(f"{flattening} shards the output projection outside the forward")
+        head = self._seqpack_head()
+        return self._seqpack_fall_back(head) if isinstance(head, str) else head
+
+    def _seqpack_head(self) -> OutputHead | str:
+        raise NotImplementedError
+
+    def _seqpack_fall_back(self, reason: str) -> None:
+        logged = self.__dict__.setdefault("_seqpack_fallbacks", set())
+        if reason not in logged:
+            logged.add(reason)
+            rank_zero_info(
+                f"{type(self).__name__}: the loss takes the full [tokens, vocab] logits (not chunked) because {reason}"
+            )
+        return None
+
+
 def _is_dtensor(param: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(param, DTensor)
 
 
-class ReferenceLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
+class ReferenceLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, LightningModule):
     """The reference Llama-style decoder, trained packed or dynamically batched with the exact loss.
 
     The defaults are the ``demo`` size of :data:`~lit_seqpack.model.reference.REFERENCE_PRESETS`.
@@ -199,6 +233,11 @@ class ReferenceLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         min_lr_ratio: the final learning rate as a fraction of ``lr``.
         attn_backend: :func:`~lit_seqpack.model.attention.varlen_attention` backend (``"auto"``, ``"flash_attn"``,
             ``"torch_varlen"``, ``"sdpa"``).
+        chunked_loss: compute the training and validation loss from the hidden states, ``loss_chunk_size`` tokens
+            at a time through the output projection (recomputed in backward), never holding ``[tokens, vocab]``
+            logits (:func:`~lit_seqpack.model.chunked_loss.chunked_cross_entropy`); ``False``: the full logits.
+            ``forward`` returns the full logits either way.
+        loss_chunk_size: tokens whose logits exist at once in the chunked loss.
     """
 
     def __init__(
@@ -220,9 +259,12 @@ class ReferenceLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         lr_schedule: Schedule = "cosine",
         min_lr_ratio: float = 0.1,
         attn_backend: str = "auto",
+        chunked_loss: bool = True,
+        loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
     ) -> None:
         super().__init__()
         _check_optim(lr, weight_decay, warmup_steps, min_lr_ratio, lr_schedule)
+        check_int("loss_chunk_size", loss_chunk_size, minimum=1)
         self.save_hyperparameters()
         config = ReferenceConfig(
             vocab_size=vocab_size,
@@ -256,8 +298,15 @@ class ReferenceLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
             attn_backend=self.hparams.attn_backend,
         )
 
+    def seqpack_hidden_states(self, batch: Any) -> torch.Tensor:
+        """The decoder's last hidden states ``[B, T, n_embd]`` for ``batch`` (the chunked loss's input)."""
+        return self.model.hidden_states(**self.seqpack_model_inputs(batch), attn_backend=self.hparams.attn_backend)
 
-class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
+    def _seqpack_head(self) -> OutputHead | str:
+        return OutputHead(weight=self.model.output_weight(), chunk_size=self.hparams.loss_chunk_size)
+
+
+class HFCausalLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, LightningModule):
     """A transformers causal LM trained packed through lit_seqpack's varlen attention (no download here).
 
     The model is in train mode after loading (``from_pretrained`` returns eval mode, and Lightning keeps
@@ -304,6 +353,14 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         vocab_size: the token ids the data needs (the CLI links it to ``data.vocab_size``: a tokenizer's size, or
             the synthetic task's). A ``config`` without ``vocab_size`` is built with it; a checkpoint or ``config``
             with fewer ids is refused; more ids (padded embeddings) are kept.
+        chunked_loss: compute the training and validation loss from the decoder's hidden states,
+            ``loss_chunk_size`` tokens at a time through the output projection (recomputed in backward), never
+            holding ``[tokens, vocab]`` logits. The model's own logit transforms (bias, Gemma2/3
+            ``final_logit_softcapping``, Granite ``logits_scaling``, Cohere ``logit_scale``, Falcon-H1
+            ``lm_head_multiplier``) are reproduced and checked once against its forward on a short probe; a model
+            whose logits are anything else (or a sharded / adapted head) takes the full logits, with one log line
+            naming why. ``False``: always the full logits. ``forward`` returns the full logits either way.
+        loss_chunk_size: tokens whose logits exist at once in the chunked loss.
     """
 
     def __init__(
@@ -323,8 +380,11 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         attn_backend: str = "auto",
         gradient_checkpointing: bool = False,
         vocab_size: int | None = None,
+        chunked_loss: bool = True,
+        loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
     ) -> None:
         super().__init__()
+        check_int("loss_chunk_size", loss_chunk_size, minimum=1)
         if (model_name_or_path is None) == (config is None):
             raise ValueError(
                 "give exactly one of model_name_or_path and config, got "
@@ -420,6 +480,29 @@ class HFCausalLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
             if refusal is None:
                 raise
             raise refusal from err
+
+    def seqpack_hidden_states(self, batch: Any) -> torch.Tensor:
+        """The decoder's ``last_hidden_state`` for ``batch`` (the chunked loss's input), with ``forward``'s guards."""
+        inputs = self.seqpack_model_inputs(batch)
+        try:
+            return unwrapped_model(self.model).get_decoder()(**inputs).last_hidden_state
+        except ValueError as err:
+            packed = inputs.get("cu_seq_lens_q") is not None
+            refusal = missing_kernel_error(unwrapped_model(self.model), err) if packed else None
+            if refusal is None:
+                raise
+            raise refusal from err
+
+    def _seqpack_head(self) -> OutputHead | str:
+        model = unwrapped_model(self.model)
+        head = hf_output_head(model, chunk_size=self.hparams.loss_chunk_size)
+        if isinstance(head, str):
+            return head
+        checked = self.__dict__.get("_seqpack_head_checked")
+        if checked is None:  # once per module: the head must reproduce the model's own logits
+            checked = verify_output_head(model, head) or ""
+            self.__dict__["_seqpack_head_checked"] = checked
+        return checked or head
 
     def export_hf(self, path: str | Path, *, dtype: str | None = None, tokenizer: str | None = None) -> Path:
         """Write the trained model as a Hugging Face folder (``AutoModelForCausalLM.from_pretrained`` loads it).

@@ -19,6 +19,12 @@ a padded ``[B, L]`` batch with ``attention_mask`` / ``position_ids``. Three hook
 ``seqpack_model_inputs(batch)`` (the keyword arguments), ``seqpack_forward(batch)`` (the logits) and
 ``seqpack_loss(logits, batch)`` (a :class:`~lit_seqpack.model.loss.LossOutput`).
 
+**Chunked loss.** A module whose ``seqpack_output_head()`` returns an
+:class:`~lit_seqpack.model.chunked_loss.OutputHead` (``ReferenceLM`` and ``HFCausalLM`` by default) is trained and
+validated from its last hidden states (``seqpack_hidden_states(batch)``) through
+:func:`~lit_seqpack.model.chunked_loss.chunked_cross_entropy`: the same loss and normalisation, but the
+``[tokens, vocab]`` logits never exist at once. ``forward`` still returns the full logits.
+
 **Exact loss.** The value returned for backward is ``loss_sum * world_size * accumulate_grad_batches /
 step_loss_tokens`` where ``step_loss_tokens`` counts the targets of the whole optimizer step over all ranks (the
 plan knows it; the collator puts it in the batch). Lightning divides by ``accumulate_grad_batches`` and DDP
@@ -80,6 +86,7 @@ import torch
 
 from lit_seqpack._checks import check_int
 from lit_seqpack.batch import is_packed_batch
+from lit_seqpack.model.chunked_loss import OutputHead, chunked_cross_entropy
 from lit_seqpack.model.cp_attention import context_parallel_scope
 from lit_seqpack.model.hf_load import model_vocab_size
 from lit_seqpack.model.loss import LossOutput, exact_loss, token_cross_entropy
@@ -170,6 +177,39 @@ class PackedSequenceMixin:
             shifted=shifted,
         )
 
+    def seqpack_output_head(self) -> OutputHead | None:
+        """The output projection for a loss computed from hidden states in chunks, or ``None`` (the default): the
+        loss takes the full logits of ``seqpack_forward``. A module returning a head implements
+        :meth:`seqpack_hidden_states`."""
+        return None
+
+    def seqpack_hidden_states(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """The last hidden states ``[B, T, H]`` of ``batch`` (what ``seqpack_output_head()`` projects to logits)."""
+        raise NotImplementedError(f"{type(self).__name__} returns an output head but has no seqpack_hidden_states")
+
+    def seqpack_chunked_loss(self, hidden: torch.Tensor, head: OutputHead, batch: Mapping[str, Any]) -> LossOutput:
+        """:meth:`seqpack_loss` from hidden states: the same targets, weights and step units, chunk by chunk."""
+        shifted = batch.get("shift_labels") is not None
+        labels = batch["shift_labels"] if shifted else batch["labels"]
+        if batch.get("loss_weights") is not None:
+            return chunked_cross_entropy(
+                hidden,
+                head,
+                labels,
+                num_loss_tokens=batch.get("num_loss_weight"),
+                step_loss_tokens=batch.get("step_loss_weight"),
+                shifted=shifted,
+                weights=batch["shift_loss_weights"] if shifted else batch["loss_weights"],
+            )
+        return chunked_cross_entropy(
+            hidden,
+            head,
+            labels,
+            num_loss_tokens=batch.get("num_loss_tokens"),
+            step_loss_tokens=batch.get("step_loss_tokens"),
+            shifted=shifted,
+        )
+
     def seqpack_check_vocab(self, batch: Mapping[str, Any]) -> None:
         """Raise ``ValueError`` when an id of ``batch`` (inputs or targets) is outside the model's vocabulary.
 
@@ -224,13 +264,17 @@ class PackedSequenceMixin:
         self.seqpack_check_vocab(batch)
         if is_packed_batch(batch):
             self.seqpack_verify_packing(batch)
+        head = self.seqpack_output_head()
         with context_parallel_scope(batch):  # a no-op unless the batch is a context-parallel shard
-            logits = self.seqpack_forward(batch)
-        output = self.seqpack_loss(logits, batch)
+            if head is None:
+                logits = self.seqpack_forward(batch)
+            else:
+                hidden = self.seqpack_hidden_states(batch)
+        output = self.seqpack_loss(logits, batch) if head is None else self.seqpack_chunked_loss(hidden, head, batch)
         if batch.get("is_empty", False):
             if stage != "train":  # weight 0: no effect on the epoch mean, same logged keys on every rank
                 self._seqpack_log(stage, output.loss_sum.detach() * 0.0, 0)
-            return logits.sum() * 0.0
+            return (logits.sum() if head is None else output.loss_sum) * 0.0  # a zero reaching every parameter
         if stage == "train":
             if output.step_units is not None:
                 _check_step_layout(batch, self._seqpack_trainer(), getattr(self, "_fabric", None))

@@ -237,7 +237,33 @@ class ReferenceDecoder(nn.Module):
         attention_mask: torch.Tensor | None = None,
         attn_backend: str = "auto",
     ) -> torch.Tensor:
-        """Logits ``[B, T, vocab_size]``; ``logits[:, t]`` predicts token ``t + 1``.
+        """Logits ``[B, T, vocab_size]``; ``logits[:, t]`` predicts token ``t + 1``: :meth:`output_weight` applied to
+        :meth:`hidden_states` (same arguments)."""
+        hidden = self.hidden_states(
+            input_ids,
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            attention_mask=attention_mask,
+            attn_backend=attn_backend,
+        )
+        return self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed_tokens.weight)
+
+    def output_weight(self) -> torch.Tensor:
+        """The output projection's weight ``[vocab_size, n_embd]`` (the input embedding's when tied)."""
+        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        attn_backend: str = "auto",
+    ) -> torch.Tensor:
+        """The last hidden states ``[B, T, n_embd]`` (after the final norm), before the output projection.
 
         Args:
             input_ids: ``[B, T]`` token ids.
@@ -277,8 +303,7 @@ class ReferenceDecoder(nn.Module):
         rotary = _rotary(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer in self.layers:
             x = layer(x, rotary, attention)
-        x = self.norm(x)
-        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight)
+        return self.norm(x)
 
     @staticmethod
     def _padding_mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:

@@ -60,6 +60,7 @@ def test_a_misspelt_key_behind_an_interpolation_names_the_typo(tmp_path: Path) -
         SeqPackCLI(args=["fit", "--config", str(config)])
     shipped = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     shipped["data"]["max_token"] = shipped["data"].pop("max_tokens")
+    shipped["model"]["init_args"]["max_seq_len"] = "${data.max_tokens}"  # the CLI sets it; a user may still refer
     (tmp_path / "demo.yaml").write_text(json.dumps(shipped))
     with pytest.raises(ValueError, match="is 'max_token' a typo of 'max_tokens'"):
         SeqPackCLI(args=["fit", "--config", str(tmp_path / "demo.yaml")])

@@ -47,7 +47,7 @@ from lit_seqpack.data.indexed.lengths import cached_scan
 from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler, PlannedDataset
 from lit_seqpack.data.indexed.splits import EVAL_SPLITS, IndexView, Split, read_sample, split_indices
 from lit_seqpack.data.indexed.validation import DataScan, check_vocab_range, scan_dataset
-from lit_seqpack.data.settings import BatchingSettings, apply_document_budget, planned_lengths
+from lit_seqpack.data.settings import BatchingSettings, apply_document_budget, budget_note, planned_lengths
 from lit_seqpack.data.sources.base import (
     IndexedSource,
     declared_counts,
@@ -62,6 +62,26 @@ __all__ = ["IndexedPipeline", "check_changing_lengths"]
 
 
 Dataset = Sequence[Mapping[str, Any]]
+
+
+def _longest(lengths: np.ndarray, settings: BatchingSettings) -> tuple[int, int, str]:
+    """A split's longest sample ``(tokens, index)`` and the over-long summary of its samples past the budget."""
+    settings_budget = settings.document_budget
+    budget = settings_budget if settings_budget is not None else int(lengths.max())
+    over = np.flatnonzero(lengths > budget)
+    report = OverlongReport(
+        policy=settings.overlong,
+        max_tokens=int(settings.max_tokens or budget),
+        num_samples=len(lengths),
+        num_overlong=len(over),
+        indices=tuple(int(i) for i in over[:5]),
+        lengths=tuple(int(lengths[i]) for i in over[:5]),
+    )
+    summary = report.summary()
+    if settings.max_tokens is not None and budget < settings.max_tokens:
+        pads = {"pad_to_multiple_of": settings.pad_to_multiple_of, "document_multiple": settings.document_multiple}
+        summary += f" ({budget_note(settings.max_tokens, budget, **pads)})"
+    return int(lengths.max()), int(lengths.argmax()), summary
 
 
 def _int32(counts: np.ndarray) -> np.ndarray:
@@ -240,6 +260,7 @@ class IndexedPipeline:
                 f"sample {int(empty[0])} of the dataset has no token ({empty.size} such samples): input_ids must "
                 "hold at least one token; remove empty samples from the dataset"
             )
+        self._check_lengths(lengths)
         data = self.dataset
         if settings.max_tokens is not None:
             data, lengths, loss_tokens, self.overlong_report = apply_document_budget(
@@ -261,6 +282,18 @@ class IndexedPipeline:
         for name, idx in zip(("train", "val", "test"), parts, strict=True):
             if name == "train" or len(idx):
                 self.splits[name] = Split(IndexView(data, idx), lengths[idx], loss_tokens[idx])
+
+    def _check_lengths(self, lengths: np.ndarray) -> None:
+        """One error for every length setting at once (budgets, over-long policy, the model's ``max_seq_len``),
+        from the lengths already scanned, before any split applies a budget of its own."""
+        splits = {"train": lengths, **{name: self.eval_data(name)[1].lengths for name in self.eval_sources}}
+        longest = {name: _longest(v, self.settings) for name, v in splits.items() if len(v)}
+        from lit_seqpack.model.hf_load import model_max_seq_len  # the model's side, read at setup only
+
+        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        message = self.settings.length_conflict(longest, None if model is None else model_max_seq_len(model))
+        if message is not None:
+            raise ValueError(message)
 
     def _budget(self) -> dict[str, Any]:
         """The settings of the over-long policy at the document budget."""
