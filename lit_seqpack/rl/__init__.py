@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "Rollout": "lit_seqpack.rl.rollout",
     "RolloutPlanner": "lit_seqpack.rl.planner",
     "RolloutSettings": "lit_seqpack.rl.planner",
+    "advantages": "lit_seqpack.rl.advantages",
     "step_loss": "lit_seqpack.rl.loss",
     "clipped_policy_loss": "lit_seqpack.rl.loss",
     "kl_estimate": "lit_seqpack.rl.objectives",
