@@ -176,7 +176,7 @@ class ReferenceLM(PackedSequenceMixin, _OptimizerMixin, LightningModule):
         lr_schedule: ``"cosine"`` (decay to ``min_lr_ratio * lr`` over the run) or ``"constant"``.
         min_lr_ratio: the final learning rate as a fraction of ``lr``.
         attn_backend: :func:`~lit_seqpack.model.attention.varlen_attention` backend (``"auto"``, ``"flash_attn"``,
-            ``"torch_varlen"``, ``"sdpa"``).
+            ``"torch_varlen"``, ``"sdpa"``, ``"flex"``).
     """
 
     def __init__(
