@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PEAK_FLOPS", "FlopCount", "device_peak_flops", "document_lengths", "training_flops"]
+__all__ = ["PEAK_FLOPS", "FlopCount", "device_peak_flops", "document_lengths", "flop_counter", "training_flops"]
 
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("GH200", 989.4e12),
@@ -176,14 +176,26 @@ def training_flops(model: nn.Module, lengths: Sequence[int] | torch.Tensor) -> i
         >>> training_flops(model, [8, 8]) == 2 * training_flops(model, [8])
         True
     """
-    lengths = _check_lengths(lengths)
+    return flop_counter(model)(lengths)
+
+
+def flop_counter(model: nn.Module) -> Callable[[Sequence[int] | torch.Tensor], int | float]:
+    """``lengths -> FLOPs`` for ``model``: its own ``training_flops`` method, else :meth:`FlopCount.of` read once.
+
+    Raises:
+        ValueError: the model states no count and has no known config.
+    """
     hook = _hook(model)
-    if hook is not None:
-        flops = hook(lengths)
+    if hook is None:
+        return FlopCount.of(model)
+
+    def stated(lengths: Sequence[int] | torch.Tensor) -> int | float:
+        flops = hook(_check_lengths(lengths))
         if isinstance(flops, bool) or not isinstance(flops, int | float) or flops < 0:
             raise ValueError(f"{type(model).__name__}.training_flops returned {flops!r}, not a count >= 0")
         return flops
-    return FlopCount.of(model)(lengths)
+
+    return stated
 
 
 # ------------------------------------------------------------------------------------------------ reading a model
