@@ -78,7 +78,8 @@ def _build(cu_seqlens: torch.Tensor, total: int, causal: bool, window: tuple[int
     from torch.nn.attention.flex_attention import create_block_mask
 
     position = torch.arange(total, device=cu_seqlens.device)
-    segment = torch.searchsorted(cu_seqlens[1:].to(torch.int64), position, right=True).to(torch.int32)
+    # int64 segment ids: inductor's CPU FlexAttention template finds no kernel for an int32 mask buffer (torch 2.13)
+    segment = torch.searchsorted(cu_seqlens[1:].to(torch.int64), position, right=True)
     return create_block_mask(_mask_mod(segment, causal, window), None, None, total, total, device=cu_seqlens.device)
 
 
@@ -185,7 +186,7 @@ def flex_varlen(
         q, k, v = q.detach(), k.detach(), v.detach()
         sinks = None if sinks is None else sinks.detach()
     block_mask = document_block_mask(cu_seqlens, q.shape[0], causal=causal, window=window)
-    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
+    qh, kh, vh = (x.transpose(0, 1)[None].contiguous() for x in (q, k, v))
     kwargs: dict[str, Any] = {"block_mask": block_mask, "scale": scale, "enable_gqa": kh.shape[1] != qh.shape[1]}
     if softcap is not None:
         cap = float(softcap)
