@@ -104,3 +104,10 @@ def test_peak_table_and_its_refusals() -> None:
         assert keys.index(longer) < keys.index(shorter)  # the first substring match wins
     with pytest.raises(ValueError, match="CUDA devices only .*peak_flops=<FLOP/s>"):
         device_peak_flops("cpu")
+
+
+@pytest.mark.gpu
+def test_the_cuda_device_is_in_the_peak_table() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    assert device_peak_flops("cuda") >= 70e12, torch.cuda.get_device_name()

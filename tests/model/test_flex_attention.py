@@ -136,7 +136,7 @@ def test_hf_model_routes_to_flex() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", ["gqa", "all at once"])  # each new mask or score_mod is a compilation: two cases
 def test_flex_trains_on_cuda_like_sdpa(case: str) -> None:
     """On CUDA the compiled kernel runs forward and backward: outputs and gradients match ``"sdpa"``'s."""
     if not torch.cuda.is_available():
