@@ -153,3 +153,21 @@ def test_flex_trains_on_cuda_like_sdpa(case: str) -> None:
         results.append([out, q.grad, k.grad, v.grad])
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2-tight-cap", "gpt_oss"])
+def test_hf_windows_softcaps_and_sinks_through_flex_equal_the_stock_model_per_document(model_type: str) -> None:
+    """Gemma2 (alternating windows, a cap that bites) and GPT-OSS (sinks, windows) packed through flex."""
+    pytest.importorskip("transformers")
+    import copy
+
+    from lit_seqpack.model.hf import hf_model_inputs, prepare_hf_model
+    from lit_seqpack.model.isolation import documents_batch
+    from tests.model.test_hf_windows import documents, per_document, stock_eager
+
+    stock = stock_eager(model_type)
+    model = prepare_hf_model(copy.deepcopy(stock))
+    docs = documents()
+    with torch.no_grad():
+        packed = model(**hf_model_inputs(documents_batch(docs), backend="flex")).logits[0]
+    torch.testing.assert_close(packed, per_document(stock, docs), atol=1e-5, rtol=0)
