@@ -19,49 +19,44 @@ import numpy as np
 import torch
 from _train_loop import ModeRun
 
+from lit_seqpack.metrics.flops import PEAK_FLOPS, training_flops
 from lit_seqpack.model.attention import route_varlen_attention, varlen_attention
-from lit_seqpack.model.reference import ReferenceConfig
+from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
 
 BOUND = "no-padding bound"
 """The row name of the bound: the same documents' tokens with no padding and no cross-document work."""
 
-PEAK_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0), ("L40S", 362.0))
-"""Dense bf16 tensor-core peaks from NVIDIA's data sheets (SXM parts; sparsity doubles them, not used here),
-matched in this order against ``torch.cuda.get_device_name``."""
-
 
 def peak_flops(device: torch.device, override_tflops: float | None) -> tuple[float | None, str]:
-    """The bf16 peak MFU is measured against, and where it comes from."""
+    """The bf16 peak MFU is measured against, and where it comes from (the library's table, ``PEAK_FLOPS``)."""
     if override_tflops:
         return override_tflops * 1e12, f"{override_tflops:g} TFLOP/s (--peak-tflops)"
     if device.type != "cuda":
         return None, "none on a CPU (MFU n/a; --peak-tflops sets one)"
     name = torch.cuda.get_device_name(device)
-    for key, tflops in PEAK_TFLOPS:
+    for key, peak in PEAK_FLOPS:
         if key in name:
-            return tflops * 1e12, f"{tflops:g} TFLOP/s, dense bf16 data-sheet peak of the {key}"
+            return peak, f"{peak / 1e12:g} TFLOP/s, dense bf16 data-sheet peak of the {key}"
     return None, f"unknown for {name!r} (MFU n/a; --peak-tflops sets one)"
 
 
 def flops_per_real_token(config: ReferenceConfig, lengths: np.ndarray) -> float:
-    """Useful training FLOPs (forward + backward) per real token of these documents.
+    """Useful training FLOPs (forward + backward) per real token of these documents: ``training_flops`` / tokens.
 
-    ``6 N`` for the matmuls (``N``: the blocks' projections and the output projection; the input embedding is a
-    lookup) plus causal attention ``6 x n_layer x n_embd x sum(L^2) / sum(L)`` (``QK^T`` and ``AV`` over the
-    lower triangle of each document: ``2 n_embd L^2`` forward, twice that backward). Padding and cross-document
-    work are not useful work: the same figure for every mode, so MFU compares modes on the same numerator.
+    ``lit_seqpack.metrics.flops.training_flops`` of the reference decoder (built on the meta device: no memory):
+    ``6 N`` per token for the matmuls plus causal attention ``6 x n_layer x n_embd x sum(L^2)``, per document.
+    Padding and cross-document work are not useful work: the same figure for every mode, so MFU compares modes on
+    the same numerator.
 
     Example:
         >>> config = ReferenceConfig.preset("tiny")
         >>> round(flops_per_real_token(config, np.array([4, 4])))
-        136704
+        137664
     """
-    d, head = config.n_embd, config.head_dim
-    attention_proj = d * head * (2 * config.n_head + 2 * config.n_kv_head)
-    matmul = config.n_layer * (attention_proj + 3 * d * config.intermediate_size) + config.vocab_size * d
-    lengths = np.asarray(lengths, dtype=np.float64)
-    attention = 6 * config.n_layer * d * float((lengths**2).sum() / lengths.sum())
-    return 6.0 * matmul + attention
+    with torch.device("meta"):
+        model = ReferenceDecoder(config)
+    lengths = [int(n) for n in np.asarray(lengths)]
+    return training_flops(model, lengths) / sum(lengths)
 
 
 def _no_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

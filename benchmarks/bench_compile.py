@@ -11,6 +11,7 @@ Usage::
     python benchmarks/bench_compile.py                              # CPU, fp32, inductor, 50 steps
     python benchmarks/bench_compile.py --quick                      # 12 steps, compile backend "aot_eager"
     python benchmarks/bench_compile.py --device cuda --dtype bfloat16 --tokens 8192 --width 1024 --layers 8
+    python benchmarks/bench_compile.py --quick --forward-only --attn-backend flex   # flex on CPU: forward only
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ def train(model: Any, rows: list[dict], args: argparse.Namespace) -> tuple[list[
         if args.device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        logits = model(**hf_model_inputs(batch, backend=args.attn_backend)).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits[0, :-1], batch["labels"][0, 1:], ignore_index=-100)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(not args.forward_only):
+            logits = model(**hf_model_inputs(batch, backend=args.attn_backend)).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits[0, :-1], batch["labels"][0, 1:], ignore_index=-100)
+        if not args.forward_only:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         if args.device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -93,6 +96,8 @@ def main() -> None:
     parser.add_argument("--attn-backend", default="auto", help="varlen_attention backend")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--quick", action="store_true", help="12 steps, compile backend aot_eager")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="forward passes under no_grad, no optimizer (flex on CPU has no backward)")  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.compile_backend = 12, 3, "aot_eager"
@@ -108,7 +113,8 @@ def main() -> None:
     docs = [int(b["num_documents"]) for b in rows]
     print(f"{args.steps} packed steps of {args.tokens} tokens, {min(docs)}-{max(docs)} documents per row "
           f"({len(set(docs))} distinct counts), Llama {args.layers}x{args.width}, {args.device} {args.dtype}, "
-          f"attention {args.attn_backend}, torch.compile backend {args.compile_backend}")  # fmt: skip
+          f"attention {args.attn_backend}, torch.compile backend {args.compile_backend}"
+          f"{', forward only' if args.forward_only else ''}")  # fmt: skip
     print(f"{'':10s} {'graphs':>7s} {'recompiles':>10s} {'breaks':>7s} {'first step s':>13s} {'median step ms':>15s}")
     for name, times, stats in (("eager", eager_times, ("-", "-", "-")),
                                ("compiled", compiled_times, (graphs, max(graphs - 1, 0), breaks))):  # fmt: skip

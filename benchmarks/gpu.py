@@ -14,14 +14,17 @@ optimizer steps matched in real tokens (modes with fewer real tokens per microba
   microbatch fits ``max_tokens``); maskless: right padding runs SDPA with ``is_causal`` (its flash kernel);
 * ``dynamic``: ``[rows, L]`` blocks with ``rows x L <= max_tokens``, maskless too;
 * ``packing <backend>``: rows of ``max_tokens`` tokens, one row per varlen backend found (``flash_attn``,
-  ``torch_varlen`` = ``torch.nn.attention.varlen``, ``sdpa`` per document);
+  ``torch_varlen`` = ``torch.nn.attention.varlen``, ``sdpa`` per document, ``flex`` = FlexAttention with a
+  document block mask, its kernel ``torch.compile``-d on CUDA; on a CPU the flex row is refused by name: no
+  FlexAttention backward there);
 * ``no-padding bound``: the packing plan's documents with no padding and no cross-document work: the model's
   step on exactly the real tokens with attention taken out, plus the fastest varlen kernel alone on exactly the
   documents (``_gpu_rows.BoundRun``). How close packing comes to the work that cannot be avoided.
 
 Columns: real tokens/s, the ratio to padded and to the bound, padding, microbatch and optimizer-step time, MFU
-(useful model FLOPs of the real tokens per second against the device's dense bf16 peak: 989.4 TFLOP/s for an
-H200 from NVIDIA's data sheet, ``--peak-tflops`` to override), peak memory of a microbatch above its start
+(useful model FLOPs of the real tokens per second, ``lit_seqpack.metrics.flops.training_flops``: causal attention
+per document, padding not counted, against the device's dense bf16 peak from ``lit_seqpack.metrics.flops.PEAK_FLOPS``:
+989.4 TFLOP/s for an H100 SXM or H200, ``--peak-tflops`` to override), peak memory of a microbatch above its start
 (activations, gradients, optimizer temporaries), the held-out loss after the rounds (the same packed samples for
 every mode) and the status (a failing mode is reported and dropped, the others go on). An attention table
 (``bench_attention.py``'s layouts, CUDA-synchronised) comes first; the training table is printed last and, with
@@ -234,7 +237,9 @@ def num_parameters_of(runs: dict[str, ModeRun], args: argparse.Namespace) -> str
 
 def _row(name, run, error, eval_batches, flops, peak, device) -> dict[str, Any]:
     """One row of the final table as a dict (``None`` where a figure does not apply)."""
-    row: dict[str, Any] = {"mode": name, "status": "ok" if error is None else f"failed: {error}", "real_tok_s": None}
+    refused = error is not None and error.startswith("BackendUnavailableError")  # e.g. flex training on a CPU
+    status = "ok" if error is None else f"{'refused' if refused else 'failed'}: {error}"
+    row: dict[str, Any] = {"mode": name, "status": status, "real_tok_s": None}
     if run is None or not run.timed["microbatches"]:
         return row
     loss = None

@@ -26,6 +26,7 @@ from types import ModuleType
 from lightning_utilities.core.imports import RequirementCache
 
 __all__ = [
+    "BackendUnavailableError",
     "DATASETS_AVAILABLE",
     "FLASH_ATTN_AVAILABLE",
     "FLASH_ATTN_INSTALL_HINT",
@@ -86,3 +87,11 @@ def require(module: str, *, purpose: str) -> ModuleType:
         extra, pypi = _EXTRAS.get(package, (None, package))
         fix = f"pip install 'lit-seqpack[{extra}]' (or pip install {pypi})" if extra else f"pip install {pypi}"
         raise ImportError(f"{purpose} needs the optional package {package!r} ({err}): {fix}") from err
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend (an attention kernel) cannot run here; the message says why and how to fix it.
+
+    Raised by :func:`~lit_seqpack.model.attention.varlen_attention` and the kernels behind it; declared here, beside
+    the availability flags, so every kernel module raises the same class without importing another.
+    """

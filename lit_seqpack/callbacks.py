@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -14,6 +15,7 @@ from typing_extensions import override
 
 from lit_seqpack._checks import check_int
 from lit_seqpack.metrics.counts import TokenKind, check_token_kind
+from lit_seqpack.metrics.flops import FlopCount, device_peak_flops, document_lengths, flop_counter
 from lit_seqpack.metrics.tracker import PackingTracker, RunTotals
 from lit_seqpack.parallel import ParallelLayout
 from lit_seqpack.parallel.layout import mesh_layout, strategy_mesh
@@ -165,6 +167,11 @@ class PackingMonitor(Callback):
         loss_key: the key under which the LightningModule logs its training loss.
         loss_window: logging steps averaged into the summary's first and last loss.
         clock: seconds of a monotonic clock (``time.perf_counter``); replace it to time deterministically.
+        peak_flops: with it, also log ``train/tflops`` (useful model TFLOP/s over all ranks: the FLOPs of
+            :func:`~lit_seqpack.metrics.flops.training_flops` over the window's real documents, over the slowest
+            rank's time) and ``train/mfu`` (that over ``peak_flops x world_size``). A number is one device's peak
+            in FLOP/s; ``"auto"`` reads a CUDA device's dense bf16 peak from
+            :data:`~lit_seqpack.metrics.flops.PEAK_FLOPS`; ``None`` (default) logs neither.
     """
 
     def __init__(
@@ -176,9 +183,23 @@ class PackingMonitor(Callback):
         loss_key: str = "train/loss",
         loss_window: int = 5,
         clock: Callable[[], float] = time.perf_counter,
+        peak_flops: float | Literal["auto"] | None = None,
     ) -> None:
         if not callable(clock):
             raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
+        if (
+            peak_flops is not None
+            and peak_flops != "auto"
+            and (
+                isinstance(peak_flops, bool)
+                or not isinstance(peak_flops, int | float)
+                or not math.isfinite(peak_flops)
+                or peak_flops <= 0
+            )
+        ):
+            raise ValueError(f"peak_flops must be 'auto', None or a device's peak FLOP/s > 0, got {peak_flops!r}")
+        self.peak_flops = peak_flops
+        self._flops = _FlopWindow()
         self.loss_window = check_int("loss_window", loss_window, minimum=1)
         self.prog_bar = prog_bar
         self.summary = summary
@@ -197,9 +218,12 @@ class PackingMonitor(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(loss_key=self.loss_key, imbalance_tokens=self.imbalance_tokens)
 
-    def _flush(self, stage: str) -> dict[str, float]:
+    def _flush(self, stage: str, trainer: Trainer | None = None) -> dict[str, float]:
         _synchronize(self._device)
-        return self.trackers[stage].flush(elapsed=self._watches[stage].lap())
+        values = self.trackers[stage].flush(elapsed=self._watches[stage].lap())
+        if stage == "train" and trainer is not None and self._flops.counting:
+            values |= self._flops.flush(trainer, self.trackers[stage].last_window.elapsed)
+        return values
 
     def _read_loss(self, trainer: Trainer) -> float | None:
         metrics = trainer.callback_metrics
@@ -214,10 +238,18 @@ class PackingMonitor(Callback):
         for tracker in self.trackers.values():
             tracker.to(self._device)
         if stage == "fit":
+            self._flops = _FlopWindow(pl_module, self._resolve_peak(self._device)) if self.peak_flops else _FlopWindow()
             self.trackers["train"].reset()
             self._watches["train"].reset()
             self._losses = _LoggedLosses(self.loss_window)
             self._paused_for_val = False
+
+    def _resolve_peak(self, device: torch.device) -> float:
+        return device_peak_flops(device) if self.peak_flops == "auto" else float(self.peak_flops)  # type: ignore[arg-type]
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flops.recount(pl_module)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -229,7 +261,10 @@ class PackingMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         stepped = trainer.global_step != self._step_at_batch_start
-        self.trackers["train"].update(batch, step_end=stepped, replica=_is_replica(trainer, batch))
+        replica = _is_replica(trainer, batch)
+        self.trackers["train"].update(batch, step_end=stepped, replica=replica)
+        if not replica:
+            self._flops.add(batch)
         # the same condition under which Lightning writes step metrics (LearningRateMonitor uses it too)
         logging_step = stepped and (trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
         if not logging_step:
@@ -237,7 +272,7 @@ class PackingMonitor(Callback):
         loss = self._read_loss(trainer)
         if loss is not None:
             self._losses.add(loss)
-        values = self._flush("train")
+        values = self._flush("train", trainer)
         for key, value in values.items():
             pl_module.log(
                 f"train/{key}",
@@ -323,7 +358,7 @@ class PackingMonitor(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         tracker = self.trackers["train"]
         tracker.end_step()
-        self._flush("train")  # every rank calls it: the last window joins the totals
+        self._flush("train", trainer)  # every rank calls it: the last window joins the totals
         self._watches["train"].reset()
         self.last_summary = tracker.totals.values()
         if self.summary:
@@ -369,3 +404,54 @@ class _LoggedLosses:
             losses.last.extend(float(v) for v in state["last"])
             losses.count = int(state["count"])
         return losses
+
+
+class _FlopWindow:
+    """The useful FLOPs of the microbatches since the last flush (no device sync until then).
+
+    Each microbatch's document lengths stay on the device (:func:`~lit_seqpack.metrics.flops.document_lengths`)
+    until :meth:`flush`, which runs after the monitor's synchronisation, reads them at once, counts them with
+    :func:`~lit_seqpack.metrics.flops.training_flops` and sums the FLOPs over ranks. A context-parallel shard holds
+    ``1 / context_parallel_size`` of its row's work.
+
+    Args:
+        module: the model whose FLOPs to count (``None``: count nothing).
+        peak: one device's peak FLOP/s.
+    """
+
+    def __init__(self, module: LightningModule | None = None, peak: float = 0.0) -> None:
+        self.peak = peak
+        self.module = module
+        self.count: Callable[[list[int]], int | float] | None = None
+        self.pending: list[tuple[torch.Tensor, int]] = []
+        if module is not None:
+            self.recount(module)
+
+    @property
+    def counting(self) -> bool:
+        return self.module is not None
+
+    def recount(self, module: LightningModule) -> None:
+        """Read the model's count (again: a model built in ``configure_model`` has its parameters only now)."""
+        if self.module is None:
+            return
+        count = flop_counter(module)
+        if not isinstance(count, FlopCount) or count.active_parameters > 0 or self.count is None:
+            self.count = count
+
+    def add(self, batch: Any) -> None:
+        if self.module is not None and isinstance(batch, Mapping):
+            self.pending.append((document_lengths(batch).detach(), int(batch.get("context_parallel_size", 1))))
+
+    def flush(self, trainer: Trainer, elapsed: float) -> dict[str, float]:
+        """``tflops`` and ``mfu`` of the window (a collective: every rank calls it at the same points)."""
+        local = 0.0
+        for lengths, shards in self.pending:
+            local += self.count(lengths.tolist()) / shards  # type: ignore[misc]
+        self.pending = []
+        dtype = torch.float32 if trainer.strategy.root_device.type == "mps" else torch.float64
+        total = trainer.strategy.reduce(
+            torch.tensor(local, dtype=dtype, device=trainer.strategy.root_device), reduce_op="sum"
+        )
+        rate = float(total) / elapsed if elapsed > 0 else 0.0
+        return {"tflops": rate / 1e12, "mfu": rate / (self.peak * trainer.world_size)}

@@ -112,16 +112,19 @@ def test_gpu_script_code_path_on_cpu(tmp_path):
     attention, training = _tables(lines)
     assert {row[0] for row in attention[1:]} >= {"varlen sdpa", "dense mask", "padded", "padded + mask"}
     modes = ["padded", "dynamic", "packing sdpa", "no-padding bound"]
-    assert [row[0] for row in training[1:]] == modes
+    assert [row[0] for row in training[1:]] == [*modes[:3], "packing flex", modes[3]]
     assert lines[-1].startswith("| no-padding bound")  # the training table is printed last
     assert any("microbatches that needed a mask: 0)" in line for line in lines)
     by_mode = {row[0]: dict(zip(training[0], row, strict=True)) for row in training[1:]}
     assert all(float(by_mode[m]["real tok/s"].replace(",", "")) > 0 for m in modes)
     assert [by_mode[m]["status"] for m in modes] == ["ok", "ok", "ok", "ok (attention: sdpa)"]
+    # the flex row is there, refused by name on a CPU (no FlexAttention backward); it trains on CUDA
+    assert by_mode["packing flex"]["status"].startswith("refused: BackendUnavailableError: attention backend 'flex'")
+    assert by_mode["packing flex"]["real tok/s"] == "n/a"
     assert by_mode["padded"]["x padded"] == by_mode["no-padding bound"]["x bound"] == "1.00x"
     assert by_mode["no-padding bound"]["padding"] == "0.0%" and by_mode["no-padding bound"]["held-out loss"] == "n/a"
     report = json.loads(out.read_text())
-    assert [row["mode"] for row in report["training"]["rows"]] == modes
+    assert [row["mode"] for row in report["training"]["rows"]] == [*modes[:3], "packing flex", modes[3]]
     assert report["training"]["flops_per_real_token"] > 0 and report["training"]["peak_flops"] is None
     assert {row["layout"] for row in report["attention"]} >= {"padded", "padded + mask"}
 

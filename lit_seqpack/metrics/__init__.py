@@ -15,6 +15,7 @@ _EXPORTS: dict[str, str] = {
     "TokensPerSecond": "lit_seqpack.metrics.packing",
     "PackingEfficiency": "lit_seqpack.metrics.packing",
     "RankImbalance": "lit_seqpack.metrics.packing",
+    "training_flops": "lit_seqpack.metrics.flops",
 }
 __all__ = list(_EXPORTS)
 

@@ -133,6 +133,8 @@ class PackingTracker:
         self.packing = PackingEfficiency()
         self.imbalance = RankImbalance(tokens=imbalance_tokens)
         self.totals = RunTotals()
+        self.last_window = RunTotals()
+        """The last flushed window, reduced over ranks (its ``elapsed`` is the slowest rank's)."""
         self._open_step: list[tuple[BatchCounts, bool]] = []
 
     @property
@@ -227,6 +229,7 @@ class PackingTracker:
         for metric in self.metrics:
             metric.reset()
         self.totals.add(window)
+        self.last_window = window
         return window.values() | {
             "real_tokens": float(self.totals.real_tokens),
             "padding_tokens": float(self.totals.padding_tokens),

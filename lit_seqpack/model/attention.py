@@ -19,8 +19,11 @@ read them:
   function.
 * ``"sdpa"``: exact ``F.scaled_dot_product_attention`` per document over ``torch.split`` views. Runs anywhere;
   the CPU path. (Slicing ``x[s:e]`` per document is 10-50x slower in backward than ``split``.)
+* ``"flex"``: torch's FlexAttention with a block mask built from ``cu_seqlens`` once per batch
+  (:mod:`lit_seqpack.model.flex_attention`); honours windows, softcaps and sinks together. On CPU forward only.
 
-``"auto"`` picks the first usable one in that order for the tensors' device and dtype. Nothing here touches
+``"auto"`` picks the first usable one in that order for the tensors' device and dtype (so never ``"flex"``, which
+comes after ``"sdpa"``: ask for it by name). Nothing here touches
 CUDA or imports flash-attn at import time. Tests force a backend with :func:`use_backend` and swap a kernel
 for a CPU stand-in with the kernel's own signature with :func:`override_backend` (for instance
 :func:`~lit_seqpack.model.attention_reference.reference_flash_attn_varlen_func`), so the argument routing is tested
@@ -72,7 +75,8 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
-from lit_seqpack._imports import FLASH_ATTN_AVAILABLE, FLASH_ATTN_INSTALL_HINT
+from lit_seqpack._imports import FLASH_ATTN_AVAILABLE, FLASH_ATTN_INSTALL_HINT, BackendUnavailableError
+from lit_seqpack.model.flex_attention import flex_varlen, load_flex
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -297,10 +301,6 @@ def check_extras(
     return window, frozenset(key for key, val in asked if val is not None)
 
 
-class BackendUnavailableError(RuntimeError):
-    """An explicitly requested attention backend cannot run here; the message says why and how to fix it."""
-
-
 def flash_attn_call(
     kernel: Callable[..., torch.Tensor],
     q: torch.Tensor,
@@ -451,6 +451,13 @@ ATTENTION_BACKENDS: Mapping[str, AttentionBackend] = MappingProxyType(
                 name="sdpa",
                 requires="torch (``F.scaled_dot_product_attention``)",
                 honours=frozenset({"causal", "window", "softcap", "sinks"}),
+            ),
+            AttentionBackend(
+                name="flex",
+                requires="torch >= 2.9 (``torch.nn.attention.flex_attention``); forward only on CPU (no backward)",
+                load=load_flex,
+                honours=frozenset({"causal", "window", "softcap", "sinks"}),
+                fallback="sdpa",
             ),
         )
     }
@@ -676,9 +683,9 @@ def varlen_attention(
         softcap: scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma2).
         sinks: ``[heads]`` float sink logits, one extra softmax column per query head that no value reads
             (GPT-OSS ``s_aux``).
-        backend: ``"auto"`` or one of :data:`BACKENDS`. ``"auto"`` skips backends that cannot honour the
-            requested ``window``/``softcap``/``sinks`` (``AttentionBackend.honours``); an explicit backend that
-            cannot raises.
+        backend: ``"auto"`` or one of :data:`BACKENDS` (``"auto"`` never picks ``"flex"``). ``"auto"`` skips
+            backends that cannot honour the requested ``window``/``softcap``/``sinks``
+            (``AttentionBackend.honours``); an explicit backend that cannot raises.
 
     Under autocast, ``q``/``k``/``v`` are first cast to the autocast dtype (see :func:`autocast_inputs`).
 
@@ -713,8 +720,10 @@ def varlen_attention(
     name = _resolve(backend, q.device, q.dtype, features)
     if name == "sdpa":
         return _sdpa_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, window, softcap, sinks)
-    if cu_seqlens.device.type == "cpu":
+    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
         segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
+    if name == "flex":
+        return flex_varlen(q, k, v, cu_seqlens, causal, scale, window, softcap, sinks, _OVERRIDES.get("flex"))
     if name == "flash_attn":
         return flash_attn_call(_kernel("flash_attn"), q, k, v, cu_seqlens, max_seqlen, causal, scale, window, softcap)
     return torch_varlen_call(_kernel("torch_varlen"), q, k, v, cu_seqlens, max_seqlen, causal, scale, window)

@@ -232,7 +232,7 @@ class ReferenceLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, Light
         lr_schedule: ``"cosine"`` (decay to ``min_lr_ratio * lr`` over the run) or ``"constant"``.
         min_lr_ratio: the final learning rate as a fraction of ``lr``.
         attn_backend: :func:`~lit_seqpack.model.attention.varlen_attention` backend (``"auto"``, ``"flash_attn"``,
-            ``"torch_varlen"``, ``"sdpa"``).
+            ``"torch_varlen"``, ``"sdpa"``, ``"flex"``).
         chunked_loss: compute the training and validation loss from the hidden states, ``loss_chunk_size`` tokens
             at a time through the output projection (recomputed in backward), never holding ``[tokens, vocab]``
             logits (:func:`~lit_seqpack.model.chunked_loss.chunked_cross_entropy`); ``False``: the full logits.

@@ -96,7 +96,7 @@ def test_reference_equals_per_document_attention():
 
 
 def test_auto_picks_sdpa_on_cpu_and_kernels_need_cuda():
-    assert available_backends("cpu") == ["sdpa"]
+    assert available_backends("cpu") == ["sdpa", "flex"]  # flex: forward only on CPU, never picked by auto
     q, k, v = _qkv(LENGTHS)
     torch.testing.assert_close(
         varlen_attention(q, k, v, _cu(LENGTHS), 5), varlen_attention(q, k, v, _cu(LENGTHS), 5, backend="sdpa")
@@ -146,12 +146,12 @@ class _Spy:
 def test_flash_attn_routing_with_reference_kernel(causal, kv_heads):
     spy = _Spy(reference_flash_attn_varlen_func)
     with override_backend("flash_attn", spy):
-        assert available_backends("cpu") == ["flash_attn", "sdpa"]
+        assert available_backends("cpu") == ["flash_attn", "sdpa", "flex"]
         _assert_matches_reference(
             varlen_attention, LENGTHS, heads=4, kv_heads=kv_heads, causal=causal, scale=0.2, atol=1e-12
         )
     assert spy.calls == [{"dropout_p": 0.0, "softmax_scale": 0.2, "causal": causal}]
-    assert available_backends("cpu") == ["sdpa"]
+    assert available_backends("cpu") == ["sdpa", "flex"]
 
 
 def _new_torch_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,

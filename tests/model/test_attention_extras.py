@@ -163,7 +163,7 @@ def test_cuda_kernels_match_sdpa_with_windows_and_softcaps(extras: dict[str, Any
     tensors, cu = [t.detach().cuda() for t in tensors], cu.cuda()
     expected = call(varlen_attention, tensors, cu, extras, backend="sdpa").float()
     for backend in available_backends("cuda", dtype):
-        if backend == "sdpa" or ("softcap" in extras and backend == "torch_varlen"):
-            continue
+        if backend in ("sdpa", "flex") or ("softcap" in extras and backend == "torch_varlen"):
+            continue  # flex: tests/model/test_flex_attention.py (each new mask is a compilation: kept to a few)
         out = call(varlen_attention, tensors, cu, extras, backend=backend).float()
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2, msg=f"{backend} {extras}")
