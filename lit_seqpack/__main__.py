@@ -2,7 +2,8 @@
 
 ::
 
-    lit-seqpack fit --config configs/demo.yaml               # train (LightningCLI: fit, validate, test)
+    lit-seqpack fit --config configs/demo.yaml               # train (LightningCLI: also validate, test, predict)
+    lit-seqpack predict --config configs/demo.yaml --output scores.jsonl   # every sample's log-probabilities
     lit-seqpack fit --config configs/demo.yaml --ckpt_path last      # resume outputs/demo/checkpoints/last.ckpt
     lit-seqpack inspect --config configs/demo.yaml --plot plan.png   # compare every mode, no training
     lit-seqpack export --ckpt_path last.ckpt --output_dir model_dir  # a plain or Hugging Face model folder

@@ -16,7 +16,8 @@ What it adds to a plain ``LightningCLI``:
   counts every id of the data (``input_ids`` and ``labels``) and ``data.pad_token_id``;
 - models whose vocabulary lives elsewhere (:class:`~lit_seqpack.model.lm.HFCausalLM`'s ``config`` dict or
   checkpoint) are checked after instantiation: a vocabulary smaller than the data's fails with a clear message;
-- only ``fit``, ``validate`` and ``test`` (the mixin trains and evaluates; it has no ``predict_step``);
+- ``fit``, ``validate``, ``test`` and ``predict`` (``--output scores.jsonl``: every sample's log-probabilities, written
+  by :class:`~lit_seqpack.prediction.PredictionWriter` from every rank and merged in index order);
 - ``torch_num_threads`` sets torch's CPU thread pool from the config (a 2-core machine shared with other
   processes trains an order of magnitude faster with 1 thread than with torch's default of one per core);
 - the saved ``config.yaml`` may overwrite the previous run's, so rerunning the demo just works.
@@ -32,11 +33,13 @@ import inspect
 import logging
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_seqpack._checks import check_int
 from lit_seqpack._config_files import check_interpolated_data, explain_interpolation_error, resolve_interpolation
@@ -56,6 +59,7 @@ SUBCOMMANDS: dict[str, set[str]] = {
     "fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
     "validate": {"model", "dataloaders", "datamodule"},
     "test": {"model", "dataloaders", "datamodule"},
+    "predict": {"model", "dataloaders", "datamodule", "return_predictions"},
 }
 """The Trainer methods exposed as subcommands, with the arguments the CLI fills itself."""
 
@@ -64,6 +68,7 @@ _DESCRIPTION = (
     "(lit-seqpack SUBCOMMAND --help for the options of each). "
     "Also: 'lit-seqpack inspect --config CONFIG.yaml [--plot FILE.png]' compares every batching mode "
     "and packing algorithm on the config's data without training; "
+    "'lit-seqpack predict --config CONFIG.yaml --output scores.jsonl' writes every sample's log-probabilities; "
     "'lit-seqpack generate --ckpt_path CKPT --prompt TEXT' generates from a trained checkpoint; "
     "'lit-seqpack export --ckpt_path CKPT --output_dir DIR' writes it as a model folder (Hugging Face for HFCausalLM)."
 )
@@ -100,7 +105,7 @@ def check_vocab(model: LightningModule, data_vocab_size: int, *, hint: str = "or
 
 
 class SeqPackCLI(LightningCLI):
-    """The ``lit-seqpack`` command line: ``fit``, ``validate`` and ``test`` of a packed LightningModule.
+    """The ``lit-seqpack`` command line: ``fit``, ``validate``, ``test`` and ``predict`` of a packed LightningModule.
 
     The model is any LightningModule given by ``class_path`` (``ReferenceLM`` by default, ``HFCausalLM``, or
     your own with :class:`~lit_seqpack.model.mixin.PackedSequenceMixin`); the data is a
@@ -151,7 +156,7 @@ class SeqPackCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        """``fit``, ``validate`` and ``test``, with the Trainer arguments the CLI fills itself."""
+        """``fit``, ``validate``, ``test`` and ``predict``, with the Trainer arguments the CLI fills itself."""
         return {name: set(skip) for name, skip in SUBCOMMANDS.items()}
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -188,6 +193,31 @@ class SeqPackCLI(LightningCLI):
         )
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand == "predict":
+            parser.add_argument(
+                "--output",
+                type=str | None,
+                default=None,
+                help="the predictions file, .jsonl or .parquet: one record per sample (index, token_logprobs, nll, "
+                "num_loss_tokens), every rank's merged in index order (default: <trainer.default_root_dir>/"
+                "predictions.jsonl)",
+            )
+        return parser
+
+    def predict(self, model: LightningModule, datamodule: Any = None, **kwargs: Any) -> None:
+        """``trainer.predict`` with a :class:`~lit_seqpack.prediction.PredictionWriter` writing ``--output``."""
+        from lit_seqpack.prediction import PredictionWriter
+
+        output = self.config["predict"].get("output")
+        if output is None:
+            output = str(Path(self.trainer.default_root_dir) / "predictions.jsonl")
+        writer = PredictionWriter(output)
+        self.trainer.callbacks.append(writer)
+        self.trainer.predict(model, datamodule=datamodule, return_predictions=False, **kwargs)
+        rank_zero_info(f"lit-seqpack predict: {writer.merged} predictions (every rank's) written to {output}")
 
     def before_test(self) -> None:
         """Fail with an explanation when the DataModule has no test split (Lightning's message names no fix)."""

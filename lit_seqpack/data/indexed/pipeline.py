@@ -30,7 +30,7 @@ from lit_seqpack.data.indexed._loader import ResumableDataLoader
 from lit_seqpack.data.indexed._reads import read_sample
 from lit_seqpack.data.indexed._resume import LOADER_STATE, PLAN_STATE, check_resume, layout_state, plan_settings
 from lit_seqpack.data.indexed.lengths import cached_scan
-from lit_seqpack.data.indexed.planned_dataset import PlannedDataset
+from lit_seqpack.data.indexed.planned_dataset import IndexedCollator, PlannedDataset
 from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler
 from lit_seqpack.data.indexed.samplers import DynamicBatchSampler, PackedBatchSampler, PaddedBatchSampler
 from lit_seqpack.data.indexed.splits import IndexView, Split, split_indices
@@ -61,6 +61,7 @@ class IndexedPipeline:
         source: the training source (its ``"val"`` / ``"test"`` splits too, when it holds them).
         val_source: a source whose samples validate (instead of ``val_fraction`` or the source's own val split).
         test_source: a source whose samples test.
+        predict_source: a source whose samples ``trainer.predict`` scores (default: every training sample).
 
     Raises:
         ValueError: two settings choose the same evaluation split, or ``loss_weight_field="loss_mask"`` with a file
@@ -74,6 +75,7 @@ class IndexedPipeline:
         *,
         val_source: IndexedSource | None = None,
         test_source: IndexedSource | None = None,
+        predict_source: IndexedSource | None = None,
     ) -> None:
         if settings.loss_weight_field == "loss_mask" and isinstance(source, FileSource):
             raise ValueError(
@@ -83,7 +85,8 @@ class IndexedPipeline:
             )
         fractions = {"val": settings.val_fraction, "test": settings.test_fraction}
         self.eval_sources = eval_sources(source, {"val": val_source, "test": test_source}, fractions)
-        self.settings, self.source = settings, source
+        self.settings, self.source, self.predict_source = settings, source, predict_source
+        self._predict: Split | None = None
         self.layout, self.context_parallel_rank = DataParallelLayout(), 0
         self.trainer: Any = None
         self.is_set_up = False
@@ -294,13 +297,58 @@ class IndexedPipeline:
                 return []
         return self._loader(split)
 
+    def predict_loader(self) -> ResumableDataLoader:
+        """The predict loader: every predict sample once over the ranks, planned like evaluation, and each batch's
+        ``sample_index`` (:class:`~lit_seqpack.data.indexed.planned_dataset.IndexedCollator`).
+
+        Raises:
+            ValueError: context or tensor parallelism (every rank of a group would score the same samples).
+        """
+        settings = self.settings
+        if settings.parallel.model_parallel_size > 1:
+            raise ValueError(
+                f"trainer.predict supports data parallelism only, got context_parallel_size="
+                f"{settings.context_parallel_size}, tensor_parallel_size={settings.tensor_parallel_size}: predict "
+                "with both at 1 (each rank scores its own share of the samples)"
+            )
+        self._predict_split()
+        return self._loader("predict")
+
+    def _predict_split(self) -> Split:
+        """The predict samples under the training over-long policy (once): the predict source's, or the whole
+        training dataset (held-out samples included), with the report of what the policy did."""
+        if self._predict is None:
+            if self.predict_source is None:
+                data, scan = self.dataset, self.scan()
+            else:
+                data = self._load(self.predict_source, "train")
+                scan = self._scan_data(data)
+            budget = self._budget() if self.settings.max_tokens is not None else {"max_tokens": None}
+            split, report = eval_split(
+                data,
+                scan,
+                name="predict",
+                model_vocab=self._model_vocab(),
+                pad_token_id=self.settings.pad_token_id,
+                **budget,
+            )
+            self._predict = Split(split.dataset, _int32(split.lengths), _int32(split.loss_tokens))
+            self.eval_overlong_reports["predict"] = report
+            if report is not None and report.num_dropped:
+                rank_zero_warn(
+                    f"lit_seqpack: predict: {report.summary()}; those samples get no prediction (their indices are "
+                    "missing from the output): use overlong='truncate' to score their first max_tokens tokens"
+                )
+        return self._predict
+
     def _loader(self, split: str) -> ResumableDataLoader:
-        if split not in self.splits:
+        if split != "predict" and split not in self.splits:
             raise ValueError(
                 f"no {split!r} data: set {split}_fraction > 0 to hold out {split} samples, or {split}_source to read "
                 "them"
             )
-        settings, (data, lengths, loss_tokens) = self.settings, self.splits[split]
+        settings = self.settings
+        data, lengths, loss_tokens = self._predict_split() if split == "predict" else self.splits[split]
         train = split == "train"
         config = settings.plan_config(self.layout, train=train)
         planned = planned_lengths(lengths, settings.document_multiple) if settings.mode == "packing" else lengths
@@ -317,10 +365,11 @@ class IndexedPipeline:
                 # set the epoch here so the first epoch after a resume is planned for the right epoch.
                 sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
             sampler.set_start_source(self._training_start)
+        collate = settings.collator(self.context_parallel_rank)
         loader = ResumableDataLoader(
             PlannedDataset(data),
             batch_sampler=with_step_loss_weights(sampler, data, settings.loss_weight_field),
-            collate_fn=settings.collator(self.context_parallel_rank),
+            collate_fn=IndexedCollator(collate) if split == "predict" else collate,
             num_workers=settings.num_workers,
         )
         if train:
