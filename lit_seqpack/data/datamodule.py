@@ -210,7 +210,18 @@ class SeqPackDataModule(LightningDataModule):
             self.setup("fit")
 
     def train_dataloader(self) -> Any:
-        """The training loader: a stateful DataLoader over this rank's planned microbatches."""
+        """The training loader: a stateful DataLoader over this rank's planned microbatches.
+
+        Under ``Trainer(overfit_batches=N)`` every epoch trains the same first ``N`` microbatches (epoch 0's plan,
+        unshuffled; Lightning validates on the first ``N`` validation microbatches); a stream source refuses it.
+        """
+        overfit = getattr(self.trainer, "overfit_batches", 0) if self.trainer is not None else 0
+        if overfit and isinstance(self.pipeline, StreamPipeline):
+            raise ValueError(
+                f"Trainer(overfit_batches={overfit}) is not supported with a stream source "
+                f"({type(self.source).__name__}): the stream is read on, so its first microbatches differ between "
+                "epochs. Overfit on an indexed source (TokenizedSource, ...) or set overfit_batches=0"
+            )
         self._ready()
         return self.pipeline.train_loader()
 

@@ -47,6 +47,12 @@ Dataset = Sequence[Mapping[str, Any]]
 _SAMPLERS = {"packing": PackedBatchSampler, "dynamic": DynamicBatchSampler, "padded": PaddedBatchSampler}
 
 
+def _overfits(trainer: Any) -> bool:
+    """Whether the Trainer runs with ``overfit_batches`` (it then trains the same first microbatches every epoch)."""
+    value = getattr(trainer, "overfit_batches", 0)
+    return isinstance(value, (int, float)) and value > 0
+
+
 def _int32(counts: np.ndarray) -> np.ndarray:
     """Token counts in 4 bytes a sample when they fit (they always do below 2^31 tokens a sample)."""
     fits = counts.size == 0 or int(counts.max()) < 1 << 31
@@ -351,6 +357,9 @@ class IndexedPipeline:
         data, lengths, loss_tokens = self._predict_split() if split == "predict" else self.splits[split]
         train = split == "train"
         config = settings.plan_config(self.layout, train=train)
+        overfit = train and _overfits(self.trainer)
+        if overfit:  # the same microbatches every epoch: epoch 0's, unshuffled
+            config = dataclasses.replace(config, shuffle=False)
         planned = planned_lengths(lengths, settings.document_multiple) if settings.mode == "packing" else lengths
         count = settings.content_check_samples
         content = functools.partial(content_digest, data, count, settings.seed, read=read_sample) if count else None
@@ -363,8 +372,8 @@ class IndexedPipeline:
                 # Lightning builds the iterator (and workers start fetching) before it calls set_epoch, and
                 # skips the loader state when resuming from an end-of-epoch checkpoint (Lightning #21938):
                 # set the epoch here so the first epoch after a resume is planned for the right epoch.
-                sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
-            sampler.set_start_source(self._training_start)
+                sampler.set_epoch(0 if overfit else self.trainer.fit_loop.epoch_progress.current.processed)
+            sampler.set_start_source(self._overfit_start if overfit else self._training_start)
         collate = settings.collator(self.context_parallel_rank)
         loader = ResumableDataLoader(
             PlannedDataset(data),
@@ -378,6 +387,10 @@ class IndexedPipeline:
                 loader.load_state_dict(self._pending_state)
                 self._pending_state = None
         return loader
+
+    def _overfit_start(self, epoch: int, start: int) -> tuple[int, int]:
+        """Under ``Trainer(overfit_batches=N)``: every epoch plays epoch 0's plan from the Trainer's position."""
+        return 0, self._training_start(epoch, start)[1]
 
     def _training_start(self, epoch: int, start: int) -> tuple[int, int]:
         """Where an iteration of the training sampler starts: the Trainer's epoch and batch counter (fit only)."""
