@@ -88,6 +88,9 @@ def _synchronize(device: torch.device) -> None:
 def _loss_line(loss_key: str, first: Sequence[float], last: Sequence[float], logged: int) -> str | None:
     """The summary's loss line: the mean of the first and of the last logged values, and how many they are.
 
+    The two windows never share a value: a run that logged fewer than twice the window compares the first half of its
+    values with the second half (one value: that value, said so), so a short run's change is never hidden.
+
     Args:
         loss_key: the loss's key.
         first: the first logged values (at most ``loss_window``).
@@ -97,16 +100,22 @@ def _loss_line(loss_key: str, first: Sequence[float], last: Sequence[float], log
     Example:
         >>> _loss_line("train/loss", [4.0, 3.0], [2.5, 1.5], logged=10)
         'train/loss         3.5000 -> 2.0000 (mean of the first and of the last 2 of 10 logged steps)'
+        >>> _loss_line("train/loss", [4.0, 3.0, 2.0], [4.0, 3.0, 2.0], logged=3)
+        'train/loss         4.0000 -> 2.0000 (the first and the last of 3 logged steps)'
+        >>> _loss_line("train/loss", [4.0], [4.0], logged=1)
+        'train/loss         4.0000 (1 logged step)'
         >>> _loss_line("train/loss", [], [], logged=0) is None
         True
     """
     if not first or not last:
         return None
-    head, tail = sum(first) / len(first), sum(last) / len(last)
-    return (
-        f"{loss_key:<18} {head:.4f} -> {tail:.4f} (mean of the first and of the last {len(last)} of {logged} "
-        "logged steps)"
-    )
+    if logged == 1:
+        return f"{loss_key:<18} {first[0]:.4f} (1 logged step)"
+    size = min(len(first), len(last), logged // 2)  # disjoint windows
+    head, tail = list(first)[:size], list(last)[-size:]
+    mean_head, mean_tail = sum(head) / size, sum(tail) / size
+    what = "the first and the last" if size == 1 else f"mean of the first and of the last {size}"
+    return f"{loss_key:<18} {mean_head:.4f} -> {mean_tail:.4f} ({what} of {logged} logged steps)"
 
 
 @rank_zero_only
@@ -141,7 +150,8 @@ class PackingMonitor(Callback):
     (cumulative). Tokens/s and the padding ratio also go to the progress bar. Validation and test log the
     same keys under ``val/`` and ``test/`` once per epoch. At the end of fit rank 0 logs a summary of the
     whole run and, if the module logged ``loss_key``, its smoothed first and last values: the mean of the values
-    logged at the first and at the last ``loss_window`` logging steps (one microbatch's loss is noise).
+    logged at the first and at the last ``loss_window`` logging steps (one microbatch's loss is noise; a run of fewer
+    than ``2 x loss_window`` logging steps compares its first half with its second half, never the same values).
 
     Why computed values and not Metric objects: Lightning logs a Metric object's per-step value from its
     rank-local ``forward`` cache, which is neither a window nor all ranks. The values logged here are
