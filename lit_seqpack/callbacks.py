@@ -20,7 +20,7 @@ from lit_seqpack.parallel import ParallelLayout, mesh_layout, strategy_mesh
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["PackingMonitor"]
+__all__ = ["GradNormMonitor", "PackingMonitor"]
 
 _PROG_BAR_KEYS = ("tokens_per_sec", "padding_ratio")
 
@@ -378,3 +378,40 @@ class _LoggedLosses:
             losses.last.extend(float(v) for v in state["last"])
             losses.count = int(state["count"])
         return losses
+
+
+class GradNormMonitor(Callback):
+    """Logs the global gradient norm of every optimizer step as ``train/grad_norm`` (before clipping).
+
+    Read in ``on_before_optimizer_step``: after Lightning unscaled mixed-precision gradients and after DDP averaged
+    them, before ``gradient_clip_val`` clips them (a norm far above the clip value says the clip is doing the work).
+    Logged at Lightning's logging steps (``log_every_n_steps``), like the loss. Under ``FSDPStrategy`` each rank holds
+    a shard: the ranks' norms are combined (p-th powers summed), so the value is the whole model's; under
+    ``ModelParallelStrategy`` it is this rank's shards' norm (tested on one process and DDP only).
+
+    Args:
+        norm_type: the p of the p-norm (2.0: the Euclidean norm clipping uses by default).
+        prog_bar: also show it in the progress bar.
+    """
+
+    def __init__(self, *, norm_type: float = 2.0, prog_bar: bool = False) -> None:
+        if not norm_type > 0:
+            raise ValueError(f"norm_type={norm_type!r} must be > 0")
+        self.norm_type = float(norm_type)
+        self.prog_bar = prog_bar
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if not trainer._logger_connector.should_update_logs:
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # DTensor shards
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.detach().float(), self.norm_type) for g in local]), self.norm_type
+        )
+        if "FSDP" in type(trainer.strategy).__name__ and trainer.world_size > 1:  # flat shards over every rank
+            power = trainer.strategy.reduce(norm**self.norm_type, reduce_op="sum")
+            norm = power ** (1.0 / self.norm_type)
+        pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False, prog_bar=self.prog_bar)

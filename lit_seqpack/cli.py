@@ -28,13 +28,14 @@ The ``inspect`` (plan statistics without training), ``generate`` and ``export`` 
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import logging
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -48,7 +49,18 @@ from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.data.sources._vocab import vocab_hint
 from lit_seqpack.model.vocab import model_vocab_size
 
-__all__ = ["DEFAULT_MODEL", "SUBCOMMANDS", "TRAINER_DEFAULTS", "SeqPackCLI", "check_vocab", "model_vocab_size"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "SUBCOMMANDS",
+    "TRAINER_DEFAULTS",
+    "ConfigError",
+    "SeqPackArgumentParser",
+    "SeqPackCLI",
+    "check_vocab",
+    "did_you_mean",
+    "model_vocab_size",
+    "user_message",
+]
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +109,84 @@ def check_vocab(model: LightningModule, data_vocab_size: int, *, hint: str = "or
         )
         return
     if vocab < data_vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"the model's vocab_size={vocab} is smaller than the data's vocab_size={data_vocab_size}: token ids "
             f"up to {data_vocab_size - 1} would index past the embedding. Raise the model's vocab_size (for "
             f"HFCausalLM: model.init_args.config.vocab_size), {hint}"
         )
+
+
+class ConfigError(ValueError):
+    """A bad setting found while parsing or instantiating the config: ``lit-seqpack`` prints its message alone."""
+
+
+_JSONARGPARSE_NOISE = (
+    "Expected a ",
+    "Import path ",
+    "Not a valid ",
+    "Type <",
+    "does not correspond to a subclass",
+    "does not implement protocol",
+    "Given value",
+)
+
+
+def user_message(text: str) -> str:
+    """The message of a setting's own error inside jsonargparse's account of a failed union (or the text itself).
+
+    jsonargparse tries each type of a ``Union`` setting and lists every attempt's error; the one a lit_seqpack class
+    (or the user's) raised is the one that says what is wrong.
+
+    Example:
+        >>> text = "Does not validate against any of the Union subtypes\nSubtypes: [...]\nErrors:\n"
+        >>> text += "  - Expected a <class 'str'>\n  - tokenizer='x' is not a local folder\nGiven value: ..."
+        >>> user_message(text)
+        "tokenizer='x' is not a local folder"
+    """
+    if "Errors:" not in text:
+        return text
+    lines = text.split("Errors:", 1)[1].splitlines()
+    errors = [line.strip()[2:] for line in lines if line.startswith("  - ")]
+    own = [error for error in errors if not any(noise in error for noise in _JSONARGPARSE_NOISE)]
+    return "\n".join(own) if own else text
+
+
+def did_you_mean(message: str, options: list[str]) -> str:
+    """``message`` with the closest known keys of each unrecognized one (``--data.max_token`` -> ``--data.max_tokens``).
+
+    Example:
+        >>> did_you_mean("unrecognized arguments: --data.max_token 5", ["--data.max_tokens", "--data.mode"])
+        'unrecognized arguments: --data.max_token 5 (did you mean --data.max_tokens?)'
+    """
+    if "unrecognized arguments" not in message.lower():
+        return message
+    hints = []
+    for word in message.split():
+        if word.startswith("--"):
+            key = word.split("=", 1)[0]
+            close = difflib.get_close_matches(key, options, n=3, cutoff=0.6)
+            if close:
+                hints.append(f"did you mean {' or '.join(close)}?")
+    return f"{message} ({'; '.join(hints)})" if hints else message
+
+
+class SeqPackArgumentParser(LightningArgumentParser):
+    """The CLI's parser: no abbreviated keys (``--data.max_token`` is refused, not read as ``--data.max_tokens``), and
+    an error is its message alone (with the closest keys of an unknown one), not the usage of every option."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        parser = getattr(ex, "subcommand_parser", None) or self
+        options = [option for action in parser._actions for option in action.option_strings]
+        message = did_you_mean(user_message(message), options)
+        if not self.exit_on_error:
+            raise ConfigError(message) from ex
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"{prog}: error: {message}\n(all the options: {prog} --help)\n")
+        self.exit(2)
 
 
 class SeqPackCLI(LightningCLI):
@@ -143,6 +228,7 @@ class SeqPackCLI(LightningCLI):
         trainer_defaults = {**TRAINER_DEFAULTS, **kwargs.pop("trainer_defaults", {})}
         save_config_kwargs = {"overwrite": True, **kwargs.pop("save_config_kwargs", {})}
         kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("parser_class", SeqPackArgumentParser)
         super().__init__(
             model_class,
             datamodule_class,
@@ -173,7 +259,7 @@ class SeqPackCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except InterpolationResolutionError as err:
-            raise ValueError(explain_interpolation_error(err, sys.argv[1:] if args is None else args)) from None
+            raise ConfigError(explain_interpolation_error(err, sys.argv[1:] if args is None else args)) from None
         subcommand = self.config.get("subcommand")
         if subcommand is None:  # run=False: one parser, no subcommand
             if "${" in str(self.config):
@@ -237,8 +323,30 @@ class SeqPackCLI(LightningCLI):
         init_args = self._get(self.config, "model").get("init_args")
         self._configured_vocab = None if init_args is None else init_args.get("vocab_size")
 
+    def instantiate_classes(self) -> None:
+        """Instantiate; a setting's own error inside jsonargparse's account of a union is raised alone."""
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            message = user_message(str(err))
+            if message == str(err):
+                raise
+            raise ConfigError(message) from None
+
     def after_instantiate_classes(self) -> None:
-        """Check the vocabulary: set once (in the data), and large enough for every token id of the data."""
+        """Check the vocabulary: set once (in the data), and large enough for every token id of the data.
+
+        A run without a logger (``--trainer.logger false``) drops the config's ``LearningRateMonitor`` (it refuses
+        to run without one) instead of failing at the start of fit.
+        """
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and not trainer.loggers:
+            from lightning.pytorch.callbacks import LearningRateMonitor
+
+            kept = [c for c in trainer.callbacks if not isinstance(c, LearningRateMonitor)]
+            if len(kept) < len(trainer.callbacks):
+                log.info("lit_seqpack: no logger, so the config's LearningRateMonitor is left out")
+                trainer.callbacks = kept
         if self.datamodule is None or self.model is None:
             return
         data_vocab = self.datamodule.vocab_size
@@ -253,7 +361,7 @@ class SeqPackCLI(LightningCLI):
         defaults = (_default_of(type(self.model), _VOCAB_KEY), carried, data_vocab)
         configured = self._configured_vocab
         if accepted and configured is not None and configured not in defaults:
-            raise ValueError(
+            raise ConfigError(
                 f"model.init_args.vocab_size={configured} is set twice: the CLI links it to data.vocab_size="
                 f"{data_vocab}. Remove it from the model section (the data decides the vocabulary)"
             )
