@@ -16,6 +16,7 @@ from lit_seqpack.data.batching.collate import PackedCollator
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.data.sources.files import TokenizedSource
 from lit_seqpack.model.lm import HFCausalLM, ReferenceLM
+from lit_seqpack.model.mixin import _VERIFIED
 from lit_seqpack.prediction import (
     PredictionWriter,
     merge_predictions,
@@ -111,6 +112,7 @@ def test_reference_lm_predictions_equal_each_sample_alone(mode):
     assert int(batch["num_real_tokens"]) > MAX_TOKENS  # planned with the evaluation budget
     if mode == "packing":
         assert len(batch["sample_index"]) == batch["num_documents"] > 1
+        assert False in _VERIFIED[model]  # the eval-mode isolation probe ran inside predict's inference_mode
 
 
 @pytest.mark.parametrize("mode", ["packing", "dynamic"])
