@@ -32,6 +32,7 @@ import difflib
 import importlib
 import inspect
 import logging
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -132,41 +133,51 @@ _JSONARGPARSE_NOISE = (
 
 
 def user_message(text: str) -> str:
-    """The message of a setting's own error inside jsonargparse's account of a failed union (or the text itself).
+    r"""The message of a setting's own error inside jsonargparse's account of a failed union (or the text itself).
 
     jsonargparse tries each type of a ``Union`` setting and lists every attempt's error; the one a lit_seqpack class
-    (or the user's) raised is the one that says what is wrong.
+    (or the user's) raised is the one that says what is wrong. A parser error keeps the key it names.
 
     Example:
         >>> text = "Does not validate against any of the Union subtypes\nSubtypes: [...]\nErrors:\n"
         >>> text += "  - Expected a <class 'str'>\n  - tokenizer='x' is not a local folder\nGiven value: ..."
         >>> user_message(text)
         "tokenizer='x' is not a local folder"
+        >>> user_message('Parser key "model":\n  Errors:\n    - Option \'n_layers\' is not accepted\n')
+        "model: Option 'n_layers' is not accepted"
     """
     if "Errors:" not in text:
         return text
     lines = text.split("Errors:", 1)[1].splitlines()
-    errors = [line.strip()[2:] for line in lines if line.startswith("  - ")]
-    own = [error for error in errors if not any(noise in error for noise in _JSONARGPARSE_NOISE)]
-    return "\n".join(own) if own else text
+    errors = [line.strip()[2:] for line in lines if re.match(r"^ {2,4}- ", line)]
+    own = [error for error in errors if error and not any(noise in error for noise in _JSONARGPARSE_NOISE)]
+    if not own:
+        return text
+    key = re.match(r'^Parser key "([^"]+)":', text)
+    return (f"{key.group(1)}: " if key else "") + "\n".join(own)
 
 
 def did_you_mean(message: str, options: list[str]) -> str:
-    """``message`` with the closest known keys of each unrecognized one (``--data.max_token`` -> ``--data.max_tokens``).
+    """``message`` with the closest known keys of each unknown one (``--data.max_token`` -> ``--data.max_tokens``).
+
+    Unknown keys are read from argparse's ``unrecognized arguments: ...`` (the command line) and jsonargparse's
+    ``does not accept option '...'`` (a config file).
 
     Example:
         >>> did_you_mean("unrecognized arguments: --data.max_token 5", ["--data.max_tokens", "--data.mode"])
         'unrecognized arguments: --data.max_token 5 (did you mean --data.max_tokens?)'
+        >>> did_you_mean("Subcommand 'fit' does not accept option 'data.val_fractio'", ["--data.val_fraction"])
+        "Subcommand 'fit' does not accept option 'data.val_fractio' (did you mean data.val_fraction?)"
     """
+    unknown = [(word.split("=", 1)[0], "--") for word in message.split() if word.startswith("--")]
     if "unrecognized arguments" not in message.lower():
-        return message
+        unknown = [(key, "") for key in re.findall(r"does not accept option '([^']+)'", message)]
     hints = []
-    for word in message.split():
-        if word.startswith("--"):
-            key = word.split("=", 1)[0]
-            close = difflib.get_close_matches(key, options, n=3, cutoff=0.6)
-            if close:
-                hints.append(f"did you mean {' or '.join(close)}?")
+    for key, prefix in unknown:
+        names = [option[2:] if not prefix and option.startswith("--") else option for option in options]
+        close = difflib.get_close_matches(key, names, n=3, cutoff=0.8)
+        if close:
+            hints.append(f"did you mean {' or '.join(close)}?")
     return f"{message} ({'; '.join(hints)})" if hints else message
 
 
