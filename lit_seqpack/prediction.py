@@ -32,6 +32,7 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from typing_extensions import override
 
+from lit_seqpack._imports import require
 from lit_seqpack.batch import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -176,19 +177,20 @@ def _format(path: Path) -> str:
     if path.suffix not in FORMATS:
         raise ValueError(f"a prediction file must end in {' or '.join(FORMATS)}, got {str(path)!r}")
     if path.suffix == ".parquet":
-        from lit_seqpack._imports import require
-
-        require("pyarrow.parquet", purpose="Parquet prediction files")
+        _parquet()
     return path.suffix
+
+
+def _parquet() -> Any:
+    """``pyarrow.parquet``, or an ImportError naming the extra to install."""
+    return require("pyarrow.parquet", purpose="Parquet prediction files")
 
 
 def _write(path: Path, records: Iterable[Mapping[str, Any]]) -> int:
     rows = [_plain(r) for r in records]
     if _format(path) == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_pylist(rows), path)
+        pa = require("pyarrow", purpose="Parquet prediction files")
+        _parquet().write_table(pa.Table.from_pylist(rows), path)
     else:
         with path.open("w") as file:
             file.writelines(json.dumps(row) + "\n" for row in rows)
@@ -203,9 +205,7 @@ def read_predictions(path: str | Path) -> list[dict[str, Any]]:
     """
     path = Path(path)
     if _format(path) == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
+        return _parquet().read_table(path).to_pylist()
     records = []
     with path.open() as file:
         for number, line in enumerate(file, 1):
