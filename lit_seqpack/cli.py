@@ -316,6 +316,24 @@ class SeqPackCLI(LightningCLI):
         self.trainer.predict(model, datamodule=datamodule, return_predictions=False, **kwargs)
         rank_zero_info(f"lit-seqpack predict: {writer.merged} predictions (every rank's) written to {output}")
 
+    def before_fit(self) -> None:
+        """``--ckpt_path last`` with several ``last*.ckpt`` in the checkpoint folder: say which one resumes and why."""
+        if self.config["fit"].get("ckpt_path") != "last":
+            return
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        found: set[str] = set()
+        for callback in self.trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+                found |= {str(path) for path in Path(callback.dirpath).glob("last*.ckpt")}
+        if len(found) > 1:
+            newest = max(found, key=lambda path: Path(path).stat().st_mtime)
+            others = ", ".join(sorted(Path(path).name for path in found - {newest}))
+            rank_zero_info(
+                f"lit-seqpack: --ckpt_path last resumes {newest}, the newest of the folder's last*.ckpt (also there: "
+                f"{others}, from other runs of this config); pass a file to --ckpt_path to resume another"
+            )
+
     def before_test(self) -> None:
         """Fail with an explanation when the DataModule has no test split (Lightning's message names no fix)."""
         data = self.datamodule

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,7 @@ def test_errors_lit_seqpack_raises_while_instantiating_reach_the_user_alone(tmp_
     assert err.startswith("lit-seqpack: error: ") and "Union subtypes" not in err
 
 
-def test_ckpt_path_last_resumes_the_newest_run_of_the_config_as_the_docs_say(tmp_path, monkeypatch):
+def test_ckpt_path_last_resumes_the_newest_run_of_the_config_as_the_docs_say(tmp_path, monkeypatch, caplog):
     """Two fresh runs of one config: the second writes last-v1.ckpt, and ``last`` resumes it (docs/getting-started)."""
     monkeypatch.chdir(tmp_path)
     config = tiny_demo(tmp_path, max_steps=4)  # checkpoints every 4 steps, mid-epoch
@@ -93,8 +94,11 @@ def test_ckpt_path_last_resumes_the_newest_run_of_the_config_as_the_docs_say(tmp
     folder = tmp_path / "outputs" / "demo_tiny" / "checkpoints"
     assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 4
     assert torch.load(folder / "last-v1.ckpt", weights_only=False)["global_step"] == 8
-    resumed = SeqPackCLI(args=["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "12"])
+    with caplog.at_level(logging.INFO):
+        resumed = SeqPackCLI(args=["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "12"])
     assert Path(resumed.trainer.ckpt_path) == folder / "last-v1.ckpt"
+    assert f"--ckpt_path last resumes {folder / 'last-v1.ckpt'}, the newest" in caplog.text
+    assert "also there: last.ckpt" in caplog.text
     assert resumed.trainer.global_step == 12
     assert torch.load(folder / "last-v1.ckpt", weights_only=False)["global_step"] == 12  # that run goes on
     assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 4  # the other run is untouched
