@@ -272,12 +272,15 @@ class SeqPackCLI(LightningCLI):
         except InterpolationResolutionError as err:
             raise ConfigError(explain_interpolation_error(err, sys.argv[1:] if args is None else args)) from None
         subcommand = self.config.get("subcommand")
-        if subcommand is None:  # run=False: one parser, no subcommand
-            if "${" in str(self.config):
-                self.config = resolve_interpolation(parser, self.config)
-        elif "${" in str(self.config[subcommand]):
-            subparser = self._subcommand_parsers[subcommand]
-            self.config[subcommand] = resolve_interpolation(subparser, self.config[subcommand])
+        try:
+            if subcommand is None:  # run=False: one parser, no subcommand
+                if "${" in str(self.config):
+                    self.config = resolve_interpolation(parser, self.config)
+            elif "${" in str(self.config[subcommand]):
+                subparser = self._subcommand_parsers[subcommand]
+                self.config[subcommand] = resolve_interpolation(subparser, self.config[subcommand])
+        except ValueError as err:  # a ${...} that does not resolve: its message alone
+            raise ConfigError(str(err)) from None
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Add ``torch_num_threads``; link the data's vocabulary to the model's (once the DataModule exists)."""

@@ -80,6 +80,10 @@ def test_errors_lit_seqpack_raises_while_instantiating_reach_the_user_alone(tmp_
     err = _error_of(capsys, ["fit", "--config", hf, "--model.init_args.config.vocab_size", "8"])
     assert "is more than the model's config.vocab_size=8" in err and "Union subtypes" not in err
     assert len(err.splitlines()) == 1
+    tokenized = str(ROOT / "configs" / "tokenized_sft.yaml")
+    err = _error_of(capsys, ["fit", "--config", tokenized, "--data.source.init_args.path", "${asset:nope/x.jsonl}"])
+    assert err.startswith("lit-seqpack: error: cannot resolve the interpolation in data.source.init_args.path")
+    assert "no such asset" in err and "Traceback" not in err
     missing = str(tmp_path / "no")
     err = _error_of(capsys, ["inspect", "--config", text_sft, "--data.source.init_args.tokenizer", missing])
     assert err.startswith("lit-seqpack: error: ") and "Union subtypes" not in err
