@@ -193,8 +193,8 @@ class SeqPackArgumentParser(LightningArgumentParser):
         parser = getattr(ex, "subcommand_parser", None) or self
         options = [option for action in parser._actions for option in action.option_strings]
         message = did_you_mean(user_message(message), options)
-        if not self.exit_on_error:
-            raise ConfigError(message) from ex
+        if not self.exit_on_error:  # jsonargparse's own ArgumentError, which its internal parsers catch
+            super().error(message, ex)
         prog = parser.prog.replace(" [options]", "")
         sys.stderr.write(f"{prog}: error: {message}\n(all the options: {prog} --help)\n")
         self.exit(2)
