@@ -148,8 +148,18 @@ def user_message(text: str) -> str:
     """
     if "Errors:" not in text:
         return text
-    lines = text.split("Errors:", 1)[1].splitlines()
-    errors = [line.strip()[2:] for line in lines if re.match(r"^ {2,4}- ", line)]
+    items: list[list[str]] = []
+    depth = -1  # the indentation of the current item's "- "; deeper lines continue it
+    for line in text.split("Errors:", 1)[1].splitlines():
+        item = re.match(r"^( {2,4})- (.*)", line)
+        if item:
+            items.append([item.group(2)])
+            depth = len(item.group(1))
+        elif depth >= 0 and line.startswith(" " * (depth + 3)) and line.strip():
+            items[-1].append(line.strip())
+        else:
+            depth = -1
+    errors = [" ".join(parts) for parts in items]
     own = [error for error in errors if error and not any(noise in error for noise in _JSONARGPARSE_NOISE)]
     if not own:
         return text
@@ -160,19 +170,30 @@ def user_message(text: str) -> str:
 def did_you_mean(message: str, options: list[str]) -> str:
     """``message`` with the closest known keys of each unknown one (``--data.max_token`` -> ``--data.max_tokens``).
 
-    Unknown keys are read from argparse's ``unrecognized arguments: ...`` (the command line) and jsonargparse's
-    ``does not accept option '...'`` (a config file).
+    Unknown keys are read from argparse's ``unrecognized arguments: ...`` (the command line), jsonargparse's
+    ``does not accept option '...'`` (a config file) and ``Option '...' is not accepted`` of a ``class_path`` (its
+    ``init_args``: the class's own parameters are the known keys).
 
     Example:
         >>> did_you_mean("unrecognized arguments: --data.max_token 5", ["--data.max_tokens", "--data.mode"])
         'unrecognized arguments: --data.max_token 5 (did you mean --data.max_tokens?)'
         >>> did_you_mean("Subcommand 'fit' does not accept option 'data.val_fractio'", ["--data.val_fraction"])
         "Subcommand 'fit' does not accept option 'data.val_fractio' (did you mean data.val_fraction?)"
+        >>> did_you_mean("model: class_path 'lit_seqpack.ReferenceLM': Option 'n_layers' is not accepted", [])
+        "model: class_path 'lit_seqpack.ReferenceLM': Option 'n_layers' is not accepted (did you mean n_layer?)"
     """
     unknown = [(word.split("=", 1)[0], "--") for word in message.split() if word.startswith("--")]
     if "unrecognized arguments" not in message.lower():
         unknown = [(key, "") for key in re.findall(r"does not accept option '([^']+)'", message)]
     hints = []
+    for class_path, name in re.findall(r"class_path '([\w.]+)':? Option '(\w+)' is not accepted", message):
+        try:
+            accepted = [key for key in _parameters(_import_class(class_path)) if key not in ("self", "args", "kwargs")]
+        except (ImportError, AttributeError, ValueError, TypeError):
+            continue
+        close = difflib.get_close_matches(name, accepted, n=3, cutoff=0.8)
+        if close:
+            hints.append(f"did you mean {' or '.join(close)}?")
     for key, prefix in unknown:
         names = [option[2:] if not prefix and option.startswith("--") else option for option in options]
         close = difflib.get_close_matches(key, names, n=3, cutoff=0.8)

@@ -70,6 +70,13 @@ def test_a_misspelt_key_in_a_config_file_is_refused_with_the_closest_key(tmp_pat
     assert len(err.splitlines()) <= 3
 
 
+def test_a_misspelt_model_argument_is_refused_with_the_models_own_parameter(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    demo = str(ROOT / "configs" / "demo.yaml")
+    err = _error_of(capsys, ["fit", "--config", demo, "--model.init_args.n_layers", "3"])
+    assert "Option 'n_layers' is not accepted (did you mean n_layer?)" in err and len(err.splitlines()) <= 3
+
+
 def test_errors_lit_seqpack_raises_while_instantiating_reach_the_user_alone(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     text_sft = str(ROOT / "configs" / "text_sft.yaml")
