@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "PackingEfficiency": "lit_seqpack.metrics.packing",
     "PackingMonitor": "lit_seqpack.callbacks",
     "SeqPackCLI": "lit_seqpack.cli",
+    "predictions_in_order": "lit_seqpack.prediction",
     "DataParallelLayout": "lit_seqpack.parallel.layout",
     "Rollout": "lit_seqpack.rl.rollout",
     "RolloutPlanner": "lit_seqpack.rl.planner",

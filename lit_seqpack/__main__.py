@@ -2,7 +2,8 @@
 
 ::
 
-    lit-seqpack fit --config configs/demo.yaml               # train (LightningCLI: fit, validate, test)
+    lit-seqpack fit --config configs/demo.yaml               # train (LightningCLI: also validate, test, predict)
+    lit-seqpack predict --config configs/demo.yaml --output scores.jsonl   # every sample's log-probabilities
     lit-seqpack fit --config configs/demo.yaml --ckpt_path last      # resume outputs/demo/checkpoints/last.ckpt
     lit-seqpack inspect --config configs/demo.yaml --plot plan.png   # compare every mode, no training
     lit-seqpack export --ckpt_path last.ckpt --output_dir model_dir  # a plain or Hugging Face model folder
@@ -43,11 +44,12 @@ _FIT_ONLY_KEYS = (
 
 def build_inspect_parser() -> Any:
     """The ``lit-seqpack inspect`` argument parser (jsonargparse, omegaconf mode)."""
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    from jsonargparse import ActionConfigFile
 
+    from lit_seqpack.cli import SeqPackArgumentParser
     from lit_seqpack.data.datamodule import SeqPackDataModule
 
-    parser = ArgumentParser(
+    parser = SeqPackArgumentParser(
         prog="lit-seqpack inspect",
         parser_mode="omegaconf",
         description="Plan one epoch with every packing algorithm, dynamic batching and the padded baseline, "
@@ -82,6 +84,13 @@ def build_inspect_parser() -> Any:
         help="with a stream source: inspect the stream's first this many samples (a stream has no index)",
     )
     parser.add_argument("--plot", type=str | None, default=None, help="write a PNG of lengths and bin fill here")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        default=0,
+        help="also print the first N training microbatches (one process) decoded with the source's tokenizer, "
+        "the tokens that carry loss between [[ and ]]",
+    )
     parser.add_argument("--trainer", type=dict | None, default=None, help="a fit config's trainer section")
     for key in _FIT_ONLY_KEYS:
         parser.add_argument(f"--{key}", type=Any, default=None, help="read from a fit config and ignored")
@@ -173,6 +182,25 @@ def _stream_lines(data: Any, max_samples: int, kept: int, rows: Any, layout: Dat
     ]
 
 
+def _decoded_batches(data: Any, count: int) -> str:
+    """The first ``count`` training microbatches of one process, decoded (see ``inspection.format_microbatch``)."""
+    from lit_seqpack.inspection import format_microbatch
+
+    tokenizer = getattr(data.source, "tokenizer", None)
+    decode, how = None, "token ids (the source has no tokenizer)"
+    if tokenizer is not None:
+        from lit_seqpack._imports import require
+
+        loaded = require("transformers", purpose="decoding batches").AutoTokenizer.from_pretrained(str(tokenizer))
+        decode, how = loaded.decode, f"decoded with {tokenizer}"
+    lines = [f"the first {count} training microbatches (one process, epoch 0; {how}; loss tokens between [[ and ]]):"]
+    for number, batch in enumerate(data.train_dataloader()):
+        if number >= count:
+            break
+        lines.append(format_microbatch(batch, decode=decode, number=number))
+    return "\n".join(lines)
+
+
 def inspect_command(argv: Sequence[str]) -> str:
     """Run ``lit-seqpack inspect`` with ``argv`` (after the word ``inspect``); return the report text.
 
@@ -180,6 +208,7 @@ def inspect_command(argv: Sequence[str]) -> str:
         ValueError: a bad setting (named), or a dataset without samples.
         ImportError: ``--plot`` without matplotlib.
     """
+    from lit_seqpack.cli import ConfigError, user_message
     from lit_seqpack.inspection import compare_plans, format_table, plot_inspection
     from lit_seqpack.parallel import DataParallelLayout
 
@@ -195,7 +224,13 @@ def inspect_command(argv: Sequence[str]) -> str:
         else cfg.accumulate_grad_batches,
     )
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
-    data = instantiate(cfg).data
+    try:
+        data = instantiate(cfg).data
+    except ValueError as err:  # a setting's own error inside jsonargparse's account of a union: alone
+        message = user_message(str(err))
+        if message == str(err):
+            raise
+        raise ConfigError(message) from None
     hp = data.hparams
     if hp.max_tokens is None:
         raise ValueError(
@@ -223,6 +258,8 @@ def inspect_command(argv: Sequence[str]) -> str:
     if _is_stream(data):
         parts += _stream_lines(data, cfg.max_samples, lengths.size, rows, layout)
     parts += ["", format_table(rows), "* the configured mode"]
+    if cfg.batches:
+        parts += ["", _decoded_batches(data, check_int("batches", cfg.batches, minimum=0))]
     if cfg.plot:
         title = f"{type(data.source).__name__}: max_tokens={hp.max_tokens}, world_size={world}, accumulate={accumulate}"
         parts.append(f"plot: {plot_inspection(rows, lengths, cfg.plot, title=title)}")
@@ -236,7 +273,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     Args:
         argv: the arguments after the program name (default ``sys.argv[1:]``).
     """
+    from lit_seqpack.cli import ConfigError
+
     args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _dispatch(args, argv is None)
+    except ConfigError as err:  # a bad setting: its message alone, as argparse reports one
+        sys.stderr.write(f"lit-seqpack: error: {err}\n")
+        raise SystemExit(2) from None
+
+
+def _dispatch(args: list[str], from_sys_argv: bool) -> None:
     if args[:1] == ["inspect"]:
         print(inspect_command(args[1:]))
         return
@@ -252,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     from lit_seqpack.cli import SeqPackCLI
 
-    SeqPackCLI(args=None if argv is None else args)
+    SeqPackCLI(args=None if from_sys_argv else args)
 
 
 if __name__ == "__main__":

@@ -134,7 +134,14 @@ class _LossWeights(TypedDict, total=False):
     """The weight sum of the whole optimizer step over all ranks (the normaliser)."""
 
 
-class PackedBatch(_BatchScalars, _LossWeights, total=False):
+class _Prediction(TypedDict, total=False):
+    """Predict batches only (``SeqPackDataModule.predict_dataloader``)."""
+
+    sample_index: torch.Tensor
+    """Int64 ``[num_documents]``: each document's index in the predict source (``cu_seqlens`` order, or per row)."""
+
+
+class PackedBatch(_BatchScalars, _LossWeights, _Prediction, total=False):
     """Typed view of a packed row (``B == 1``); at run time a plain ``dict``.
 
     ``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens`` and ``max_seqlen`` are always there;
@@ -161,7 +168,7 @@ class PackedBatch(_BatchScalars, _LossWeights, total=False):
     tensor_parallel_size: int
 
 
-class PaddedBatch(_BatchScalars, _LossWeights):
+class PaddedBatch(_BatchScalars, _LossWeights, _Prediction):
     """Typed view of a padded or dynamic ``[B, L]`` batch; at run time a plain ``dict``. Never sent with a packed
     row: ``attention_mask`` (1 on real tokens, 0 on padding)."""
 

@@ -23,7 +23,7 @@ from lit_seqpack.parallel.layout import mesh_layout, strategy_mesh
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["PackingMonitor"]
+__all__ = ["GradNormMonitor", "PackingMonitor"]
 
 _PROG_BAR_KEYS = ("tokens_per_sec", "padding_ratio")
 
@@ -91,6 +91,9 @@ def _synchronize(device: torch.device) -> None:
 def _loss_line(loss_key: str, first: Sequence[float], last: Sequence[float], logged: int) -> str | None:
     """The summary's loss line: the mean of the first and of the last logged values, and how many they are.
 
+    The two windows never share a value: a run that logged fewer than twice the window compares the first half of its
+    values with the second half (one value: that value, said so), so a short run's change is never hidden.
+
     Args:
         loss_key: the loss's key.
         first: the first logged values (at most ``loss_window``).
@@ -100,16 +103,22 @@ def _loss_line(loss_key: str, first: Sequence[float], last: Sequence[float], log
     Example:
         >>> _loss_line("train/loss", [4.0, 3.0], [2.5, 1.5], logged=10)
         'train/loss         3.5000 -> 2.0000 (mean of the first and of the last 2 of 10 logged steps)'
+        >>> _loss_line("train/loss", [4.0, 3.0, 2.0], [4.0, 3.0, 2.0], logged=3)
+        'train/loss         4.0000 -> 2.0000 (the first and the last of 3 logged steps)'
+        >>> _loss_line("train/loss", [4.0], [4.0], logged=1)
+        'train/loss         4.0000 (1 logged step)'
         >>> _loss_line("train/loss", [], [], logged=0) is None
         True
     """
     if not first or not last:
         return None
-    head, tail = sum(first) / len(first), sum(last) / len(last)
-    return (
-        f"{loss_key:<18} {head:.4f} -> {tail:.4f} (mean of the first and of the last {len(last)} of {logged} "
-        "logged steps)"
-    )
+    if logged == 1:
+        return f"{loss_key:<18} {first[0]:.4f} (1 logged step)"
+    size = min(len(first), len(last), logged // 2)  # disjoint windows
+    head, tail = list(first)[:size], list(last)[-size:]
+    mean_head, mean_tail = sum(head) / size, sum(tail) / size
+    what = "the first and the last" if size == 1 else f"mean of the first and of the last {size}"
+    return f"{loss_key:<18} {mean_head:.4f} -> {mean_tail:.4f} ({what} of {logged} logged steps)"
 
 
 @rank_zero_only
@@ -144,7 +153,8 @@ class PackingMonitor(Callback):
     (cumulative). Tokens/s and the padding ratio also go to the progress bar. Validation and test log the
     same keys under ``val/`` and ``test/`` once per epoch. At the end of fit rank 0 logs a summary of the
     whole run and, if the module logged ``loss_key``, its smoothed first and last values: the mean of the values
-    logged at the first and at the last ``loss_window`` logging steps (one microbatch's loss is noise).
+    logged at the first and at the last ``loss_window`` logging steps (one microbatch's loss is noise; a run of fewer
+    than ``2 x loss_window`` logging steps compares its first half with its second half, never the same values).
 
     Why computed values and not Metric objects: Lightning logs a Metric object's per-step value from its
     rank-local ``forward`` cache, which is neither a window nor all ranks. The values logged here are
@@ -455,3 +465,40 @@ class _FlopWindow:
         )
         rate = float(total) / elapsed if elapsed > 0 else 0.0
         return {"tflops": rate / 1e12, "mfu": rate / (self.peak * trainer.world_size)}
+
+
+class GradNormMonitor(Callback):
+    """Logs the global gradient norm of every optimizer step as ``train/grad_norm`` (before clipping).
+
+    Read in ``on_before_optimizer_step``: after Lightning unscaled mixed-precision gradients and after DDP averaged
+    them, before ``gradient_clip_val`` clips them (a norm far above the clip value says the clip is doing the work).
+    Logged at Lightning's logging steps (``log_every_n_steps``), like the loss. Under ``FSDPStrategy`` each rank holds
+    a shard: the ranks' norms are combined (p-th powers summed), so the value is the whole model's; under
+    ``ModelParallelStrategy`` it is this rank's shards' norm (tested on one process and DDP only).
+
+    Args:
+        norm_type: the p of the p-norm (2.0: the Euclidean norm clipping uses by default).
+        prog_bar: also show it in the progress bar.
+    """
+
+    def __init__(self, *, norm_type: float = 2.0, prog_bar: bool = False) -> None:
+        if not norm_type > 0:
+            raise ValueError(f"norm_type={norm_type!r} must be > 0")
+        self.norm_type = float(norm_type)
+        self.prog_bar = prog_bar
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if not trainer._logger_connector.should_update_logs:
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # DTensor shards
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.detach().float(), self.norm_type) for g in local]), self.norm_type
+        )
+        if "FSDP" in type(trainer.strategy).__name__ and trainer.world_size > 1:  # flat shards over every rank
+            power = trainer.strategy.reduce(norm**self.norm_type, reduce_op="sum")
+            norm = power ** (1.0 / self.norm_type)
+        pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False, prog_bar=self.prog_bar)

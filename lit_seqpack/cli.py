@@ -21,7 +21,8 @@ What it adds to a plain ``LightningCLI``:
   (:meth:`~lit_seqpack.data.settings.BatchingSettings.length_conflict`);
 - models whose vocabulary lives elsewhere (:class:`~lit_seqpack.model.lm.HFCausalLM`'s ``config`` dict or
   checkpoint) are checked after instantiation: a vocabulary smaller than the data's fails with a clear message;
-- only ``fit``, ``validate`` and ``test`` (the mixin trains and evaluates; it has no ``predict_step``);
+- ``fit``, ``validate``, ``test`` and ``predict`` (``--output scores.jsonl``: every sample's log-probabilities, written
+  by :class:`~lit_seqpack.prediction.PredictionWriter` from every rank and merged in index order);
 - ``torch_num_threads`` sets torch's CPU thread pool from the config (a 2-core machine shared with other
   processes trains an order of magnitude faster with 1 thread than with torch's default of one per core);
 - the saved ``config.yaml`` may overwrite the previous run's, so rerunning the demo just works.
@@ -58,12 +59,13 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_seqpack._checks import check_int
 from lit_seqpack.data.datamodule import SeqPackDataModule
@@ -75,8 +77,12 @@ __all__ = [
     "DEFAULT_MODEL",
     "SUBCOMMANDS",
     "TRAINER_DEFAULTS",
+    "ConfigError",
+    "SeqPackArgumentParser",
     "SeqPackCLI",
     "check_vocab",
+    "did_you_mean",
+    "user_message",
     "model_vocab_size",
     "check_interpolated_data",
     "explain_interpolation_error",
@@ -265,6 +271,7 @@ SUBCOMMANDS: dict[str, set[str]] = {
     "fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
     "validate": {"model", "dataloaders", "datamodule"},
     "test": {"model", "dataloaders", "datamodule"},
+    "predict": {"model", "dataloaders", "datamodule", "return_predictions"},
 }
 """The Trainer methods exposed as subcommands, with the arguments the CLI fills itself."""
 
@@ -273,6 +280,7 @@ _DESCRIPTION = (
     "(lit-seqpack SUBCOMMAND --help for the options of each). "
     "Also: 'lit-seqpack inspect --config CONFIG.yaml [--plot FILE.png]' compares every batching mode "
     "and packing algorithm on the config's data without training; "
+    "'lit-seqpack predict --config CONFIG.yaml --output scores.jsonl' writes every sample's log-probabilities; "
     "'lit-seqpack generate --ckpt_path CKPT --prompt TEXT' generates from a trained checkpoint; "
     "'lit-seqpack export --ckpt_path CKPT --output_dir DIR' writes it as a model folder (Hugging Face for HFCausalLM)."
 )
@@ -301,15 +309,119 @@ def check_vocab(model: LightningModule, data_vocab_size: int, *, hint: str = "or
         )
         return
     if vocab < data_vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"the model's vocab_size={vocab} is smaller than the data's vocab_size={data_vocab_size}: token ids "
             f"up to {data_vocab_size - 1} would index past the embedding. Raise the model's vocab_size (for "
             f"HFCausalLM: model.init_args.config.vocab_size), {hint}"
         )
 
 
+class ConfigError(ValueError):
+    """A bad setting found while parsing or instantiating the config: ``lit-seqpack`` prints its message alone."""
+
+
+_JSONARGPARSE_NOISE = (
+    "Expected a ",
+    "Import path ",
+    "Not a valid ",
+    "Type <",
+    "does not correspond to a subclass",
+    "does not implement protocol",
+    "Given value",
+)
+
+
+def user_message(text: str) -> str:
+    r"""The message of a setting's own error inside jsonargparse's account of a failed union (or the text itself).
+
+    jsonargparse tries each type of a ``Union`` setting and lists every attempt's error; the one a lit_seqpack class
+    (or the user's) raised is the one that says what is wrong. A parser error keeps the key it names.
+
+    Example:
+        >>> text = "Does not validate against any of the Union subtypes\nSubtypes: [...]\nErrors:\n"
+        >>> text += "  - Expected a <class 'str'>\n  - tokenizer='x' is not a local folder\nGiven value: ..."
+        >>> user_message(text)
+        "tokenizer='x' is not a local folder"
+        >>> user_message('Parser key "model":\n  Errors:\n    - Option \'n_layers\' is not accepted\n')
+        "model: Option 'n_layers' is not accepted"
+    """
+    if "Errors:" not in text:
+        return text
+    items: list[list[str]] = []
+    depth = -1  # the indentation of the current item's "- "; deeper lines continue it
+    for line in text.split("Errors:", 1)[1].splitlines():
+        item = re.match(r"^( {2,4})- (.*)", line)
+        if item:
+            items.append([item.group(2)])
+            depth = len(item.group(1))
+        elif depth >= 0 and line.startswith(" " * (depth + 3)) and line.strip():
+            items[-1].append(line.strip())
+        else:
+            depth = -1
+    errors = [" ".join(parts) for parts in items]
+    own = [error for error in errors if error and not any(noise in error for noise in _JSONARGPARSE_NOISE)]
+    if not own:
+        return text
+    key = re.match(r'^Parser key "([^"]+)":', text)
+    return (f"{key.group(1)}: " if key else "") + "\n".join(own)
+
+
+def did_you_mean(message: str, options: list[str]) -> str:
+    """``message`` with the closest known keys of each unknown one (``--data.max_token`` -> ``--data.max_tokens``).
+
+    Unknown keys are read from argparse's ``unrecognized arguments: ...`` (the command line), jsonargparse's
+    ``does not accept option '...'`` (a config file) and ``Option '...' is not accepted`` of a ``class_path`` (its
+    ``init_args``: the class's own parameters are the known keys).
+
+    Example:
+        >>> did_you_mean("unrecognized arguments: --data.max_token 5", ["--data.max_tokens", "--data.mode"])
+        'unrecognized arguments: --data.max_token 5 (did you mean --data.max_tokens?)'
+        >>> did_you_mean("Subcommand 'fit' does not accept option 'data.val_fractio'", ["--data.val_fraction"])
+        "Subcommand 'fit' does not accept option 'data.val_fractio' (did you mean data.val_fraction?)"
+        >>> did_you_mean("model: class_path 'lit_seqpack.ReferenceLM': Option 'n_layers' is not accepted", [])
+        "model: class_path 'lit_seqpack.ReferenceLM': Option 'n_layers' is not accepted (did you mean n_layer?)"
+    """
+    unknown = [(word.split("=", 1)[0], "--") for word in message.split() if word.startswith("--")]
+    if "unrecognized arguments" not in message.lower():
+        unknown = [(key, "") for key in re.findall(r"does not accept option '([^']+)'", message)]
+    hints = []
+    for class_path, name in re.findall(r"class_path '([\w.]+)':? Option '(\w+)' is not accepted", message):
+        try:
+            accepted = [key for key in _parameters(_import_class(class_path)) if key not in ("self", "args", "kwargs")]
+        except (ImportError, AttributeError, ValueError, TypeError):
+            continue
+        close = difflib.get_close_matches(name, accepted, n=3, cutoff=0.8)
+        if close:
+            hints.append(f"did you mean {' or '.join(close)}?")
+    for key, prefix in unknown:
+        names = [option[2:] if not prefix and option.startswith("--") else option for option in options]
+        close = difflib.get_close_matches(key, names, n=3, cutoff=0.8)
+        if close:
+            hints.append(f"did you mean {' or '.join(close)}?")
+    return f"{message} ({'; '.join(hints)})" if hints else message
+
+
+class SeqPackArgumentParser(LightningArgumentParser):
+    """The CLI's parser: no abbreviated keys (``--data.max_token`` is refused, not read as ``--data.max_tokens``), and
+    an error is its message alone (with the closest keys of an unknown one), not the usage of every option."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        parser = getattr(ex, "subcommand_parser", None) or self
+        options = [option for action in parser._actions for option in action.option_strings]
+        message = did_you_mean(user_message(message), options)
+        if not self.exit_on_error:  # jsonargparse's own ArgumentError, which its internal parsers catch
+            super().error(message, ex)
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"{prog}: error: {message}\n(all the options: {prog} --help)\n")
+        self.exit(2)
+
+
 class SeqPackCLI(LightningCLI):
-    """The ``lit-seqpack`` command line: ``fit``, ``validate`` and ``test`` of a packed LightningModule.
+    """The ``lit-seqpack`` command line: ``fit``, ``validate``, ``test`` and ``predict`` of a packed LightningModule.
 
     The model is any LightningModule given by ``class_path`` (``ReferenceLM`` by default, ``HFCausalLM``, or
     your own with :class:`~lit_seqpack.model.mixin.PackedSequenceMixin`); the data is a
@@ -347,6 +459,7 @@ class SeqPackCLI(LightningCLI):
         trainer_defaults = {**TRAINER_DEFAULTS, **kwargs.pop("trainer_defaults", {})}
         save_config_kwargs = {"overwrite": True, **kwargs.pop("save_config_kwargs", {})}
         kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("parser_class", SeqPackArgumentParser)
         super().__init__(
             model_class,
             datamodule_class,
@@ -360,7 +473,7 @@ class SeqPackCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        """``fit``, ``validate`` and ``test``, with the Trainer arguments the CLI fills itself."""
+        """``fit``, ``validate``, ``test`` and ``predict``, with the Trainer arguments the CLI fills itself."""
         return {name: set(skip) for name, skip in SUBCOMMANDS.items()}
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -377,14 +490,17 @@ class SeqPackCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except InterpolationResolutionError as err:
-            raise ValueError(explain_interpolation_error(err, sys.argv[1:] if args is None else args)) from None
+            raise ConfigError(explain_interpolation_error(err, sys.argv[1:] if args is None else args)) from None
         subcommand = self.config.get("subcommand")
-        if subcommand is None:  # run=False: one parser, no subcommand
-            if "${" in str(self.config):
-                self.config = resolve_interpolation(parser, self.config)
-        elif "${" in str(self.config[subcommand]):
-            subparser = self._subcommand_parsers[subcommand]
-            self.config[subcommand] = resolve_interpolation(subparser, self.config[subcommand])
+        try:
+            if subcommand is None:  # run=False: one parser, no subcommand
+                if "${" in str(self.config):
+                    self.config = resolve_interpolation(parser, self.config)
+            elif "${" in str(self.config[subcommand]):
+                subparser = self._subcommand_parsers[subcommand]
+                self.config[subcommand] = resolve_interpolation(subparser, self.config[subcommand])
+        except ValueError as err:  # a ${...} that does not resolve: its message alone
+            raise ConfigError(str(err)) from None
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Add ``torch_num_threads``; link the data's vocabulary to the model's (once the DataModule exists)."""
@@ -397,6 +513,49 @@ class SeqPackCLI(LightningCLI):
         )
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand == "predict":
+            parser.add_argument(
+                "--output",
+                type=str | None,
+                default=None,
+                help="the predictions file, .jsonl or .parquet: one record per sample (index, token_logprobs, nll, "
+                "num_loss_tokens), every rank's merged in index order (default: <trainer.default_root_dir>/"
+                "predictions.jsonl)",
+            )
+        return parser
+
+    def predict(self, model: LightningModule, datamodule: Any = None, **kwargs: Any) -> None:
+        """``trainer.predict`` with a :class:`~lit_seqpack.prediction.PredictionWriter` writing ``--output``."""
+        from lit_seqpack.prediction import PredictionWriter
+
+        output = self.config["predict"].get("output")
+        if output is None:
+            output = str(Path(self.trainer.default_root_dir) / "predictions.jsonl")
+        writer = PredictionWriter(output)
+        self.trainer.callbacks.append(writer)
+        self.trainer.predict(model, datamodule=datamodule, return_predictions=False, **kwargs)
+        rank_zero_info(f"lit-seqpack predict: {writer.merged} predictions (every rank's) written to {output}")
+
+    def before_fit(self) -> None:
+        """``--ckpt_path last`` with several ``last*.ckpt`` in the checkpoint folder: say which one resumes and why."""
+        if self.config["fit"].get("ckpt_path") != "last":
+            return
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        found: set[str] = set()
+        for callback in self.trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+                found |= {str(path) for path in Path(callback.dirpath).glob("last*.ckpt")}
+        if len(found) > 1:
+            newest = max(found, key=lambda path: Path(path).stat().st_mtime)
+            others = ", ".join(sorted(Path(path).name for path in found - {newest}))
+            rank_zero_info(
+                f"lit-seqpack: --ckpt_path last resumes {newest}, the newest of the folder's last*.ckpt (also there: "
+                f"{others}, from other runs of this config); pass a file to --ckpt_path to resume another"
+            )
 
     def before_test(self) -> None:
         """Fail with an explanation when the DataModule has no test split (Lightning's message names no fix)."""
@@ -432,8 +591,30 @@ class SeqPackCLI(LightningCLI):
             return  # no token budget (padded batches), or set in the config: the setup check compares it
         init_args[_ROW_KEY] = max(rows)
 
+    def instantiate_classes(self) -> None:
+        """Instantiate; a setting's own error inside jsonargparse's account of a union is raised alone."""
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            message = user_message(str(err))
+            if message == str(err):
+                raise
+            raise ConfigError(message) from None
+
     def after_instantiate_classes(self) -> None:
-        """Check the vocabulary: set once (in the data), and large enough for every token id of the data."""
+        """Check the vocabulary: set once (in the data), and large enough for every token id of the data.
+
+        A run without a logger (``--trainer.logger false``) drops the config's ``LearningRateMonitor`` (it refuses
+        to run without one) instead of failing at the start of fit.
+        """
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and not trainer.loggers:
+            from lightning.pytorch.callbacks import LearningRateMonitor
+
+            kept = [c for c in trainer.callbacks if not isinstance(c, LearningRateMonitor)]
+            if len(kept) < len(trainer.callbacks):
+                log.info("lit_seqpack: no logger, so the config's LearningRateMonitor is left out")
+                trainer.callbacks = kept
         if self.datamodule is None or self.model is None:
             return
         data_vocab = self.datamodule.vocab_size
@@ -448,7 +629,7 @@ class SeqPackCLI(LightningCLI):
         defaults = (_default_of(type(self.model), _VOCAB_KEY), carried, data_vocab)
         configured = self._configured_vocab
         if accepted and configured is not None and configured not in defaults:
-            raise ValueError(
+            raise ConfigError(
                 f"model.init_args.vocab_size={configured} is set twice: the CLI links it to data.vocab_size="
                 f"{data_vocab}. Remove it from the model section (the data decides the vocabulary)"
             )

@@ -30,7 +30,15 @@ from lit_seqpack._imports import require
 from lit_seqpack.planning import algorithms
 from lit_seqpack.planning.plan import Plan, PlanConfig, PlanStats, as_counts, build_plan
 
-__all__ = ["PlanComparison", "compare_plans", "default_padded_batch_size", "format_table", "plot_inspection"]
+__all__ = [
+    "LOSS_MARKS",
+    "PlanComparison",
+    "compare_plans",
+    "default_padded_batch_size",
+    "format_microbatch",
+    "format_table",
+    "plot_inspection",
+]
 
 _WARMUP_SAMPLES = 256  # a small first plan compiles the numba kernels, so the timed plan measures planning only
 
@@ -269,3 +277,69 @@ def plot_inspection(
     path = Path(path)
     figure.savefig(path, dpi=110)
     return path
+
+
+LOSS_MARKS = ("[[", "]]")
+"""How :func:`format_microbatch` marks the tokens that carry loss (``labels != -100``)."""
+
+
+def _documents(batch: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """``(row, start, length)`` of every document of a packed row or a padded batch."""
+    if batch.get("cu_seqlens") is not None:
+        bounds = batch["cu_seqlens"].tolist()
+        real = batch.get("cu_seqlens_unpadded")
+        sizes = bounds if real is None else real.tolist()
+        return [(0, bounds[i], sizes[i + 1] - sizes[i]) for i in range(int(batch["num_documents"]))]
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    return [(row, 0, int(n)) for row, n in enumerate(lengths) if not batch.get("is_empty", False)]
+
+
+def format_microbatch(batch: dict[str, Any], *, decode: Any = None, number: int = 0) -> str:
+    """One microbatch as text: a header, then each document decoded, its loss tokens between ``[[`` and ``]]``.
+
+    A token carries loss when its label is not ``-100`` (it is trained to be predicted from the tokens before it):
+    ``[[`` opens before the first such token of a run and ``]]`` closes after its last, so a prompt-masked sample
+    reads ``prompt [[answer]]``. Newlines are shown as ``\\n``.
+
+    Args:
+        batch: a collated microbatch of the batch contract (packed or padded).
+        decode: turns a list of token ids into text (a tokenizer's ``decode``); ``None``: the ids themselves.
+        number: the microbatch's position, for the header.
+
+    Example:
+        >>> import torch
+        >>> from lit_seqpack.data.batching.collate import PackedCollator
+        >>> batch = PackedCollator()([{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}, {"input_ids": [9, 4]}])
+        >>> print(format_microbatch(batch))
+        microbatch 0: packed row of 6 tokens, 2 documents, 6 real / 0 padding tokens, 3 loss tokens
+          document 0 (4 tokens, 2 loss): 5 6 [[7 8]]
+          document 1 (2 tokens, 1 loss): 9 [[4]]
+    """
+    kind = (
+        "packed row of"
+        if batch.get("cu_seqlens") is not None
+        else "padded batch {}x{} =".format(*batch["input_ids"].shape)
+    )
+    lines = [
+        f"microbatch {number}: {kind} {batch['input_ids'].numel()} tokens, {batch['num_documents']} documents, "
+        f"{batch['num_real_tokens']} real / {batch['num_padding_tokens']} padding tokens, "
+        f"{batch['num_loss_tokens']} loss tokens" + (" (a lock-step filler)" if batch.get("is_empty") else "")
+    ]
+    ids, labels = batch["input_ids"], batch["labels"]
+    for doc, (row, start, length) in enumerate(_documents(batch)):
+        tokens = ids[row, start : start + length].tolist()
+        loss = (labels[row, start : start + length] != -100).tolist()
+        pieces = []
+        position = 0
+        while position < length:  # runs of tokens with and without loss
+            end = position
+            while end < length and loss[end] == loss[position]:
+                end += 1
+            run = tokens[position:end]
+            text = decode(run) if decode is not None else " ".join(map(str, run))
+            text = text.replace("\n", "\\n")
+            pieces.append(f"{LOSS_MARKS[0]}{text}{LOSS_MARKS[1]}" if loss[position] else text)
+            position = end
+        separator = "" if decode is not None else " "
+        lines.append(f"  document {doc} ({length} tokens, {sum(loss)} loss): {separator.join(pieces)}")
+    return "\n".join(lines)

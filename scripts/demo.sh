@@ -4,4 +4,5 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"
 cd "$root"
+echo "lit-seqpack is installed in $root/.venv: 'source .venv/bin/activate' puts it on PATH (or call .venv/bin/lit-seqpack)"
 exec .venv/bin/lit-seqpack fit --config configs/demo.yaml "$@"

@@ -132,7 +132,7 @@ def _cli(args: list[str]) -> str:
         with _refusal_named(shlex.join(["lit-seqpack", *args])):
             build_generate_parser().parse_args(rest)
         return "parsed"
-    if sub not in ("fit", "validate", "test"):
+    if sub not in ("fit", "validate", "test", "predict"):
         raise ValueError(f"unknown lit-seqpack subcommand {sub!r}")
     from lit_seqpack.__main__ import main
 
@@ -163,7 +163,7 @@ def run_command(line: str) -> str:
     """Check one shell command of a docs page; return how (``parsed``, ``ran``, ``exists``, ``not run``)."""
     args = shlex.split(line)
     head = args[0]
-    if head == "lit-seqpack":
+    if head == "lit-seqpack" or head.endswith("/bin/lit-seqpack"):
         return _cli(args[1:])
     if head in ("python", "python3") or head.endswith("/python"):
         if args[1:3] == ["-m", "lit_seqpack"]:
@@ -173,7 +173,8 @@ def run_command(line: str) -> str:
         if not Path(args[1]).is_file():
             raise FileNotFoundError(f"no such script: {args[1]}")
         return "exists"
-    if head in ("pip", "mkdocs", "cd", "git", "tensorboard") or head.endswith("/ruff") or head.endswith("/pip"):
+    quiet = ("pip", "mkdocs", "cd", "git", "tensorboard", "source")
+    if head in quiet or head.endswith("/ruff") or head.endswith("/pip"):
         return "not run"
     raise ValueError(f"the docs test does not know how to check {line!r}: mark the block as an excerpt")
 

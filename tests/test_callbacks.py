@@ -223,7 +223,7 @@ def test_packed_run_logs_exact_values_progress_bar_and_summary(tmp_path, caplog)
     assert "real tokens        80" in text and "padding tokens     32" in text and "28.57%" in text
     assert "20.0 real, 28.0 computed over 4.00 s" in text and "packing efficiency 0.6250" in text
     # the loss of the first and of the last logging step (batches 3 and 7), not of the first microbatch
-    assert f"train/loss         {model.losses[3]:.4f} -> {model.losses[7]:.4f} (mean of the first and of the " in text
+    assert f"train/loss         {model.losses[3]:.4f} -> {model.losses[7]:.4f} (the first and the last of 2 " in text
     # over the run: ceil(80 / 16) = 5 bins would hold the 80 real tokens, 8 were trained
     assert monitor.last_summary["packing_efficiency"] == pytest.approx(5 / 8)
 

@@ -60,6 +60,8 @@ class SeqPackDataModule(LightningDataModule):
             ``input_ids`` (in YAML: ``class_path`` of your own ``torch.utils.data.Dataset``).
         val_source: a source whose samples validate (instead of ``val_fraction`` or the source's own val files).
         test_source: a source whose samples test (``lit-seqpack test`` / ``trainer.test``).
+        predict_source: a source whose samples ``trainer.predict`` scores (``lit-seqpack predict``); default: every
+            sample of ``source`` (held-out splits included) under the training over-long policy. Indexed only.
         **settings: the batching settings, each documented once on
             :class:`~lit_seqpack.data.settings.BatchingSettings` (``mode``, ``max_tokens``, ``window``, ...).
 
@@ -75,6 +77,7 @@ class SeqPackDataModule(LightningDataModule):
         source: Source = "synthetic",
         val_source: Source | None = None,
         test_source: Source | None = None,
+        predict_source: Source | None = None,
         mode: Mode = "packing",
         max_tokens: int | Literal["auto"] | None = "auto",
         eval_max_tokens: int | None = None,
@@ -104,7 +107,7 @@ class SeqPackDataModule(LightningDataModule):
         loss_weight_field: str | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["source", "val_source", "test_source"])
+        self.save_hyperparameters(ignore=["source", "val_source", "test_source", "predict_source"])
         self.settings = BatchingSettings(
             **{f.name: self.hparams[f.name] for f in dataclasses.fields(BatchingSettings) if f.init}
         )
@@ -114,18 +117,26 @@ class SeqPackDataModule(LightningDataModule):
             "val_source": None if val_source is None else resolve_source(val_source, "val_source"),
             "test_source": None if test_source is None else resolve_source(test_source, "test_source"),
         }
+        predict = None if predict_source is None else resolve_source(predict_source, "predict_source")
+        if isinstance(predict, StreamSource):
+            raise ValueError(f"predict_source must be an indexed source or dataset, got the stream {predict!r:.80}")
         if isinstance(self.source, StreamSource):
             if any(value is not None for value in evaluation.values()):
                 raise ValueError(
                     "val_source / test_source are not supported with a stream source yet: validate and test on a "
                     "second SeqPackDataModule passed to trainer.validate / trainer.test"
                 )
+            if predict is not None:
+                raise ValueError(
+                    "predict_source is not supported with a stream source yet: predict on a second SeqPackDataModule "
+                    "whose source is the indexed predict data"
+                )
             self.pipeline: IndexedPipeline | StreamPipeline = StreamPipeline(self.settings, self.source)
         else:
             for name, value in evaluation.items():
                 if isinstance(value, StreamSource):
                     raise ValueError(f"{name} must be an indexed source or dataset, got the stream {value!r:.80}")
-            self.pipeline = IndexedPipeline(self.settings, self.source, **evaluation)
+            self.pipeline = IndexedPipeline(self.settings, self.source, predict_source=predict, **evaluation)
         self._fabric: tuple[Any, int] | None = None
 
     # ------------------------------------------------------------------ what the pipeline knows
@@ -201,7 +212,18 @@ class SeqPackDataModule(LightningDataModule):
             self.setup("fit")
 
     def train_dataloader(self) -> Any:
-        """The training loader: a stateful DataLoader over this rank's planned microbatches."""
+        """The training loader: a stateful DataLoader over this rank's planned microbatches.
+
+        Under ``Trainer(overfit_batches=N)`` every epoch trains the same first ``N`` microbatches (epoch 0's plan,
+        unshuffled; Lightning validates on the first ``N`` validation microbatches); a stream source refuses it.
+        """
+        overfit = getattr(self.trainer, "overfit_batches", 0) if self.trainer is not None else 0
+        if overfit and isinstance(self.pipeline, StreamPipeline):
+            raise ValueError(
+                f"Trainer(overfit_batches={overfit}) is not supported with a stream source "
+                f"({type(self.source).__name__}): the stream is read on, so its first microbatches differ between "
+                "epochs. Overfit on an indexed source (TokenizedSource, ...) or set overfit_batches=0"
+            )
         self._ready()
         return self.pipeline.train_loader()
 
@@ -214,6 +236,22 @@ class SeqPackDataModule(LightningDataModule):
         """The test loader (same mode, no shuffle, no accumulation, ``eval_max_tokens``)."""
         self._ready()
         return self.pipeline.eval_loader("test")
+
+    def predict_dataloader(self) -> Any:
+        """The predict loader: every sample of ``predict_source`` (default: the training source) once over the ranks.
+
+        Planned like evaluation (same mode, no shuffle, ``eval_max_tokens``, the training over-long policy); each
+        batch carries ``sample_index``, the index of each document (row) in the predict source, which the mixin's
+        ``predict_step`` returns with its per-sample log-probabilities.
+        """
+        if not isinstance(self.pipeline, IndexedPipeline):
+            raise ValueError(
+                f"trainer.predict needs indexed data, but source={type(self.source).__name__} is a stream (it is never "
+                "indexed, so its predictions could not name their samples): predict on a SeqPackDataModule whose "
+                "source is the same data as an indexed source (TokenizedSource, ...)"
+            )
+        self._ready()
+        return self.pipeline.predict_loader()
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume must agree with (the data and the distributed layout), the training loader's state, and the

@@ -1,6 +1,7 @@
 """``PackedSequenceMixin``: train, validate and test a causal LM on packed or dynamic batches, with an exact loss.
 
-Mix it in front of ``LightningModule``; it implements ``training_step``, ``validation_step`` and ``test_step``
+Mix it in front of ``LightningModule``; it implements ``training_step``, ``validation_step``, ``test_step`` and
+``predict_step`` (per-sample log-probabilities, :mod:`lit_seqpack.prediction`)
 for the batch contract of :mod:`lit_seqpack.batch` and owns no state, so ``__init__``,
 ``save_hyperparameters`` and LightningCLI introspection stay the user's::
 
@@ -296,6 +297,25 @@ class PackedSequenceMixin:
     def test_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         """Logs ``test/loss`` (token-weighted over the epoch); returns the microbatch's token mean."""
         return self.seqpack_step(batch, "test")
+
+    def predict_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> list[Any]:
+        """One :class:`~lit_seqpack.prediction.SamplePrediction` per document of the batch (none for a filler).
+
+        ``index`` (the sample's index in the predict source), ``token_logprobs`` (``log p(token t | tokens < t)``,
+        ``t = 1 .. L - 1``), ``nll`` and ``num_loss_tokens`` (over the label positions), computed by
+        :func:`~lit_seqpack.prediction.sample_predictions` from :meth:`seqpack_forward`'s logits. The first packed
+        batch runs the isolation probe as in evaluation (predict runs under ``inference_mode``; the probe takes its
+        gradients outside it). Sort with :func:`~lit_seqpack.prediction.predictions_in_order`, or write every rank's
+        with :class:`~lit_seqpack.prediction.PredictionWriter`.
+        """
+        from lit_seqpack.prediction import sample_predictions
+
+        if batch.get("is_empty", False):
+            return []
+        self.seqpack_check_vocab(batch)
+        if is_packed_batch(batch):
+            self.seqpack_verify_packing(batch)
+        return sample_predictions(self.seqpack_forward(batch), batch)
 
     # ----------------------------------------------------------------------------------------------- private
     def _seqpack_trainer(self) -> Trainer | None:

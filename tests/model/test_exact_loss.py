@@ -244,7 +244,7 @@ def _planned_loader(sampler: Any, samples: list[dict[str, list[int]]], collate: 
 
 
 def test_real_sampler_collator_and_trainer_end_to_end() -> None:
-    """PackedBatchSampler -> PlannedDataset -> PackedCollator -> Trainer(accumulate_grad_batches=3) -> mixin."""
+    """PlannedBatchSampler -> PlannedDataset -> PackedCollator -> Trainer(accumulate_grad_batches=3) -> mixin."""
     samples = make_samples(count=24, seed=7)
     lengths = [len(s["input_ids"]) for s in samples]
     sampler_kwargs = {"max_tokens": 32, "num_replicas": 1, "rank": 0, "accumulate_grad_batches": 3, "seed": 1}

@@ -188,7 +188,7 @@ def test_context_parallel_shards_carry_the_local_weights_and_sum_back() -> None:
 
 
 def test_real_sampler_with_planned_step_weights_end_to_end() -> None:
-    """PackedBatchSampler in StepWeightedBatchSampler -> PlannedDataset -> collator -> Trainer (accumulate 3)."""
+    """PlannedBatchSampler in StepWeightedBatchSampler -> PlannedDataset -> collator -> Trainer (accumulate 3)."""
 
     samples = weighted_samples("weights", count=24, seed=7)
     lengths = [len(s["input_ids"]) for s in samples]

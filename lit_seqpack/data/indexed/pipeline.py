@@ -44,7 +44,7 @@ from lit_seqpack.data.batching.overlong import OverlongReport, SplitDataset
 from lit_seqpack.data.indexed._loader import ResumableDataLoader
 from lit_seqpack.data.indexed._resume import LOADER_STATE, PLAN_STATE, check_resume, layout_state, plan_settings
 from lit_seqpack.data.indexed.lengths import cached_scan
-from lit_seqpack.data.indexed.planned_sampler import PlannedBatchSampler, PlannedDataset
+from lit_seqpack.data.indexed.planned_sampler import IndexedCollator, PlannedBatchSampler, PlannedDataset
 from lit_seqpack.data.indexed.splits import EVAL_SPLITS, IndexView, Split, read_sample, split_indices
 from lit_seqpack.data.indexed.validation import DataScan, check_vocab_range, scan_dataset
 from lit_seqpack.data.settings import BatchingSettings, apply_document_budget, budget_note, planned_lengths
@@ -84,6 +84,12 @@ def _longest(lengths: np.ndarray, settings: BatchingSettings) -> tuple[int, int,
     return int(lengths.max()), int(lengths.argmax()), summary
 
 
+def _overfits(trainer: Any) -> bool:
+    """Whether the Trainer runs with ``overfit_batches`` (it then trains the same first microbatches every epoch)."""
+    value = getattr(trainer, "overfit_batches", 0)
+    return isinstance(value, (int, float)) and value > 0
+
+
 def _int32(counts: np.ndarray) -> np.ndarray:
     """Token counts in 4 bytes a sample when they fit (they always do below 2^31 tokens a sample)."""
     fits = counts.size == 0 or int(counts.max()) < 1 << 31
@@ -107,6 +113,7 @@ class IndexedPipeline:
         source: the training source (its ``"val"`` / ``"test"`` splits too, when it holds them).
         val_source: a source whose samples validate (instead of ``val_fraction`` or the source's own val split).
         test_source: a source whose samples test.
+        predict_source: a source whose samples ``trainer.predict`` scores (default: every training sample).
 
     Raises:
         ValueError: two settings choose the same evaluation split, or ``loss_weight_field="loss_mask"`` with a file
@@ -120,6 +127,7 @@ class IndexedPipeline:
         *,
         val_source: IndexedSource | None = None,
         test_source: IndexedSource | None = None,
+        predict_source: IndexedSource | None = None,
     ) -> None:
         if settings.loss_weight_field == "loss_mask" and isinstance(source, FileSource):
             raise ValueError(
@@ -129,7 +137,8 @@ class IndexedPipeline:
             )
         fractions = {"val": settings.val_fraction, "test": settings.test_fraction}
         self.eval_sources = eval_sources(source, {"val": val_source, "test": test_source}, fractions)
-        self.settings, self.source = settings, source
+        self.settings, self.source, self.predict_source = settings, source, predict_source
+        self._predict: Split | None = None
         self.layout, self.context_parallel_rank = DataParallelLayout(), 0
         self.trainer: Any = None
         self.is_set_up = False
@@ -359,15 +368,63 @@ class IndexedPipeline:
                 return []
         return self._loader(split)
 
+    def predict_loader(self) -> ResumableDataLoader:
+        """The predict loader: every predict sample once over the ranks, planned like evaluation, and each batch's
+        ``sample_index`` (:class:`~lit_seqpack.data.indexed.planned_sampler.IndexedCollator`).
+
+        Raises:
+            ValueError: context or tensor parallelism (every rank of a group would score the same samples).
+        """
+        settings = self.settings
+        if settings.parallel.model_parallel_size > 1:
+            raise ValueError(
+                f"trainer.predict supports data parallelism only, got context_parallel_size="
+                f"{settings.context_parallel_size}, tensor_parallel_size={settings.tensor_parallel_size}: predict "
+                "with both at 1 (each rank scores its own share of the samples)"
+            )
+        self._predict_split()
+        return self._loader("predict")
+
+    def _predict_split(self) -> Split:
+        """The predict samples under the training over-long policy (once): the predict source's, or the whole
+        training dataset (held-out samples included), with the report of what the policy did."""
+        if self._predict is None:
+            if self.predict_source is None:
+                data, scan = self.dataset, self.scan()
+            else:
+                data = self._load(self.predict_source, "train")
+                scan = self._scan_data(data)
+            budget = self._budget() if self.settings.max_tokens is not None else {"max_tokens": None}
+            split, report = eval_split(
+                data,
+                scan,
+                name="predict",
+                model_vocab=self._model_vocab(),
+                pad_token_id=self.settings.pad_token_id,
+                **budget,
+            )
+            self._predict = Split(split.dataset, _int32(split.lengths), _int32(split.loss_tokens))
+            self.eval_overlong_reports["predict"] = report
+            if report is not None and report.num_dropped:
+                rank_zero_warn(
+                    f"lit_seqpack: predict: {report.summary()}; those samples get no prediction (their indices are "
+                    "missing from the output): use overlong='truncate' to score their first max_tokens tokens"
+                )
+        return self._predict
+
     def _loader(self, split: str) -> ResumableDataLoader:
-        if split not in self.splits:
+        if split != "predict" and split not in self.splits:
             raise ValueError(
                 f"no {split!r} data: set {split}_fraction > 0 to hold out {split} samples, or {split}_source to read "
                 "them"
             )
-        settings, (data, lengths, loss_tokens) = self.settings, self.splits[split]
+        settings = self.settings
+        data, lengths, loss_tokens = self._predict_split() if split == "predict" else self.splits[split]
         train = split == "train"
         config = settings.plan_config(self.layout, train=train)
+        overfit = train and _overfits(self.trainer)
+        if overfit:  # the same microbatches every epoch: epoch 0's, unshuffled
+            config = dataclasses.replace(config, shuffle=False)
         planned = planned_lengths(lengths, settings.document_multiple) if settings.mode == "packing" else lengths
         count = settings.content_check_samples
         content = functools.partial(content_digest, data, count, settings.seed, read=read_sample) if count else None
@@ -380,12 +437,13 @@ class IndexedPipeline:
                 # Lightning builds the iterator (and workers start fetching) before it calls set_epoch, and
                 # skips the loader state when resuming from an end-of-epoch checkpoint (Lightning #21938):
                 # set the epoch here so the first epoch after a resume is planned for the right epoch.
-                sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
-            sampler.set_start_source(self._training_start)
+                sampler.set_epoch(0 if overfit else self.trainer.fit_loop.epoch_progress.current.processed)
+            sampler.set_start_source(self._overfit_start if overfit else self._training_start)
+        collate = settings.collator(self.context_parallel_rank)
         loader = ResumableDataLoader(
             PlannedDataset(data),
             batch_sampler=with_step_loss_weights(sampler, data, settings.loss_weight_field),
-            collate_fn=settings.collator(self.context_parallel_rank),
+            collate_fn=IndexedCollator(collate) if split == "predict" else collate,
             num_workers=settings.num_workers,
             name=split,
             loader_timeout=settings.loader_timeout,
@@ -396,6 +454,10 @@ class IndexedPipeline:
                 loader.load_state_dict(self._pending_state)
                 self._pending_state = None
         return loader
+
+    def _overfit_start(self, epoch: int, start: int) -> tuple[int, int]:
+        """Under ``Trainer(overfit_batches=N)``: every epoch plays epoch 0's plan from the Trainer's position."""
+        return 0, self._training_start(epoch, start)[1]
 
     def _training_start(self, epoch: int, start: int) -> tuple[int, int]:
         """Where an iteration of the training sampler starts: the Trainer's epoch and batch counter (fit only)."""

@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
@@ -59,6 +60,7 @@ from lit_seqpack.planning.lazy import LazyPlan
 from lit_seqpack.planning.plan import Plan, build_plan
 
 __all__ = [
+    "IndexedCollator",
     "PLAN_FORMAT",
     "PlannedBatchSampler",
     "RankSampler",
@@ -466,3 +468,32 @@ class SourceIndices(Sequence[int]):
 
     def __reduce__(self) -> tuple[Any, ...]:  # never ship the dataset: the resolved indices are small
         return (list, (list(self),))
+
+
+class IndexedCollator:
+    """A collator that also writes ``sample_index``: each document's index in the source, in batch order.
+
+    ``sample_index`` is int64 ``[num_documents]``: in ``cu_seqlens`` order for a packed row, one per row for a padded
+    batch, empty for a lock-step filler. The indices are the source's (through split, drop and truncate views), as
+    :class:`PlannedDataset` attaches them; ``trainer.predict`` returns them with each sample's outputs.
+
+    Args:
+        collate: the mode's collator (:class:`~lit_seqpack.data.batching.collate.PackedCollator`, ...).
+
+    Example:
+        >>> from lit_seqpack.data.batching.collate import PackedCollator
+        >>> planned = PlannedDataset([{"input_ids": [5, 6]}, {"input_ids": [7]}])
+        >>> IndexedCollator(PackedCollator())(planned.__getitems__(Microbatch([1, 0])))["sample_index"].tolist()
+        [1, 0]
+    """
+
+    def __init__(self, collate: Callable[[Sequence[Mapping[str, Any]]], dict[str, Any]]) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        indices = getattr(samples, "indices", None)
+        if indices is None and len(samples):
+            raise ValueError("IndexedCollator needs the samples' indices: read them through PlannedDataset")
+        batch = self.collate(samples)
+        batch["sample_index"] = torch.tensor([int(i) for i in indices or ()], dtype=torch.int64)
+        return batch
