@@ -722,8 +722,8 @@ def varlen_attention(
         return _sdpa_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, window, softcap, sinks)
     if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
         segment_lengths(cu_seqlens, q.shape[0], max_seqlen)
-    if name == "flex":
-        return flex_varlen(q, k, v, cu_seqlens, causal, scale, window, softcap, sinks, _OVERRIDES.get("flex"))
     if name == "flash_attn":
         return flash_attn_call(_kernel("flash_attn"), q, k, v, cu_seqlens, max_seqlen, causal, scale, window, softcap)
-    return torch_varlen_call(_kernel("torch_varlen"), q, k, v, cu_seqlens, max_seqlen, causal, scale, window)
+    if name == "torch_varlen":
+        return torch_varlen_call(_kernel("torch_varlen"), q, k, v, cu_seqlens, max_seqlen, causal, scale, window)
+    return flex_varlen(q, k, v, cu_seqlens, causal, scale, window, softcap, sinks, _OVERRIDES.get("flex"))
