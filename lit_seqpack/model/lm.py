@@ -52,7 +52,7 @@ from lit_seqpack.model.hf_load import (
 )
 from lit_seqpack.model.mixin import _VERIFIED, PackedSequenceMixin
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
-from lit_seqpack.model.vlm import is_multimodal_batch, multimodal_inputs
+from lit_seqpack.model.vlm import is_multimodal_batch, multimodal_backbone, multimodal_inputs
 
 __all__ = [
     "HFCausalLM",
@@ -484,8 +484,11 @@ class HFCausalLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, Lightn
     def seqpack_hidden_states(self, batch: Any) -> torch.Tensor:
         """The decoder's ``last_hidden_state`` for ``batch`` (the chunked loss's input), with ``forward``'s guards."""
         inputs = self.seqpack_model_inputs(batch)
+        model = unwrapped_model(self.model)
+        # images: the base model places the vision outputs (the decoder alone would ignore them, silently)
+        decoder = multimodal_backbone(model) if is_multimodal_batch(batch) else model.get_decoder()
         try:
-            return unwrapped_model(self.model).get_decoder()(**inputs).last_hidden_state
+            return decoder(**inputs).last_hidden_state
         except ValueError as err:
             packed = inputs.get("cu_seq_lens_q") is not None
             refusal = missing_kernel_error(unwrapped_model(self.model), err) if packed else None
