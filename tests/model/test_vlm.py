@@ -34,7 +34,7 @@ def _config(kind, processor):
     return tiny.llava_config(processor)
 
 
-def _setup(tmp_path, kind, count=16):
+def _setup(tmp_path, kind, count=16, **model_kwargs):
     from lit_seqpack.data.sources.chat import ChatSource
     from lit_seqpack.data.sources.vision import VisionProcessor
     from lit_seqpack.model.lm import HFCausalLM
@@ -42,7 +42,7 @@ def _setup(tmp_path, kind, count=16):
     folder = _folder(tmp_path, kind)
     path = tiny.write_conversations(tmp_path / "data", count)
     torch.manual_seed(0)
-    model = HFCausalLM(config=_config(kind, VisionProcessor(folder)), lr=1e-3)
+    model = HFCausalLM(config=_config(kind, VisionProcessor(folder)), lr=1e-3, **model_kwargs)
     return ChatSource(str(path), str(folder)), model
 
 
