@@ -62,10 +62,10 @@ def _stock(model):
     return stock.train()
 
 
-def _reference(stock, dataset, kind):
-    """Token-mean loss over every conversation's assistant tokens, one conversation a forward."""
+def _reference(stock, dataset, kind, indices=None):
+    """Token-mean loss over every conversation's (or ``indices``') assistant tokens, one conversation a forward."""
     total, count = 0.0, 0
-    for i in range(len(dataset)):
+    for i in range(len(dataset)) if indices is None else indices:
         sample = dataset[i]
         ids = sample["input_ids"][None]
         kwargs = {}

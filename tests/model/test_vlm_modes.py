@@ -10,9 +10,15 @@ tokens); the microbatches carry unequal numbers of loss tokens, so a per-microba
 
 from __future__ import annotations
 
-import pytest
+import json
+from pathlib import Path
 
-from tests.model.test_vlm import _fields, _grads, _names, _reference, _setup, _stock
+import pytest
+import torch
+
+from tests._limits import TEST_TIMEOUT_S
+from tests._ranks import free_port, join_ranks, spawn_ranks
+from tests.model.test_vlm import _config, _fields, _grads, _names, _reference, _setup, _stock
 
 
 @pytest.mark.parametrize(
@@ -44,3 +50,105 @@ def test_dynamic_step_loss_and_gradients_equal_the_stock_model_per_conversation(
     for name in names:
         error = (ours[name] - theirs[name]).norm() / theirs[name].norm()
         assert theirs[name].norm() > 0 and error <= 1e-4, (name, float(error))
+
+
+def _trainer(capture, devices=1, strategy="auto"):
+    from lightning.pytorch import Trainer
+
+    return Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=1,
+        accumulate_grad_batches=2,
+        use_distributed_sampler=False,
+        callbacks=[capture],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def _step_indices(dm, world_size):
+    """The conversations of the first optimizer step (every rank's 2 microbatches), checked to carry unequal
+    numbers of loss tokens (a per-microbatch mean would then be wrong)."""
+    plan = dm.pipeline.train_sampler.lazy_plan
+    cells = [(rank, position) for rank in range(world_size) for position in range(2)]
+    indices = [int(i) for cell in cells for i in plan.microbatch(*cell).indices]
+    assert len({plan.microbatch_loss_tokens(*cell) for cell in cells}) > 1
+    return indices
+
+
+def _assert_step_gradients(actual, stock, dataset, indices):
+    """``actual`` (the step's gradients of ``HFCausalLM``) equal those of the stock model's token-mean loss over the
+    assistant tokens of ``indices``, every parameter to 1e-4 of its largest entry."""
+    stock.zero_grad()
+    _reference(stock, dataset, "qwen2_vl", indices).backward()
+    expected = {f"model.{name}": p.grad for name, p in stock.named_parameters() if p.grad is not None}
+    assert {name for name in expected if ".visual." in name} and {name for name in expected if "language" in name}
+    for name, grad in expected.items():
+        error, scale = (actual[name] - grad).abs().max().item(), grad.abs().max().item()
+        assert error <= 1e-4 * scale, f"{name}: max error {error:.3g} > 1e-4 x {scale:.3g}"
+
+
+def test_accumulated_packed_step_equals_the_big_batch(tmp_path):
+    """One Trainer step over 2 packed microbatches (accumulate_grad_batches=2) of a tiny Qwen2-VL."""
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+    from tests.model.test_exact_loss import GradientCapture
+
+    source, model = _setup(tmp_path, "qwen2_vl")
+    stock = _stock(model)  # the initial weights
+    dm = SeqPackDataModule(source=source, mode="packing", seed=0, max_tokens=160, **_fields("qwen2_vl"))
+    capture = GradientCapture()
+    _trainer(capture).fit(model, datamodule=dm)
+    indices = _step_indices(dm, world_size=1)
+    assert capture.grads is not None and len(indices) < 16  # the step is part of the epoch
+    _assert_step_gradients(capture.grads, stock, dm.pipeline.dataset, indices)
+
+
+def _build(data: Path):
+    """The source and the seeded ``HFCausalLM`` of :func:`_setup`'s folder ``data`` (in a spawned rank)."""
+    from lit_seqpack.data.sources.chat import ChatSource
+    from lit_seqpack.data.sources.vision import VisionProcessor
+    from lit_seqpack.model.lm import HFCausalLM
+
+    folder = data / "processor"
+    torch.manual_seed(0)
+    model = HFCausalLM(config=_config("qwen2_vl", VisionProcessor(folder)), lr=1e-3)
+    return ChatSource(str(data / "data" / "chat.jsonl"), str(folder)), model
+
+
+def _ddp_worker(rank: int, port: int, data: str) -> None:
+    """One of 2 gloo ranks: one Lightning DDP step (accumulation 2); rank 0 writes the gradients and the step."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+    from tests._limits import COLLECTIVE_TIMEOUT
+    from tests.model.test_exact_loss import GradientCapture
+
+    join_ranks(rank, 2, port)
+    source, model = _build(Path(data))
+    dm = SeqPackDataModule(source=source, mode="packing", seed=0, max_tokens=96, **_fields("qwen2_vl"))
+    strategy = DDPStrategy(start_method="popen", timeout=COLLECTIVE_TIMEOUT)
+    _trainer(GradientCapture(str(Path(data, "ddp.pt"))), devices=2, strategy=strategy).fit(model, datamodule=dm)
+    if rank == 0:
+        Path(data, "step.json").write_text(json.dumps(_step_indices(dm, world_size=2)), encoding="utf-8")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_ddp_packed_step_on_two_gloo_ranks_equals_the_big_batch(tmp_path):
+    """Lightning's DDP on 2 spawned gloo ranks, 2 packed microbatches each: the averaged gradient of the step is the
+    big-batch token-mean one of the step's conversations (a tiny Qwen2-VL)."""
+    _setup(tmp_path, "qwen2_vl")  # the processor folder and the conversations, for the ranks
+    spawn_ranks(_ddp_worker, (free_port(), str(tmp_path)), nprocs=2)
+    source, model = _build(tmp_path)
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+
+    dm = SeqPackDataModule(source=source, mode="packing", seed=0, max_tokens=96, **_fields("qwen2_vl"))
+    dm.setup("fit")
+    indices = json.loads((tmp_path / "step.json").read_text(encoding="utf-8"))
+    assert sorted(indices) == sorted(set(indices))
+    _assert_step_gradients(torch.load(tmp_path / "ddp.pt"), _stock(model), dm.pipeline.dataset, indices)
