@@ -152,3 +152,35 @@ def test_ddp_packed_step_on_two_gloo_ranks_equals_the_big_batch(tmp_path):
     indices = json.loads((tmp_path / "step.json").read_text(encoding="utf-8"))
     assert sorted(indices) == sorted(set(indices))
     _assert_step_gradients(torch.load(tmp_path / "ddp.pt"), _stock(model), dm.pipeline.dataset, indices)
+
+
+def test_the_leak_probe_runs_on_the_first_multimodal_packed_row(tmp_path, monkeypatch):
+    """The isolation probe runs once, on the first packed row with images, and passes by the gradient method.
+
+    It draws its 3 documents from the row's tokens (image placeholders included) and runs them as text: it checks
+    the language model's attention isolation; the vision path is checked against the stock model above.
+    """
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+    from lit_seqpack.model import isolation
+    from lit_seqpack.model.mixin import _VERIFIED
+
+    probe, calls = isolation.probe_packing_isolation, []
+
+    def spy(model, batch, **kwargs):
+        report = probe(model, batch, **kwargs)
+        calls.append((batch, report))
+        return report
+
+    monkeypatch.setattr(isolation, "probe_packing_isolation", spy)
+    source, model = _setup(tmp_path, "qwen2_vl")
+    dm = SeqPackDataModule(source=source, mode="packing", seed=0, max_tokens=1024, **_fields("qwen2_vl"))
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    model.model.train()
+    assert True not in _VERIFIED.get(model, set())
+    model.training_step(batch, 0)
+    model.training_step(batch, 0)  # once per module and mode
+    assert len(calls) == 1 and True in _VERIFIED[model]
+    probed, report = calls[0]
+    assert probed is batch and batch.get("cu_seqlens") is not None and any(p.numel() for p in batch["pixel_values"])
+    assert report.passed and report.method == "gradient" and report.training and len(report.cross_entries) == 3
