@@ -426,7 +426,7 @@ class BatchingSettings:
             model max_seq_len=512. Values that work together: data.max_tokens: 704 (a multiple of 8),
             data.eval_max_tokens: 704 or more (or null: max_tokens), model.init_args.max_seq_len: at least
             data.eval_max_tokens (the CLI sets it so when the config leaves it out); or raise max_tokens, or set
-            overlong='truncate' or overlong='drop'
+            overlong='split' (every token kept, in pieces), overlong='truncate' or overlong='drop'
         """
         if self.max_tokens is None:
             return None
@@ -443,7 +443,14 @@ class BatchingSettings:
         model = "no limit" if model_max_seq_len is None else str(model_max_seq_len)
         rounding = f" (a multiple of {self.row_multiple})" if self.row_multiple > 1 else ""
         eval_tokens = max(tokens, self.eval_max_tokens)
-        fix = "" if not needs_docs else "; or raise max_tokens, or set overlong='truncate' or overlong='drop'"
+        fix = (
+            ""
+            if not needs_docs
+            else (
+                "; or raise max_tokens, or set overlong='split' (every token kept, in pieces), overlong='truncate' or "
+                "overlong='drop'"
+            )
+        )
         return (
             f"the length settings do not fit the data: {', '.join(facts) or 'every sample fits'}, but "
             f"data.max_tokens={self.max_tokens} (data.overlong={self.overlong!r}), data.eval_max_tokens="

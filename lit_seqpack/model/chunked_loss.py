@@ -273,7 +273,9 @@ def verify_output_head(model: Any, head: OutputHead) -> str | None:
     modes = {module: module.training for module in model.modules()}
     try:
         model.eval()
-        with torch.no_grad():
+        # a compiled model runs this one-off unpacked probe eagerly: no graph (or graph break) of its own
+        stance = getattr(torch.compiler, "set_stance", None)
+        with torch.no_grad(), stance("force_eager") if stance is not None else contextlib.nullcontext():
             full = model(input_ids=ids, use_cache=False).logits
             hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state
             mine = head.logits(hidden)

@@ -52,7 +52,7 @@ from lit_seqpack.model.hf_load import (
 )
 from lit_seqpack.model.mixin import _VERIFIED, PackedSequenceMixin
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
-from lit_seqpack.model.vlm import is_multimodal_batch, multimodal_backbone, multimodal_inputs
+from lit_seqpack.model.vlm import is_multimodal_batch, multimodal_inputs
 
 __all__ = [
     "HFCausalLM",
@@ -188,6 +188,10 @@ class _ChunkedLossMixin:
         flattening = _flattening_strategy(self)
         if flattening is not None:
             return self._seqpack_fall_back(f"{flattening} shards the output projection outside the forward")
+        if any(_is_dtensor(p) for p in self.parameters()):  # type: ignore[attr-defined]
+            return self._seqpack_fall_back(
+                "its parameters are sharded DTensors (FSDP2 / tensor parallel), gathered only inside the forward"
+            )
         head = self._seqpack_head()
         return self._seqpack_fall_back(head) if isinstance(head, str) else head
 
@@ -482,19 +486,31 @@ class HFCausalLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, Lightn
             raise refusal from err
 
     def seqpack_hidden_states(self, batch: Any) -> torch.Tensor:
-        """The decoder's ``last_hidden_state`` for ``batch`` (the chunked loss's input), with ``forward``'s guards."""
-        inputs = self.seqpack_model_inputs(batch)
-        model = unwrapped_model(self.model)
-        # images: the base model places the vision outputs (the decoder alone would ignore them, silently)
-        decoder = multimodal_backbone(model) if is_multimodal_batch(batch) else model.get_decoder()
+        """The decoder's last hidden states for ``batch`` (the chunked loss's input), as the model's own forward makes
+        them.
+
+        The whole model runs as :meth:`forward` runs it (so a base model that drops keywords on their way to its
+        layers, or a vision-language model that places its vision tower's outputs on the image tokens, behaves exactly
+        as in the full-logits path), with ``logits_to_keep=1`` so the head projects one position only; the hidden
+        states are read from the output of ``get_decoder()`` during that call.
+        """
+        decoder = unwrapped_model(self.model).get_decoder()
+        captured: list[torch.Tensor] = []
+
+        def keep(module: Any, args: Any, output: Any) -> None:
+            captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+        handle = decoder.register_forward_hook(keep)
         try:
-            return decoder(**inputs).last_hidden_state
-        except ValueError as err:
-            packed = inputs.get("cu_seq_lens_q") is not None
-            refusal = missing_kernel_error(unwrapped_model(self.model), err) if packed else None
-            if refusal is None:
-                raise
-            raise refusal from err
+            self.forward(**self.seqpack_model_inputs(batch), logits_to_keep=1)
+        finally:
+            handle.remove()
+        if len(captured) != 1:
+            raise RuntimeError(
+                f"{type(decoder).__name__} (get_decoder()) ran {len(captured)} times in one forward of "
+                f"{type(unwrapped_model(self.model)).__name__}; set chunked_loss=False for this model"
+            )
+        return captured[0]
 
     def _seqpack_head(self) -> OutputHead | str:
         model = unwrapped_model(self.model)

@@ -32,7 +32,6 @@ __all__ = [
     "ARCHITECTURES",
     "REFUSED",
     "is_multimodal_batch",
-    "multimodal_backbone",
     "multimodal_inputs",
     "mrope_position_ids",
 ]
@@ -65,22 +64,6 @@ _IMAGE_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
 def is_multimodal_batch(batch: Mapping[str, Any]) -> bool:
     """Whether ``batch`` carries images (a ``pixel_values`` field)."""
     return batch.get("pixel_values") is not None
-
-
-def multimodal_backbone(model: Any) -> torch.nn.Module:
-    """The module whose forward places the vision outputs on the image tokens and returns ``last_hidden_state``.
-
-    That is the ``*ForConditionalGeneration`` model's base model (``Qwen2VLModel``, ``LlavaModel``), not its
-    ``get_decoder()``: the language model alone takes ``mm_encoder_outputs`` silently and ignores it (and, on padded
-    rows, never computes the mRoPE positions), so hidden states from it would train on image placeholders.
-
-    Raises:
-        ValueError: ``model`` has no base model distinct from itself.
-    """
-    backbone = getattr(model, "base_model", None)
-    if backbone is None or backbone is model:
-        raise ValueError(f"{type(model).__name__} has no base model that runs its vision tower's outputs")
-    return backbone
 
 
 def _architecture(model: Any) -> _Architecture:

@@ -313,8 +313,7 @@ def test_samples_longer_than_planned_are_refused_naming_them(mode):
         ValueError, match=r"takes 32 token slots but the plan's budget is max_tokens=16 .*dataset index"
     ):
         collate(unchecked)  # a hand-built meta without the planned lengths: the budget still holds
-    sampler_class = PlannedBatchSampler if mode == "packing" else PlannedBatchSampler
-    honest = sampler_class([8] * 6, max_tokens=16)
+    honest = PlannedBatchSampler([8] * 6, PlanConfig(mode=mode, max_tokens=16))
     for indices in honest:  # the same samples, planned on their real lengths, collate under the budget
         assert collate(planned.__getitems__(indices))["input_ids"].numel() <= 16
 

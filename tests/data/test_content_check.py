@@ -11,10 +11,10 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_seqpack import PlannedBatchSampler, SeqPackDataModule
+from lit_seqpack import SeqPackDataModule
 from lit_seqpack._hashing import content_digest, sampled_indices
-from lit_seqpack.planning.config import PlanConfig
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
+from tests._samplers import planned_sampler
 
 WORLD = 2
 LENGTHS = np.random.default_rng(11).integers(2, 60, 200).tolist()
@@ -34,7 +34,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         for case, shift in (("equal", 0), ("different", rank)):
             data = _dataset(shift)
             digest = functools.partial(content_digest, data, 8, 0)
-            sampler = PlannedBatchSampler(LENGTHS, PlanConfig(mode="packing", max_tokens=128), content_digest=digest)
+            sampler = planned_sampler("packing", LENGTHS, max_tokens=128, content_digest=digest)
             try:
                 sampler.check_plan()
                 outcome[case] = f"ok {sum(1 for _ in sampler)}"

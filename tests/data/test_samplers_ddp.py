@@ -15,12 +15,11 @@ import torch.multiprocessing as mp
 from lightning.pytorch.strategies import DDPStrategy
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lit_seqpack import PlannedBatchSampler
 from lit_seqpack.batch import Microbatch
 from lit_seqpack.data import PlannedDataset
-from lit_seqpack.planning.config import PlanConfig
 from tests._limits import COLLECTIVE_TIMEOUT, TEST_TIMEOUT_S
 from tests._ranks import free_port, join_ranks
+from tests._samplers import planned_sampler
 
 WORLD = 2
 LENGTHS = np.random.default_rng(7).integers(1, 200, 120).tolist()
@@ -50,9 +49,9 @@ def _samplers(rank: int, out_dir: str) -> None:
     """Each sampler's microbatches gathered over the ranks, and a rank with other settings."""
     outcome: dict[str, object] = {}
     samplers = {
-        "packing": PlannedBatchSampler(LENGTHS, PlanConfig(mode="packing", max_tokens=256, accumulate_grad_batches=2)),
-        "dynamic": PlannedBatchSampler(LENGTHS, PlanConfig(mode="dynamic", max_tokens=256, accumulate_grad_batches=3)),
-        "padded": PlannedBatchSampler(LENGTHS, PlanConfig(mode="padded", batch_size=7, accumulate_grad_batches=2)),
+        "packing": planned_sampler("packing", LENGTHS, max_tokens=256, accumulate_grad_batches=2),
+        "dynamic": planned_sampler("dynamic", LENGTHS, max_tokens=256, accumulate_grad_batches=3),
+        "padded": planned_sampler("padded", LENGTHS, batch_size=7, accumulate_grad_batches=2),
     }
     for mode, sampler in samplers.items():
         assert (sampler.config.world_size, sampler.rank) == (WORLD, rank)  # resolved from torch.distributed
@@ -65,7 +64,7 @@ def _samplers(rank: int, out_dir: str) -> None:
             "indices": sorted(i for b in everyone for mb in b for i in mb),
         }
     # a rank with different settings: every rank must fail loudly instead of hanging or training on garbage
-    odd = PlannedBatchSampler(LENGTHS, PlanConfig(mode="packing", max_tokens=256, seed=rank))
+    odd = planned_sampler("packing", LENGTHS, max_tokens=256, seed=rank)
     try:
         odd.check_plan()  # in the main process before iterating (the batch sampler's __iter__ never talks to ranks)
         outcome["mismatch"] = "no error"
@@ -100,9 +99,8 @@ class RecordingModule(L.LightningModule):
         self.seen: list[dict] = []
 
     def train_dataloader(self) -> StatefulDataLoader:
-        sampler = PlannedBatchSampler(
-            LENGTHS, PlanConfig(mode="packing", max_tokens=256, accumulate_grad_batches=self.accumulate, seed=3)
-        )
+        # the world size and rank from the process group Lightning set up
+        sampler = planned_sampler("packing", LENGTHS, max_tokens=256, accumulate_grad_batches=self.accumulate, seed=3)
         dataset = PlannedDataset(list(range(len(LENGTHS))))
         return StatefulDataLoader(dataset, batch_sampler=sampler, collate_fn=_collate)
 

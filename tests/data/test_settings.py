@@ -82,4 +82,5 @@ def test_the_datamodule_settings_are_the_settings_fields():
         "source",
         "val_source",
         "test_source",
+        "predict_source",
     }

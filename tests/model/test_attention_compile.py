@@ -69,14 +69,14 @@ def test_compiled_hf_model_on_packed_rows(fresh_dynamo: Any, model_type: str) ->
     assert fresh_dynamo["stats"]["unique_graphs"] <= 2
 
 
-def _hf_causal_lm() -> Any:
+def _hf_causal_lm(chunked_loss: bool = True) -> Any:
     pytest.importorskip("transformers")
     from lit_seqpack.model.lm import HFCausalLM
 
     torch.manual_seed(0)
     config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
-    return HFCausalLM(config=config, attn_backend="sdpa").train()
+    return HFCausalLM(config=config, attn_backend="sdpa", chunked_loss=chunked_loss).train()
 
 
 def _packed_rows(steps: int) -> list[dict[str, Any]]:
@@ -103,11 +103,12 @@ def probe_runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return runs
 
 
+@pytest.mark.parametrize("chunked_loss", [False, True], ids=["full-logits", "chunked"])
 def test_the_isolation_probe_adds_no_graph_break_and_no_graph_to_a_compiled_model(
-    fresh_dynamo: Any, probe_runs: list[Any]
+    fresh_dynamo: Any, probe_runs: list[Any], chunked_loss: bool
 ) -> None:
     """The probe's pass (hooks, gradient leaves, its own row length) runs eagerly: the compiled model never sees it."""
-    module = _hf_causal_lm()
+    module = _hf_causal_lm(chunked_loss)
     module.model.compile(backend="eager")
     for step, batch in enumerate(_packed_rows(3)):
         module.training_step(batch, step).backward()

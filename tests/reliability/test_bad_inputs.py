@@ -99,7 +99,7 @@ def test_overlong_error_names_the_sample_the_budget_and_the_policy(mode: str) ->
     with pytest.raises(ValueError, match=r"1 of 3 samples are longer than max_tokens=16 \(first: #1: 30\).*overlong="):
         dm.setup("fit")
     with pytest.raises(ValueError, match=r"sample 1 has length 30 > max_tokens=16"):
-        (PlannedBatchSampler if mode == "packing" else PlannedBatchSampler)([5, 30, 7], max_tokens=16)
+        PlannedBatchSampler([5, 30, 7], PlanConfig(mode=mode, max_tokens=16))
 
 
 @pytest.mark.parametrize("mode", ["packing", "dynamic"])

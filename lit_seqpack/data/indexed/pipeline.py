@@ -64,8 +64,9 @@ __all__ = ["IndexedPipeline", "check_changing_lengths"]
 Dataset = Sequence[Mapping[str, Any]]
 
 
-def _longest(lengths: np.ndarray, settings: BatchingSettings) -> tuple[int, int, str]:
-    """A split's longest sample ``(tokens, index)`` and the over-long summary of its samples past the budget."""
+def _longest(lengths: np.ndarray, settings: BatchingSettings, data: Any = None) -> tuple[int, int, str]:
+    """A split's longest sample ``(tokens, index)`` and the over-long summary of its samples past the budget (naming
+    the first one's file and line when ``data`` can, through its ``sample_where``)."""
     settings_budget = settings.document_budget
     budget = settings_budget if settings_budget is not None else int(lengths.max())
     over = np.flatnonzero(lengths > budget)
@@ -78,6 +79,9 @@ def _longest(lengths: np.ndarray, settings: BatchingSettings) -> tuple[int, int,
         lengths=tuple(int(lengths[i]) for i in over[:5]),
     )
     summary = report.summary()
+    where = getattr(data, "sample_where", None)
+    if len(over) and callable(where):
+        summary += f" ({where(int(over[0]))} is the first)"
     if settings.max_tokens is not None and budget < settings.max_tokens:
         pads = {"pad_to_multiple_of": settings.pad_to_multiple_of, "document_multiple": settings.document_multiple}
         summary += f" ({budget_note(settings.max_tokens, budget, **pads)})"
@@ -295,8 +299,9 @@ class IndexedPipeline:
     def _check_lengths(self, lengths: np.ndarray) -> None:
         """One error for every length setting at once (budgets, over-long policy, the model's ``max_seq_len``),
         from the lengths already scanned, before any split applies a budget of its own."""
-        splits = {"train": lengths, **{name: self.eval_data(name)[1].lengths for name in self.eval_sources}}
-        longest = {name: _longest(v, self.settings) for name, v in splits.items() if len(v)}
+        splits = {"train": (self.dataset, lengths)}
+        splits.update({name: (self.eval_data(name)[0], self.eval_data(name)[1].lengths) for name in self.eval_sources})
+        longest = {name: _longest(v, self.settings, data) for name, (data, v) in splits.items() if len(v)}
         from lit_seqpack.model.hf_load import model_max_seq_len  # the model's side, read at setup only
 
         model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None

@@ -24,13 +24,14 @@ any map-style dataset                  its own training split (:class:`DatasetSo
                                        ``litdata.py``)
 :class:`TokenDataset`                  what a dataset may declare so it is never scanned:
                                        ``lengths``, ``loss_tokens``, ``fingerprint``
-                                       (``protocol.py``)
+                                       (``base.py``)
 =====================================  ==========================================================
 
 Every dataset here is map-style, picklable (DataLoader workers) and returns samples
 ``{"input_ids": LongTensor[L], "labels": LongTensor[L]}`` (``labels`` omitted when every token is trained on).
 
 Example:
+    >>> from lit_seqpack.data.sources.base import TokenDataset, resolve_source
     >>> source = resolve_source("synthetic")
     >>> dataset = source.load("train")
     >>> isinstance(dataset, TokenDataset), len(dataset) > 0

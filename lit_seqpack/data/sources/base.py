@@ -61,7 +61,7 @@ class TokenDataset(Protocol):
     the declared counts against the samples when it scans them).
 
     Example:
-        >>> from lit_seqpack.data.sources import TokenizedDataset
+        >>> from lit_seqpack.data.sources.tokenized import TokenizedDataset
         >>> isinstance(TokenizedDataset.from_records([{"input_ids": [5, 6]}]), TokenDataset)
         True
         >>> isinstance([{"input_ids": [5, 6]}], TokenDataset)
@@ -106,7 +106,7 @@ def declared_counts(dataset: object, name: str) -> np.ndarray | None:
         ValueError: the declared array does not hold integers, or not one per sample.
 
     Example:
-        >>> from lit_seqpack.data.sources import TokenizedDataset
+        >>> from lit_seqpack.data.sources.tokenized import TokenizedDataset
         >>> declared_counts(TokenizedDataset.from_records([{"input_ids": [5, 6]}]), "lengths").tolist()
         [2]
         >>> declared_counts([{"input_ids": [5, 6]}], "lengths") is None

@@ -49,7 +49,8 @@ def vocab_hint(source: object) -> str:
     """The data-side setting behind the vocabulary, for messages, from the DataModule's training source.
 
     Example:
-        >>> from lit_seqpack.data.sources import TokenizedSource, resolve_source
+        >>> from lit_seqpack.data.sources import TokenizedSource
+        >>> from lit_seqpack.data.sources.base import resolve_source
         >>> vocab_hint(resolve_source("synthetic"))
         'or lower the vocab_size of the SyntheticInstructionDataset source (data.source.init_args.vocab_size)'
         >>> vocab_hint(TokenizedSource.__new__(TokenizedSource))

@@ -178,14 +178,31 @@ def test_the_parquet_reader_hands_on_integer_list_columns_as_writable_int64_arra
 
 
 @pytest.mark.parametrize(
-    "column",
-    [[[5, 6], [7.5]], [[True, False], [True]], [[5, 6], None], [[5, None], [7]], [[5, 6], [2**64 - 1]]],
-    ids=["float", "bool", "null list", "null id", "uint64"],
+    ("column", "row", "problem"),
+    [
+        (
+            [[5, 6], [7.5]],
+            0,
+            r"input_ids must be a list of integers, holds 5\.0 \(float\)",
+        ),  # pyarrow makes the column float
+        ([[True, False], [True]], 0, r"input_ids must be a list of integers, holds True \(bool\)"),
+        ([[5, 6], None], 1, r"input_ids is null"),
+        ([[5, None], [7]], 0, r"input_ids must be a list of integers, holds None \(NoneType\)"),
+    ],
+    ids=["float", "bool", "null list", "null id"],
 )
-def test_the_parquet_reader_reads_other_token_columns_as_lists_for_the_checks(tmp_path: Path, column: list) -> None:
+def test_the_parquet_reader_refuses_other_token_columns_naming_file_row_group_and_row(
+    tmp_path: Path, column: list, row: int, problem: str
+) -> None:
+    pytest.importorskip("pyarrow")
+    with pytest.raises(ValueError, match=rf"d\.parquet: row group 0, row {row}: {problem}"):
+        _parquet_rows(tmp_path, {"input_ids": column})
+
+
+def test_the_parquet_reader_reads_uint64_token_columns_as_lists_for_the_checks(tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow")
-    typed = pa.array(column, pa.list_(pa.uint64())) if column[-1] == [2**64 - 1] else column
-    rows = _parquet_rows(tmp_path, {"input_ids": typed})
+    column = [[5, 6], [2**64 - 1]]
+    rows = _parquet_rows(tmp_path, {"input_ids": pa.array(column, pa.list_(pa.uint64()))})
     assert [row["input_ids"] for row in rows] == column
 
 
