@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"fabric: {steps} steps x {args.accumulate_grad_batches} microbatches x {fabric.world_size} ranks in "
         f"{elapsed:.1f} s, {total / elapsed:,.0f} real tokens/s, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
     )
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        fabric.barrier()
+        torch.distributed.destroy_process_group()  # gloo's threads end before the interpreter (else: SIGABRT at exit)
     return {"steps": steps, "elapsed": elapsed, "first_loss": losses[0], "last_loss": losses[-1]}
 
 
