@@ -178,8 +178,9 @@ def spread_over_tokens(values: torch.Tensor | Sequence[float], rollout: Rollout)
     if per_sample.numel() != len(rollout):
         raise ValueError(f"{per_sample.numel()} values for a rollout of {len(rollout)} samples")
     per_sample = per_sample.float() if per_sample.dtype != torch.float64 else per_sample
-    flat = torch.repeat_interleave(per_sample, torch.as_tensor(rollout.lengths))
-    flat = torch.where(torch.cat(list(rollout.loss_mask)).bool(), flat, torch.zeros_like(flat))
+    # numpy's repeat (torch's repeat_interleave wakes every CPU thread per call) and the rollout's own flat mask
+    flat = torch.from_numpy(np.repeat(per_sample.numpy(), rollout.lengths))
+    flat.masked_fill_(~rollout.flat_loss_mask, 0.0)
     return list(flat.split(rollout.lengths.tolist()))
 
 

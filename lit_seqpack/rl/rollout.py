@@ -370,6 +370,11 @@ class Rollout:
         return len(self.input_ids)
 
     @property
+    def flat_loss_mask(self) -> torch.Tensor:
+        """Every sample's loss mask, concatenated (one ``bool`` tensor; the per-sample masks are views of it)."""
+        return self._flat[1]
+
+    @property
     def lengths(self) -> np.ndarray:
         """Tokens of every sample (``int64``, a read-only array computed once)."""
         return self._lengths
