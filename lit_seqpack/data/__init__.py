@@ -11,6 +11,7 @@ module                      what
 ``indexed/``                :class:`IndexedPipeline`: scan, over-long policy, splits, samplers, loaders, resume
 ``streaming/``              :class:`StreamPipeline`: windows, loader, cross-rank checks, resume
 ``_trainer.py``             what the pipelines read from the Trainer: the layout and where training resumes
+``workers.py``              loader workers under ``torch.distributed``: start method, finite waits, stuck ranks named
 ==========================  ================================================================================
 
 Names are imported lazily (PEP 562): ``import lit_seqpack.data.indexed.splits`` does not load the DataModule.
