@@ -196,7 +196,7 @@ class _ChunkedLossMixin:
         return self._seqpack_fall_back(head) if isinstance(head, str) else head
 
     def _seqpack_head(self) -> OutputHead | str:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must say which output head the chunked loss projects through")
 
     def _seqpack_fall_back(self, reason: str) -> None:
         logged = self.__dict__.setdefault("_seqpack_fallbacks", set())
