@@ -3,6 +3,7 @@
 #
 #   bash scripts/lowest_versions.sh                  # build .venv-lowest, run the default test selection
 #   bash scripts/lowest_versions.sh tests/test_cli.py -k resume   # ... or these pytest arguments instead
+#   bash scripts/lowest_versions.sh tests lit_seqpack   # the whole suite, as .ci/run runs it
 #
 # The venv is built apart from .venv (LOWEST_VENV to choose its folder; it is rebuilt from scratch each time) with
 # uv: every `name>=lower` requirement of the project and of [dev] pinned to `name==lower` (scripts/lowest_pins.py),
@@ -31,9 +32,11 @@ pins="$venv/lowest-pins.txt"
 "$venv/bin/python" scripts/lowest_pins.py --skip torch >"$pins"
 overrides="$venv/overrides.txt"
 "$venv/bin/python" -c "from importlib.metadata import version; print('torch==' + version('torch').split('+')[0])" >"$overrides"
-"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --constraint "$pins" --override "$overrides" -e ".[dev]"
+"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --constraint "$pins" --override "$overrides" -e ".[dev,docs,litdata]"
+# litdata itself without its requirements (they pull torchvision and another torch), as scripts/setup_env.sh does
+"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps "litdata==0.2.76"
 "$venv/bin/uv" pip freeze --python "$venv/bin/python" | grep -v '^-e ' >"$venv/resolved.txt"
-grep -iE '^(torch|lightning|torchmetrics|torchdata|numpy|numba|omegaconf|jsonargparse|transformers|peft|datasets|pyarrow|tensorboard|matplotlib|huggingface-hub|tokenizers|pytest)==' \
+grep -iE '^(torch|lightning|litdata|mkdocs|torchmetrics|torchdata|numpy|numba|omegaconf|jsonargparse|transformers|peft|datasets|pyarrow|tensorboard|matplotlib|huggingface-hub|tokenizers|pytest)==' \
   "$venv/resolved.txt"
 
 if [ "$#" -eq 0 ]; then

@@ -3,6 +3,7 @@
 #
 #   bash scripts/newest_versions.sh                  # build .venv-newest, run the default test selection
 #   bash scripts/newest_versions.sh tests/model      # ... or these pytest arguments instead
+#   bash scripts/newest_versions.sh tests lit_seqpack   # the whole suite, as .ci/run runs it
 #
 # The venv is built apart from .venv (NEWEST_VENV to choose its folder; it is rebuilt from scratch each time) with
 # uv at its default resolution (the highest version of every requirement of the project and of [dev], nothing
@@ -29,9 +30,11 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upg
 "${pip[@]}" "uv==$uv_version" "$torch_spec"
 overrides="$venv/overrides.txt"
 "$venv/bin/python" -c "from importlib.metadata import version; print('torch==' + version('torch').split('+')[0])" >"$overrides"
-"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --upgrade --override "$overrides" -e ".[dev]"
+"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --upgrade --override "$overrides" -e ".[dev,docs,litdata]"
+# litdata itself without its requirements (they pull torchvision and another torch), as scripts/setup_env.sh does
+"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps "litdata>=0.2.76"
 "$venv/bin/uv" pip freeze --python "$venv/bin/python" | grep -v '^-e ' >"$venv/resolved.txt"
-grep -iE '^(torch|lightning|torchmetrics|torchdata|numpy|numba|omegaconf|jsonargparse|transformers|peft|datasets|pyarrow|tensorboard|matplotlib|huggingface-hub|tokenizers|pytest)==' \
+grep -iE '^(torch|lightning|litdata|mkdocs|torchmetrics|torchdata|numpy|numba|omegaconf|jsonargparse|transformers|peft|datasets|pyarrow|tensorboard|matplotlib|huggingface-hub|tokenizers|pytest)==' \
   "$venv/resolved.txt"
 
 if [ "$#" -eq 0 ]; then
