@@ -52,7 +52,7 @@ from lit_seqpack.model.hf_load import (
 )
 from lit_seqpack.model.mixin import _VERIFIED, PackedSequenceMixin
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
-from lit_seqpack.model.vlm import is_multimodal_batch, multimodal_inputs
+from lit_seqpack.model.vlm import idle_vision_outputs, is_multimodal_batch, multimodal_inputs, vision_parameters
 
 __all__ = [
     "HFCausalLM",
@@ -428,6 +428,7 @@ class HFCausalLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, Lightn
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.model = apply_peft(model, peft_config) if peft_config is not None else model
+        self._image_microbatches = 0  # this rank's microbatches with images since the last optimizer step
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a process that unpickles this module (ddp_spawn, DataLoader workers) must know the attention function
@@ -462,13 +463,42 @@ class HFCausalLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, Lightn
         vision tower's outputs and its positions from :func:`~lit_seqpack.model.vlm.multimodal_inputs`.
         """
         inputs = hf_model_inputs(batch, backend=self.hparams.attn_backend)
+        model = unwrapped_model(self.model)
         if is_multimodal_batch(batch):  # images: the vision tower's outputs and per-conversation (mRoPE) positions
-            multimodal_inputs(unwrapped_model(self.model), batch, inputs)
+            multimodal_inputs(model, batch, inputs)
+        if torch.is_grad_enabled() and self._trains_vision_on_every_rank():
+            if "mm_encoder_outputs" in inputs:
+                self._image_microbatches += 1
+            else:  # no image here: the tower still runs, so that every rank's reducer sees its parameters
+                inputs["mm_encoder_outputs"] = {"image": idle_vision_outputs(model)}
         if not uses_varlen_attention(self.model):
             refuse_packing_without_interface(self.model, batch)
             for key in (BACKEND_KWARG, RIGHT_PADDED_KWARG):
                 inputs.pop(key, None)
         return inputs
+
+    def _trains_vision_on_every_rank(self) -> bool:
+        """Whether this is a training run over several ranks of a vision-language model whose vision tower trains:
+        the same answer on every rank (no batch is read)."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size < 2 or not self.training:
+            return False
+        return any(p.requires_grad for p in vision_parameters(unwrapped_model(self.model)))
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Drop the vision tower's gradients after a step in which no rank saw an image.
+
+        Those gradients are the idle tower's zeros (see :meth:`seqpack_model_inputs`); a run that never called the
+        tower has none, and AdamW then leaves the tower as it is (zeros would still apply weight decay and momentum).
+        The ranks agree on the step's image count with one all-reduce of a scalar, on every rank alike.
+        """
+        if not self._trains_vision_on_every_rank():
+            return
+        count = torch.tensor(float(self._image_microbatches), device=self.device)
+        self._image_microbatches = 0
+        if float(self.trainer.strategy.reduce(count, reduce_op="sum")) == 0.0:
+            for param in vision_parameters(unwrapped_model(self.model)):
+                param.grad = None
 
     def forward(self, **inputs: Any) -> Any:
         """The wrapped model's output (a ``CausalLMOutput``; the mixin reads its ``logits``).

@@ -15,7 +15,13 @@ the keywords of the stock ``*ForConditionalGeneration`` model::
     padded rows  the same vision outputs, plus image_grid_thw / mm_token_type_ids / attention_mask: the stock model
                  computes each row's mRoPE positions itself
 
-The language model then runs lit_seqpack's varlen attention on the packed row exactly as for text. What stays
+The language model then runs lit_seqpack's varlen attention on the packed row exactly as for text.
+
+Under DDP or FSDP every rank's vision tower must run in every microbatch (DDP waits for gradients of every
+parameter, FSDP all-gathers and reduce-scatters each wrapped block on every rank): a microbatch without images
+gets :func:`idle_vision_outputs`, the tower run on one blank image whose features join as zero rows, so its
+parameters get zero gradients and the language model's inputs are unchanged (``HFCausalLM`` does this, and drops
+the zero gradients of a step in which no rank saw an image, as a run that never called the tower would). What stays
 refused, by name (:data:`REFUSED`): architectures whose image tokens attend bidirectionally (Gemma3, PaliGemma:
 their pattern lives in a mask that packed rows do not build), and any architecture not in :data:`ARCHITECTURES`.
 """
@@ -31,9 +37,11 @@ import torch
 __all__ = [
     "ARCHITECTURES",
     "REFUSED",
+    "idle_vision_outputs",
     "is_multimodal_batch",
     "multimodal_inputs",
     "mrope_position_ids",
+    "vision_parameters",
 ]
 
 
@@ -43,12 +51,14 @@ class _Architecture:
 
     mrope: bool
     """3-D mRoPE positions (Qwen's ``get_rope_index``) and ``image_grid_thw``; else 1-D positions."""
+    vision_modules: tuple[str, ...]
+    """The attributes of ``model.model`` that ``get_image_features`` runs (the vision tower and its projector)."""
 
 
 ARCHITECTURES: dict[str, _Architecture] = {
-    "qwen2_vl": _Architecture(mrope=True),
-    "qwen2_5_vl": _Architecture(mrope=True),
-    "llava": _Architecture(mrope=False),
+    "qwen2_vl": _Architecture(mrope=True, vision_modules=("visual",)),
+    "qwen2_5_vl": _Architecture(mrope=True, vision_modules=("visual",)),
+    "llava": _Architecture(mrope=False, vision_modules=("vision_tower", "multi_modal_projector")),
 }
 """The ``model_type`` of every vision-language model trained here, packed, dynamic and padded."""
 
@@ -79,6 +89,49 @@ def _architecture(model: Any) -> _Architecture:
             f"trained for model_type in {sorted(ARCHITECTURES)} only (each checked against the stock model)"
         )
     return ARCHITECTURES[model_type]
+
+
+def vision_parameters(model: Any) -> list[torch.nn.Parameter]:
+    """The parameters that ``model``'s ``get_image_features`` uses ([] for a model that is not in
+    :data:`ARCHITECTURES`)."""
+    architecture = ARCHITECTURES.get(getattr(model.config, "model_type", None))
+    if architecture is None:
+        return []
+    return [p for name in architecture.vision_modules for p in getattr(model.model, name).parameters()]
+
+
+def _blank_image(model: Any, architecture: _Architecture) -> dict[str, torch.Tensor]:
+    """``get_image_features`` keywords for the smallest image the vision tower takes, all zeros.
+
+    The shapes come from the config and only the dtype and device from a parameter: under FSDP2 the parameters are
+    shards here, and any operation on one would be a collective that only this rank calls.
+    """
+    vision = model.config.vision_config
+    weight = next(getattr(model.model, architecture.vision_modules[0]).parameters())
+    like = {"dtype": weight.dtype, "device": weight.device}
+    if architecture.mrope:  # Qwen: one merge window of patches of channels x temporal x patch x patch values
+        merge, patch = int(vision.spatial_merge_size), int(vision.patch_size)
+        values = int(vision.in_channels) * int(vision.temporal_patch_size) * patch * patch
+        return {
+            "pixel_values": torch.zeros(merge * merge, values, **like),
+            "image_grid_thw": torch.tensor([[1, merge, merge]], device=weight.device),
+        }
+    size = int(vision.image_size)
+    return {"pixel_values": torch.zeros(1, int(vision.num_channels), size, size, **like)}
+
+
+def idle_vision_outputs(model: Any) -> Any:
+    """The vision tower's outputs for a microbatch without images: no features, yet every vision parameter in the graph.
+
+    The tower runs on one blank image and its features are cut to zero rows, which the stock model scatters onto the
+    row's zero image tokens: the language model's inputs are unchanged and the vision parameters get zero gradients,
+    so DDP's reducer and FSDP's collectives see the same parameters on every rank. Give the result as
+    ``mm_encoder_outputs={"image": ...}``.
+    """
+    architecture = ARCHITECTURES[model.config.model_type]
+    features = model.model.get_image_features(**_blank_image(model, architecture), return_dict=True)
+    features.pooler_output = [torch.cat(tuple(features.pooler_output), dim=0)[:0]]
+    return features
 
 
 def _cat(parts: Any) -> torch.Tensor | None:

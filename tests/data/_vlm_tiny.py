@@ -113,15 +113,20 @@ def conversation(rng: random.Random, images: list[str]) -> dict[str, Any]:
 
 
 def write_conversations(
-    folder: str | Path, count: int = 16, seed: int = 0, sizes: tuple[tuple[int, int], ...] = ((32, 32), (48, 32))
+    folder: str | Path,
+    count: int = 16,
+    seed: int = 0,
+    sizes: tuple[tuple[int, int], ...] = ((32, 32), (48, 32)),
+    images_per_conversation: list[int] | None = None,
 ) -> Path:
-    """Write ``count`` conversations with 0-2 PNGs each to ``folder/chat.jsonl`` (images under ``folder/img``)."""
+    """Write ``count`` conversations with 0-2 PNGs each (conversation ``i`` has ``i % 3``, or
+    ``images_per_conversation[i]``) to ``folder/chat.jsonl`` (images under ``folder/img``)."""
     folder, rng = Path(folder), random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
     with (folder / "chat.jsonl").open("w", encoding="utf-8") as handle:
         for i in range(count):
             images = []
-            for k in range(i % 3):
+            for k in range(i % 3 if images_per_conversation is None else images_per_conversation[i]):
                 colour = rng.choice(sorted(COLOURS))
                 name = f"img/{colour}_{i}_{k}.png"
                 write_png(folder / name, colour, rng.choice(sizes))

@@ -114,7 +114,8 @@ def assert_gradients_match(actual: dict[str, torch.Tensor], expected: dict[str, 
 
 
 class GradientCapture(Callback):
-    """Keeps the accumulated (and, under DDP, averaged) gradients just before the first optimizer step."""
+    """Keeps the accumulated (and, under DDP, averaged) gradients just before the first optimizer step (whole, on
+    every rank: sharded ones are gathered)."""
 
     def __init__(self, path: str | None = None) -> None:
         self.path = path
@@ -122,7 +123,9 @@ class GradientCapture(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.grads is None:
-            self.grads = {name: p.grad.detach().clone() for name, p in pl_module.named_parameters()}
+            grads = {name: p.grad.detach() for name, p in pl_module.named_parameters()}
+            # FSDP2 / TP: each rank holds a shard; every rank gathers the whole gradient (one collective each)
+            self.grads = {n: (g.full_tensor() if hasattr(g, "full_tensor") else g).clone() for n, g in grads.items()}
             if self.path is not None and trainer.global_rank == 0:
                 torch.save(self.grads, self.path)
 

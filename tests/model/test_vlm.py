@@ -125,3 +125,39 @@ def test_step_loss_and_gradients_equal_the_stock_model_per_conversation(tmp_path
     for name in names:
         error = (ours[name] - theirs[name]).norm() / theirs[name].norm()
         assert theirs[name].norm() > 0 and error <= 1e-4, (name, float(error))
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "llava"])
+def test_idle_vision_outputs_leave_the_text_exact_and_reach_the_vision_parameters_an_image_reaches(tmp_path, kind):
+    """A text-only conversation given the idle tower's outputs: the stock model's logits are bitwise those without,
+    and the vision parameters that a conversation with an image trains (LLaVA: not the CLIP layers after the
+    selected feature layer) get gradients of zeros, as DDP's reducer needs."""
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+    from lit_seqpack.model.vlm import idle_vision_outputs, vision_parameters
+
+    source, model = _setup(tmp_path, kind)
+    dm = SeqPackDataModule(source=source, mode="padded", batch_size=16, **_fields(kind))
+    dm.setup("fit")
+    stock = _stock(model)
+    names = {id(p): n for n, p in stock.named_parameters()}
+    vision = vision_parameters(stock)
+    assert {names[id(p)].split(".")[1] for p in vision} == (
+        {"vision_tower", "multi_modal_projector"} if kind == "llava" else {"visual"}
+    )
+    _reference(stock, dm.pipeline.dataset, kind, indices=[1]).backward()  # conversation 1 has an image
+    trained = {names[id(p)] for p in vision if p.grad is not None and p.grad.any()}
+    stock.zero_grad(set_to_none=True)
+
+    sample = dm.pipeline.dataset[0]  # conversation 0 has none
+    assert not len(sample["pixel_values"])
+    kwargs = {} if kind == "llava" else {"mm_token_type_ids": sample["mm_token_type_ids"][None]}
+    ids = sample["input_ids"][None]
+    plain = stock(input_ids=ids, use_cache=False, **kwargs).logits
+    idle = {"image": idle_vision_outputs(stock)}
+    logits = stock(input_ids=ids, use_cache=False, mm_encoder_outputs=idle, **kwargs).logits
+    assert torch.equal(plain, logits)
+    logits.sum().backward()
+    reached = {names[id(p)] for p in vision if p.grad is not None}
+    assert trained and reached == trained
+    assert not any(p.grad.any() for p in vision if p.grad is not None)
+    assert stock.lm_head.weight.grad.any()

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from tests._limits import TEST_TIMEOUT_S
 from tests._ranks import free_port, join_ranks, spawn_ranks
-from tests.model.test_vlm import _config, _fields, _grads, _names, _reference, _setup, _stock
+from tests.data import _vlm_tiny as tiny
+from tests.model.test_vlm import FIELDS, _config, _fields, _grads, _names, _reference, _setup, _stock
 
 
 @pytest.mark.parametrize(
@@ -52,7 +54,7 @@ def test_dynamic_step_loss_and_gradients_equal_the_stock_model_per_conversation(
         assert theirs[name].norm() > 0 and error <= 1e-4, (name, float(error))
 
 
-def _trainer(capture, devices=1, strategy="auto"):
+def _trainer(*callbacks, devices=1, strategy="auto", max_steps=1):
     from lightning.pytorch import Trainer
 
     return Trainer(
@@ -60,10 +62,10 @@ def _trainer(capture, devices=1, strategy="auto"):
         devices=devices,
         strategy=strategy,
         precision="32-true",
-        max_steps=1,
+        max_steps=max_steps,
         accumulate_grad_batches=2,
         use_distributed_sampler=False,
-        callbacks=[capture],
+        callbacks=list(callbacks),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -71,13 +73,13 @@ def _trainer(capture, devices=1, strategy="auto"):
     )
 
 
-def _step_indices(dm, world_size):
-    """The conversations of the first optimizer step (every rank's 2 microbatches), checked to carry unequal
+def _step_indices(dm, world_size, step=0, unequal=True):
+    """The conversations of optimizer step ``step`` (every rank's 2 microbatches), checked to carry unequal
     numbers of loss tokens (a per-microbatch mean would then be wrong)."""
     plan = dm.pipeline.train_sampler.lazy_plan
-    cells = [(rank, position) for rank in range(world_size) for position in range(2)]
+    cells = [(rank, position) for rank in range(world_size) for position in (2 * step, 2 * step + 1)]
     indices = [int(i) for cell in cells for i in plan.microbatch(*cell).indices]
-    assert len({plan.microbatch_loss_tokens(*cell) for cell in cells}) > 1
+    assert not unequal or len({plan.microbatch_loss_tokens(*cell) for cell in cells}) > 1
     return indices
 
 
@@ -108,7 +110,25 @@ def test_accumulated_packed_step_equals_the_big_batch(tmp_path):
     _assert_step_gradients(capture.grads, stock, dm.pipeline.dataset, indices)
 
 
-def _build(data: Path):
+def _sharded_vlm() -> type:
+    """``HFCausalLM`` whose ``configure_model`` applies FSDP2 over the data-parallel mesh: each vision block, the
+    vision tower (its own unit: ``HFCausalLM`` runs it before the model's forward), each text layer and the whole
+    model ``fully_shard``-ed (ModelParallelStrategy needs the hook)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lit_seqpack.model.lm import HFCausalLM
+
+    class ShardedVLM(HFCausalLM):
+        def configure_model(self) -> None:
+            mesh, inner = self.device_mesh["data_parallel"], self.model.model
+            for block in [*inner.visual.blocks, inner.visual, *inner.language_model.layers]:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    return ShardedVLM
+
+
+def _build(data: Path, model: bool = True, sharded: bool = False):
     """The source and the seeded ``HFCausalLM`` of :func:`_setup`'s folder ``data`` (in a spawned rank)."""
     from lit_seqpack.data.sources.chat import ChatSource
     from lit_seqpack.data.sources.vision import VisionProcessor
@@ -116,8 +136,9 @@ def _build(data: Path):
 
     folder = data / "processor"
     torch.manual_seed(0)
-    model = HFCausalLM(config=_config("qwen2_vl", VisionProcessor(folder)), lr=1e-3)
-    return ChatSource(str(data / "data" / "chat.jsonl"), str(folder)), model
+    cls = _sharded_vlm() if sharded else HFCausalLM
+    lm = cls(config=_config("qwen2_vl", VisionProcessor(folder)), lr=1e-3) if model else None
+    return ChatSource(str(data / "data" / "chat.jsonl"), str(folder)), lm
 
 
 def _ddp_worker(rank: int, port: int, data: str) -> None:
@@ -152,6 +173,98 @@ def test_ddp_packed_step_on_two_gloo_ranks_equals_the_big_batch(tmp_path):
     indices = json.loads((tmp_path / "step.json").read_text(encoding="utf-8"))
     assert sorted(indices) == sorted(set(indices))
     _assert_step_gradients(torch.load(tmp_path / "ddp.pt"), _stock(model), dm.pipeline.dataset, indices)
+
+
+class _VisionSnapshots(Callback):
+    """Rank 0 saves the vision tower's parameters before training and after every optimizer step to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.states = path, []
+
+    def _keep(self, pl_module) -> None:
+        params = {n: p.detach() for n, p in pl_module.named_parameters() if ".visual." in n}
+        whole = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in params.items()}  # FSDP2: gather
+        self.states.append({n: p.clone() for n, p in whole.items()})
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._keep(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == len(self.states):
+            self._keep(pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            torch.save(self.states, self.path)
+
+
+def _two_rank_datamodule(data: Path):
+    """The DataModule of the 2-rank runs below, planned in this process as rank 0 of 2 with accumulation 2."""
+    from types import SimpleNamespace
+
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+
+    source, _ = _build(data, model=False)
+    dm = SeqPackDataModule(source=source, mode="packing", seed=0, max_tokens=48, **FIELDS)
+    dm.attach_fabric(SimpleNamespace(world_size=2, global_rank=0), accumulate_grad_batches=2)
+    dm.setup("fit")
+    dm.train_dataloader()  # builds the planned sampler
+    return dm
+
+
+def _one_image_data(data: Path) -> tuple[list[int], list[int]]:
+    """Rewrite ``data``'s conversations so that one only has an image, one in the first of 2 DDP steps (ranks 2,
+    accumulation 2, ``max_tokens=48``): returns the conversations of the first and of the second step."""
+    for chosen in range(16):
+        counts = [int(i == chosen) for i in range(16)]
+        tiny.write_conversations(data / "data", 16, images_per_conversation=counts)
+        dm = _two_rank_datamodule(data)
+        first, second = (_step_indices(dm, 2, step=step, unequal=False) for step in (0, 1))
+        if chosen in first:
+            return first, second
+    raise AssertionError("no conversation of the first step")
+
+
+def _idle_vision_worker(rank: int, port: int, data: str, engine: str) -> None:
+    """One of 2 gloo ranks: 2 Lightning steps (``engine`` DDP or FSDP2) over the one-image conversations; rank 0 saves
+    the first step's gradients and the vision tower after each step."""
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+    from tests._limits import COLLECTIVE_TIMEOUT
+    from tests.model.test_exact_loss import GradientCapture
+
+    join_ranks(rank, 2, port)
+    source, model = _build(Path(data), sharded=engine == "fsdp2")
+    dm = SeqPackDataModule(source=source, mode="packing", seed=0, max_tokens=48, **FIELDS)
+    if engine == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=COLLECTIVE_TIMEOUT)
+    else:
+        strategy = DDPStrategy(start_method="popen", timeout=COLLECTIVE_TIMEOUT)
+    capture, snapshots = GradientCapture(str(Path(data, "ddp.pt"))), _VisionSnapshots(str(Path(data, "vision.pt")))
+    _trainer(capture, snapshots, devices=2, strategy=strategy, max_steps=2).fit(model, datamodule=dm)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_a_rank_without_images_runs_the_vision_tower_idle(tmp_path, engine):
+    """One conversation of 16 has an image: in the first step one rank has it and the other none (the stock DDP
+    reducer would stop on the rank whose vision tower never ran, FSDP2's collectives would differ between the ranks);
+    the step's gradient is still the big-batch one.
+    In the second step no rank has an image: the vision tower is left exactly as it was (no zero-gradient AdamW
+    step, which weight decay and momentum would move), as in a run that never called the tower."""
+    _setup(tmp_path, "qwen2_vl")  # the processor folder
+    first, second = _one_image_data(tmp_path)
+    spawn_ranks(_idle_vision_worker, (free_port(), str(tmp_path), engine), nprocs=2)
+
+    dm, (_, model) = _two_rank_datamodule(tmp_path), _build(tmp_path)
+    dataset = dm.pipeline.dataset
+    assert [len(dataset[i]["pixel_values"]) > 0 for i in first + second].count(True) == 1
+    _assert_step_gradients(torch.load(tmp_path / "ddp.pt"), _stock(model), dataset, first)
+    before, after_first, after_second = torch.load(tmp_path / "vision.pt")
+    assert any(not torch.equal(before[n], after_first[n]) for n in before)  # the first step trained the tower
+    assert all(torch.equal(after_first[n], after_second[n]) for n in before)
 
 
 def test_the_leak_probe_runs_on_the_first_multimodal_packed_row(tmp_path, monkeypatch):
