@@ -474,7 +474,8 @@ class GradNormMonitor(Callback):
     them, before ``gradient_clip_val`` clips them (a norm far above the clip value says the clip is doing the work).
     Logged at Lightning's logging steps (``log_every_n_steps``), like the loss. Under ``FSDPStrategy`` each rank holds
     a shard: the ranks' norms are combined (p-th powers summed), so the value is the whole model's; under
-    ``ModelParallelStrategy`` it is this rank's shards' norm (tested on one process and DDP only).
+    ``ModelParallelStrategy`` (FSDP2, tensor parallel) each sharded gradient's norm is reduced over its device mesh
+    (one collective a mesh), so it is the whole model's there too.
 
     Args:
         norm_type: the p of the p-norm (2.0: the Euclidean norm clipping uses by default).
@@ -491,14 +492,26 @@ class GradNormMonitor(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if not trainer._logger_connector.should_update_logs:
             return
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        grads = [p.grad.detach() for p in pl_module.parameters() if p.grad is not None]
         if not grads:
             return
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # DTensor shards
-        norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.detach().float(), self.norm_type) for g in local]), self.norm_type
-        )
+        plain, by_mesh = [], {}
+        for grad in grads:
+            if hasattr(grad, "device_mesh"):  # a DTensor (FSDP2, tensor parallel): its norm reduces over its mesh
+                by_mesh.setdefault(grad.device_mesh, []).append(grad)
+            else:
+                plain.append(grad)
+        norms = [torch.linalg.vector_norm(g.float(), self.norm_type) for g in plain]
+        for sharded in by_mesh.values():  # one collective a mesh: the whole parameters' norm, on every rank
+            norms.append(self._norm([self._norm([g.float()]) for g in sharded]).full_tensor())
+        norm = self._norm(norms)
         if "FSDP" in type(trainer.strategy).__name__ and trainer.world_size > 1:  # flat shards over every rank
             power = trainer.strategy.reduce(norm**self.norm_type, reduce_op="sum")
             norm = power ** (1.0 / self.norm_type)
         pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False, prog_bar=self.prog_bar)
+
+    def _norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The p-norm of ``tensors`` together (a norm of their norms)."""
+        if len(tensors) == 1:
+            return torch.linalg.vector_norm(tensors[0], self.norm_type)
+        return torch.linalg.vector_norm(torch.stack(tensors), self.norm_type)

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from lit_seqpack.callbacks import PackingMonitor
+from lit_seqpack.callbacks import GradNormMonitor, PackingMonitor
 from lit_seqpack.data.datamodule import SeqPackDataModule
 from lit_seqpack.model.lm import ReferenceLM, _clean_name
 from lit_seqpack.model.mixin import check_batch_layout
@@ -110,6 +110,11 @@ class Recorder(Callback):
             if trainer.global_rank == 0:
                 torch.save(grads, Path(self.out).with_suffix(".pt"))
 
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        logged = trainer.callback_metrics.get("train/grad_norm")
+        if logged is not None and "grad_norm" not in self.record:  # the first optimizer step's (GradNormMonitor)
+            self.record["grad_norm"] = float(logged)
+
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         monitors = [c for c in trainer.callbacks if isinstance(c, PackingMonitor)]
         if monitors:  # after the monitor's own on_train_end (it comes first in the callbacks)
@@ -129,7 +134,8 @@ def _trainer(strategy: Any, recorder: Recorder, **kwargs: Any) -> Trainer:
         devices=WORLD,
         strategy=strategy,
         use_distributed_sampler=False,
-        callbacks=[PackingMonitor(summary=False), recorder],
+        callbacks=[PackingMonitor(summary=False), GradNormMonitor(), recorder],
+        log_every_n_steps=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -261,6 +267,18 @@ def test_one_step_with_accumulation_equals_the_big_padded_batch(runs: Path, run:
     module = ReferenceLM(vocab_size=VOCAB, **TINY, lr_schedule="constant", attn_backend="sdpa")
     expected = reference_gradients(module, [view[i] for rank in step for micro in rank for i in micro])
     assert_gradients_match(torch.load(runs / f"{run}.pt"), expected, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("run", ["fsdp2", "tp"])
+def test_the_logged_grad_norm_is_the_whole_models_on_every_rank(runs: Path, run: str) -> None:
+    """GradNormMonitor under ModelParallelStrategy: each sharded gradient's norm is reduced over its mesh, so both
+    ranks log the norm of the whole gradient (the saved full gradients), not their shards'."""
+    grads = torch.load(runs / f"{run}_0.pt")
+    whole = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])))
+    logged = [_load(runs, f"{run}_{rank}.json")["grad_norm"] for rank in range(WORLD)]
+    assert logged == pytest.approx([whole] * WORLD, rel=1e-6)
 
 
 @pytest.mark.slow
