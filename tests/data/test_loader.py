@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -173,3 +174,12 @@ def test_restart_epoch_refuses_a_loop_that_is_not_after_an_epochs_last_microbatc
     assert mid_epoch.epoch_loop.batch_progress.current.ready == 14  # untouched
     for odd, count in ((_finished_epoch_loop(14, last=True), 13), (SimpleNamespace(), 14)):
         assert not restart_epoch(odd, count)
+
+
+def test_building_the_loader_warns_nothing():
+    """torchdata's StatefulDataLoader calls torch.set_vital (deprecated in torch 2.13) in its constructor; the
+    user's warnings show nothing of it (a filter around the constructor only)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader(0)
+    assert [str(w.message) for w in caught] == []

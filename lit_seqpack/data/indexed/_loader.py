@@ -30,6 +30,7 @@ torchdata's state layout (read by :func:`sampler_state_of`)::
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -172,7 +173,9 @@ class ResumableDataLoader(StatefulDataLoader):
             kwargs.update(
                 worker_options(workers, loader_timeout, dataset, kwargs.get("collate_fn"), kwargs.get("worker_init_fn"))
             )
-        super().__init__(*args, **kwargs)
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13, each time
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+            super().__init__(*args, **kwargs)
         self.name = name
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
