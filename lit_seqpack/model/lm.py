@@ -52,7 +52,14 @@ from lit_seqpack.model.hf_load import (
 )
 from lit_seqpack.model.mixin import _VERIFIED, PackedSequenceMixin
 from lit_seqpack.model.reference import ReferenceConfig, ReferenceDecoder
-from lit_seqpack.model.vlm import idle_vision_outputs, is_multimodal_batch, multimodal_inputs, vision_parameters
+from lit_seqpack.model.vlm import (
+    IMAGES_KWARG,
+    PendingImages,
+    encode_images_in_forward,
+    is_multimodal_batch,
+    multimodal_inputs,
+    vision_parameters,
+)
 
 __all__ = [
     "HFCausalLM",
@@ -429,6 +436,7 @@ class HFCausalLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, Lightn
             model.gradient_checkpointing_enable()
         self.model = apply_peft(model, peft_config) if peft_config is not None else model
         self._image_microbatches = 0  # this rank's microbatches with images since the last optimizer step
+        self._probing = False  # inside the isolation probe's own forward passes
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a process that unpickles this module (ddp_spawn, DataLoader workers) must know the attention function
@@ -453,7 +461,11 @@ class HFCausalLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, Lightn
                 f"{type(self.model).__name__} has attention dropout ({keys}), which packed rows do not support: "
                 f"set config_overrides: {{{overrides}}} or train with mode: dynamic"
             )
-        super().seqpack_verify_packing(batch)
+        self._probing = True  # the probe runs the row's tokens, image placeholders included, as text
+        try:
+            super().seqpack_verify_packing(batch)
+        finally:
+            self._probing = False
 
     def seqpack_model_inputs(self, batch: Any) -> dict[str, Any]:
         """transformers keywords: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``, ``use_cache=False``.
@@ -466,24 +478,35 @@ class HFCausalLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, Lightn
         model = unwrapped_model(self.model)
         if is_multimodal_batch(batch):  # images: the vision tower's outputs and per-conversation (mRoPE) positions
             multimodal_inputs(model, batch, inputs)
-        if torch.is_grad_enabled() and self._trains_vision_on_every_rank():
-            if "mm_encoder_outputs" in inputs:
-                self._image_microbatches += 1
-            else:  # no image here: the tower still runs, so that every rank's reducer sees its parameters
-                inputs["mm_encoder_outputs"] = {"image": idle_vision_outputs(model)}
+        training = self.training and torch.is_grad_enabled()
+        if IMAGES_KWARG in inputs:
+            self._image_microbatches += int(training)
+        elif self._runs_vision_on_every_rank(training):  # no image here: the tower still runs, as on the other ranks
+            encode_images_in_forward(model)
+            inputs[IMAGES_KWARG] = PendingImages(None)
         if not uses_varlen_attention(self.model):
             refuse_packing_without_interface(self.model, batch)
             for key in (BACKEND_KWARG, RIGHT_PADDED_KWARG):
                 inputs.pop(key, None)
         return inputs
 
-    def _trains_vision_on_every_rank(self) -> bool:
-        """Whether this is a training run over several ranks of a vision-language model whose vision tower trains:
-        the same answer on every rank (no batch is read)."""
+    def _trains_vision(self) -> bool:
+        """Whether this is a run over several ranks of a vision-language model whose vision tower trains: the same
+        answer on every rank (no batch is read)."""
         trainer = self._trainer
-        if trainer is None or trainer.world_size < 2 or not self.training:
+        if trainer is None or trainer.world_size < 2:
             return False
         return any(p.requires_grad for p in vision_parameters(unwrapped_model(self.model)))
+
+    def _runs_vision_on_every_rank(self, training: bool) -> bool:
+        """Whether every rank must run the vision tower in this forward: a training one whose tower trains (DDP's
+        reducer waits for its gradients), or any one whose tower is sharded (FSDP2 and tensor parallel gather its
+        parameters in the forward, on every rank)."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size < 2 or self._probing:  # the probe: text on every rank alike
+            return False
+        params = vision_parameters(unwrapped_model(self.model))
+        return any(_is_dtensor(p) for p in params) or (training and any(p.requires_grad for p in params))
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Drop the vision tower's gradients after a step in which no rank saw an image.
@@ -492,7 +515,8 @@ class HFCausalLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, Lightn
         tower has none, and AdamW then leaves the tower as it is (zeros would still apply weight decay and momentum).
         The ranks agree on the step's image count with one all-reduce of a scalar, on every rank alike.
         """
-        if not self._trains_vision_on_every_rank():
+        if not self._trains_vision():
+            self._image_microbatches = 0
             return
         count = torch.tensor(float(self._image_microbatches), device=self.device)
         self._image_microbatches = 0

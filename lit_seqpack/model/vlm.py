@@ -7,7 +7,8 @@ the keywords of the stock ``*ForConditionalGeneration`` model::
 
     packed row   the vision tower runs once on the row's images (its own per-image attention, no packing keyword
                  reaches it) and its outputs go in as mm_encoder_outputs={"image": ...}, which the model scatters
-                 onto the image tokens in document order;
+                 onto the image tokens in document order; it runs inside the model's forward (a forward pre-hook
+                 of ``model.model``, :func:`encode_images_in_forward`), where FSDP2 has gathered the parameters;
                  Qwen: position_ids [4, 1, T] = the row's text positions over the 3-D mRoPE positions that
                  get_rope_index gives each document alone (restarting at 0 per document; the padding tail
                  keeps its text positions);
@@ -36,7 +37,10 @@ import torch
 
 __all__ = [
     "ARCHITECTURES",
+    "IMAGES_KWARG",
     "REFUSED",
+    "PendingImages",
+    "encode_images_in_forward",
     "idle_vision_outputs",
     "is_multimodal_batch",
     "multimodal_inputs",
@@ -70,6 +74,48 @@ REFUSED: dict[str, str] = {
 
 _IMAGE_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
 
+IMAGES_KWARG = "lit_seqpack_images"
+"""The model keyword that carries a microbatch's :class:`PendingImages` to :func:`encode_images_in_forward`'s hook."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingImages:
+    """A microbatch's images, for the vision tower to encode inside the model's forward."""
+
+    pixel_values: torch.Tensor | None
+    """The images' pixels, every document's concatenated; ``None``: no image, the tower runs idle
+    (:func:`idle_vision_outputs`)."""
+    image_grid_thw: torch.Tensor | None = None
+    """Qwen: each image's patch grid."""
+
+
+def encode_images_in_forward(model: Any) -> None:
+    """Let ``model`` take ``lit_seqpack_images=PendingImages(...)``: the vision tower's outputs are computed inside
+    its forward, as ``mm_encoder_outputs``, by a forward pre-hook of ``model.model`` (installed once).
+
+    Inside the forward is where FSDP2 has initialised and gathered the model's own parameters (the projector of a
+    LLaVA, any vision module not wrapped as a unit of its own); a call before it would meet shards, or initialise a
+    vision unit before the root one.
+    """
+    inner = model.model
+    if not getattr(inner, "_lit_seqpack_encodes_images", False):
+        inner.register_forward_pre_hook(_encode_pending_images, with_kwargs=True)
+        inner._lit_seqpack_encodes_images = True
+
+
+def _encode_pending_images(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Forward pre-hook of a vision-language ``*Model``: :data:`IMAGES_KWARG` becomes ``mm_encoder_outputs``."""
+    pending = kwargs.pop(IMAGES_KWARG, None)
+    if pending is None:
+        return None
+    if pending.pixel_values is None:
+        features = _idle_features(module)
+    else:
+        extra = {} if pending.image_grid_thw is None else {"image_grid_thw": pending.image_grid_thw}
+        features = module.get_image_features(pixel_values=pending.pixel_values, return_dict=True, **extra)
+    kwargs["mm_encoder_outputs"] = {"image": features}
+    return args, kwargs
+
 
 def is_multimodal_batch(batch: Mapping[str, Any]) -> bool:
     """Whether ``batch`` carries images (a ``pixel_values`` field)."""
@@ -100,14 +146,15 @@ def vision_parameters(model: Any) -> list[torch.nn.Parameter]:
     return [p for name in architecture.vision_modules for p in getattr(model.model, name).parameters()]
 
 
-def _blank_image(model: Any, architecture: _Architecture) -> dict[str, torch.Tensor]:
-    """``get_image_features`` keywords for the smallest image the vision tower takes, all zeros.
+def _blank_image(inner: Any, architecture: _Architecture) -> dict[str, torch.Tensor]:
+    """``get_image_features`` keywords for the smallest image the vision tower of ``inner`` (a ``*Model``) takes,
+    all zeros.
 
-    The shapes come from the config and only the dtype and device from a parameter: under FSDP2 the parameters are
-    shards here, and any operation on one would be a collective that only this rank calls.
+    The shapes come from the config and only the dtype and device from a parameter: under FSDP2 a parameter may be a
+    shard, and any operation on one would be a collective that only this rank calls.
     """
-    vision = model.config.vision_config
-    weight = next(getattr(model.model, architecture.vision_modules[0]).parameters())
+    vision = inner.config.vision_config
+    weight = next(getattr(inner, architecture.vision_modules[0]).parameters())
     like = {"dtype": weight.dtype, "device": weight.device}
     if architecture.mrope:  # Qwen: one merge window of patches of channels x temporal x patch x patch values
         merge, patch = int(vision.spatial_merge_size), int(vision.patch_size)
@@ -120,18 +167,22 @@ def _blank_image(model: Any, architecture: _Architecture) -> dict[str, torch.Ten
     return {"pixel_values": torch.zeros(1, int(vision.num_channels), size, size, **like)}
 
 
+def _idle_features(inner: Any) -> Any:
+    architecture = ARCHITECTURES[inner.config.model_type]
+    features = inner.get_image_features(**_blank_image(inner, architecture), return_dict=True)
+    features.pooler_output = [torch.cat(tuple(features.pooler_output), dim=0)[:0]]
+    return features
+
+
 def idle_vision_outputs(model: Any) -> Any:
     """The vision tower's outputs for a microbatch without images: no features, yet every vision parameter in the graph.
 
     The tower runs on one blank image and its features are cut to zero rows, which the stock model scatters onto the
     row's zero image tokens: the language model's inputs are unchanged and the vision parameters get zero gradients,
     so DDP's reducer and FSDP's collectives see the same parameters on every rank. Give the result as
-    ``mm_encoder_outputs={"image": ...}``.
+    ``mm_encoder_outputs={"image": ...}`` (``HFCausalLM`` asks for it with ``PendingImages(None)``).
     """
-    architecture = ARCHITECTURES[model.config.model_type]
-    features = model.model.get_image_features(**_blank_image(model, architecture), return_dict=True)
-    features.pooler_output = [torch.cat(tuple(features.pooler_output), dim=0)[:0]]
-    return features
+    return _idle_features(model.model)
 
 
 def _cat(parts: Any) -> torch.Tensor | None:
@@ -144,6 +195,10 @@ def _cat(parts: Any) -> torch.Tensor | None:
 
 def multimodal_inputs(model: Any, batch: Mapping[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """``inputs`` (from :func:`~lit_seqpack.model.hf.hf_model_inputs`) completed with ``batch``'s images.
+
+    The images go in as ``lit_seqpack_images=PendingImages(...)``, which the vision tower encodes inside the model's
+    forward (:func:`encode_images_in_forward`, installed here); the positions as ``position_ids`` (packed rows) or
+    the stock model's own keywords (padded rows).
 
     Args:
         model: the transformers ``*ForConditionalGeneration`` model (unwrapped from PEFT).
@@ -168,10 +223,9 @@ def multimodal_inputs(model: Any, batch: Mapping[str, Any], inputs: dict[str, An
     pixels = _cat(batch["pixel_values"])
     grid = _cat(batch["image_grid_thw"]) if architecture.mrope else None
     if pixels is not None:
-        extra = {"image_grid_thw": grid} if architecture.mrope else {}
         # no packing keyword reaches the vision tower: it runs its own per-image attention, as in the stock model
-        features = model.model.get_image_features(pixel_values=pixels, return_dict=True, **extra)
-        inputs["mm_encoder_outputs"] = {"image": features}
+        encode_images_in_forward(model)
+        inputs[IMAGES_KWARG] = PendingImages(pixels, grid)
     if not architecture.mrope:
         return inputs
     if batch.get("cu_seqlens") is not None:

@@ -111,17 +111,18 @@ def test_accumulated_packed_step_equals_the_big_batch(tmp_path):
 
 
 def _sharded_vlm() -> type:
-    """``HFCausalLM`` whose ``configure_model`` applies FSDP2 over the data-parallel mesh: each vision block, the
-    vision tower (its own unit: ``HFCausalLM`` runs it before the model's forward), each text layer and the whole
-    model ``fully_shard``-ed (ModelParallelStrategy needs the hook)."""
-    from torch.distributed.fsdp import fully_shard
+    """``HFCausalLM`` whose ``configure_model`` applies FSDP2 over the data-parallel mesh: each vision block, each
+    text layer and the whole model ``fully_shard``-ed (ModelParallelStrategy needs the hook)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from lit_seqpack.model.lm import HFCausalLM
 
     class ShardedVLM(HFCausalLM):
         def configure_model(self) -> None:
+            if isinstance(self.model, FSDPModule):  # trainer.validate after fit calls the hook again
+                return
             mesh, inner = self.device_mesh["data_parallel"], self.model.model
-            for block in [*inner.visual.blocks, inner.visual, *inner.language_model.layers]:
+            for block in [*inner.visual.blocks, *inner.language_model.layers]:
                 fully_shard(block, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
 
@@ -226,8 +227,9 @@ def _one_image_data(data: Path) -> tuple[list[int], list[int]]:
 
 
 def _idle_vision_worker(rank: int, port: int, data: str, engine: str) -> None:
-    """One of 2 gloo ranks: 2 Lightning steps (``engine`` DDP or FSDP2) over the one-image conversations; rank 0 saves
-    the first step's gradients and the vision tower after each step."""
+    """One of 2 gloo ranks: 2 Lightning steps (``engine`` DDP or FSDP2) over the one-image conversations, then a
+    validation of the same conversations; rank 0 saves the first step's gradients, the vision tower after each step,
+    the trained weights and the validation loss."""
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lit_seqpack.data.datamodule import SeqPackDataModule
@@ -236,13 +238,18 @@ def _idle_vision_worker(rank: int, port: int, data: str, engine: str) -> None:
 
     join_ranks(rank, 2, port)
     source, model = _build(Path(data), sharded=engine == "fsdp2")
-    dm = SeqPackDataModule(source=source, mode="packing", seed=0, max_tokens=48, **FIELDS)
+    dm = SeqPackDataModule(source=source, val_source=source, mode="packing", seed=0, max_tokens=48, **FIELDS)
     if engine == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=COLLECTIVE_TIMEOUT)
     else:
         strategy = DDPStrategy(start_method="popen", timeout=COLLECTIVE_TIMEOUT)
     capture, snapshots = GradientCapture(str(Path(data, "ddp.pt"))), _VisionSnapshots(str(Path(data, "vision.pt")))
-    _trainer(capture, snapshots, devices=2, strategy=strategy, max_steps=2).fit(model, datamodule=dm)
+    trainer = _trainer(capture, snapshots, devices=2, strategy=strategy, max_steps=2)
+    trainer.fit(model, datamodule=dm)
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+    (metrics,) = trainer.validate(model, datamodule=dm, verbose=False)
+    if rank == 0:
+        torch.save({"weights": weights, "val_loss": metrics["val/loss"]}, Path(data, "trained.pt"))
 
 
 @pytest.mark.slow
@@ -253,7 +260,8 @@ def test_a_rank_without_images_runs_the_vision_tower_idle(tmp_path, engine):
     reducer would stop on the rank whose vision tower never ran, FSDP2's collectives would differ between the ranks);
     the step's gradient is still the big-batch one.
     In the second step no rank has an image: the vision tower is left exactly as it was (no zero-gradient AdamW
-    step, which weight decay and momentum would move), as in a run that never called the tower."""
+    step, which weight decay and momentum would move), as in a run that never called the tower. The validation
+    after it (FSDP2 gathers the tower in every forward, evaluation too) is the stock model's token-mean loss."""
     _setup(tmp_path, "qwen2_vl")  # the processor folder
     first, second = _one_image_data(tmp_path)
     spawn_ranks(_idle_vision_worker, (free_port(), str(tmp_path), engine), nprocs=2)
@@ -265,6 +273,11 @@ def test_a_rank_without_images_runs_the_vision_tower_idle(tmp_path, engine):
     before, after_first, after_second = torch.load(tmp_path / "vision.pt")
     assert any(not torch.equal(before[n], after_first[n]) for n in before)  # the first step trained the tower
     assert all(torch.equal(after_first[n], after_second[n]) for n in before)
+    trained = torch.load(tmp_path / "trained.pt")
+    assert not model.load_state_dict(trained["weights"], strict=False).unexpected_keys
+    with torch.no_grad():
+        expected = float(_reference(_stock(model).eval(), dataset, "qwen2_vl"))
+    assert abs(trained["val_loss"] - expected) <= 1e-4 * max(1.0, expected)
 
 
 def test_the_leak_probe_runs_on_the_first_multimodal_packed_row(tmp_path, monkeypatch):
