@@ -215,6 +215,12 @@ class _ChunkedLossMixin:
         return None
 
 
+def _process_group_size() -> int:
+    """The default process group's size (1 without one)."""
+    distributed = torch.distributed
+    return distributed.get_world_size() if distributed.is_available() and distributed.is_initialized() else 1
+
+
 def _is_dtensor(param: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -503,13 +509,15 @@ class HFCausalLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, Lightn
         reducer waits for its gradients), or any one whose tower is sharded (FSDP2 and tensor parallel gather its
         parameters in the forward, on every rank)."""
         trainer = self._trainer
-        if trainer is None or trainer.world_size < 2 or self._probing:  # the probe: text on every rank alike
+        ranks = trainer.world_size if trainer is not None else _process_group_size()  # a Trainer's, or Fabric's
+        if ranks < 2 or self._probing:  # the probe runs text on every rank alike
             return False
         params = vision_parameters(unwrapped_model(self.model))
         return any(_is_dtensor(p) for p in params) or (training and any(p.requires_grad for p in params))
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        """Drop the vision tower's gradients after a step in which no rank saw an image.
+        """Drop the vision tower's gradients after a step in which no rank saw an image (Trainer only: a Fabric loop
+        keeps the zeros, on which AdamW still applies weight decay and momentum to the tower).
 
         Those gradients are the idle tower's zeros (see :meth:`seqpack_model_inputs`); a run that never called the
         tower has none, and AdamW then leaves the tower as it is (zeros would still apply weight decay and momentum).
