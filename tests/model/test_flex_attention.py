@@ -92,7 +92,7 @@ def test_the_block_mask_is_the_document_mask() -> None:
     dense = flex.document_block_mask(cu(lengths), 9)
     from torch.nn.attention.flex_attention import create_mask
 
-    mask = create_mask(dense.mask_mod, None, None, 9, 9)[0, 0].int().tolist()
+    mask = create_mask(dense.mask_mod, None, None, 9, 9, device="cpu")[0, 0].int().tolist()
     expected = [[int(d == e and j <= i) for j, e in enumerate([0, 0, 0, 1, 1, 2, 2, 2, 2])]
                 for i, d in enumerate([0, 0, 0, 1, 1, 2, 2, 2, 2])]  # fmt: skip
     assert mask == expected
