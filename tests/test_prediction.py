@@ -4,6 +4,7 @@ once (1 process and 2 gloo ranks), written per rank and merged, and ``lit-seqpac
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,20 @@ def test_hf_llama_predictions_equal_the_stock_model_on_each_sample_alone(mode):
     model, stock = hf_model()
     records = predictions_in_order(trainer().predict(model, datamodule=module))
     check_against_alone(records, data, lambda ids, pos: stock(input_ids=ids, position_ids=pos).logits)
+
+
+def test_predict_with_lightning_defaults_warns_nothing_about_the_sampler():
+    """With ``use_distributed_sampler`` left at Lightning's default, predict re-instantiates the loader and would warn
+    that a custom batch sampler may not return every index; the planned one does (above), so that warning is gone."""
+    data = samples(count=8, seed=3)
+    module = SeqPackDataModule(source=data, mode="packing", max_tokens=MAX_TOKENS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = predictions_in_order(
+            L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False).predict(reference_model(), module)
+        )
+    assert [r["index"] for r in records] == list(range(8))
+    assert not [w for w in caught if "batch sampler" in str(w.message)]
 
 
 def test_predict_source_and_the_training_overlong_policy(tmp_path):

@@ -62,20 +62,24 @@ def _stock(model):
     return stock.train()
 
 
+def _stock_logits(stock, sample, kind):
+    """The stock model's logits ``[L, V]`` of one conversation run alone, with its images."""
+    kwargs = {}
+    if len(sample["pixel_values"]):
+        kwargs["pixel_values"] = sample["pixel_values"]
+        if kind != "llava":
+            kwargs["image_grid_thw"] = sample["image_grid_thw"]
+    if kind != "llava":
+        kwargs["mm_token_type_ids"] = sample["mm_token_type_ids"][None]
+    return stock(input_ids=sample["input_ids"][None], use_cache=False, **kwargs).logits[0]
+
+
 def _reference(stock, dataset, kind, indices=None):
     """Token-mean loss over every conversation's (or ``indices``') assistant tokens, one conversation a forward."""
     total, count = 0.0, 0
     for i in range(len(dataset)) if indices is None else indices:
         sample = dataset[i]
-        ids = sample["input_ids"][None]
-        kwargs = {}
-        if len(sample["pixel_values"]):
-            kwargs["pixel_values"] = sample["pixel_values"]
-            if kind != "llava":
-                kwargs["image_grid_thw"] = sample["image_grid_thw"]
-        if kind != "llava":
-            kwargs["mm_token_type_ids"] = sample["mm_token_type_ids"][None]
-        logits = stock(input_ids=ids, use_cache=False, **kwargs).logits[0, :-1]
+        logits = _stock_logits(stock, sample, kind)[:-1]
         targets = sample["labels"][1:]
         total = total + F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
         count += int((targets != -100).sum())
@@ -161,3 +165,30 @@ def test_idle_vision_outputs_leave_the_text_exact_and_reach_the_vision_parameter
     assert trained and reached == trained
     assert not any(p.grad.any() for p in vision if p.grad is not None)
     assert stock.lm_head.weight.grad.any()
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "llava"])
+def test_predict_scores_each_conversation_as_the_stock_model_alone(tmp_path, kind):
+    """``trainer.predict`` on packed rows with images: every conversation once, in order, its token log-probs and
+    its assistant tokens' nll those of the stock eager model run on it alone."""
+    from lightning.pytorch import Trainer
+
+    from lit_seqpack.data.datamodule import SeqPackDataModule
+    from lit_seqpack.prediction import predictions_in_order
+
+    source, model = _setup(tmp_path, kind)
+    dm = SeqPackDataModule(source=source, mode="packing", max_tokens=512, **_fields(kind))
+    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    records = predictions_in_order(trainer.predict(model, datamodule=dm))
+    dataset, stock = dm.pipeline.dataset, _stock(model).eval()
+    assert [r["index"] for r in records] == list(range(16))
+    for record in records:
+        sample = dataset[record["index"]]
+        with torch.no_grad():
+            logprobs = _stock_logits(stock, sample, kind)[:-1].float().log_softmax(-1)
+        ids, labels = sample["input_ids"], sample["labels"][1:]
+        torch.testing.assert_close(
+            record["token_logprobs"], logprobs.gather(-1, ids[1:, None])[:, 0], atol=1e-5, rtol=0
+        )
+        kept = labels != -100
+        assert record["nll"] == pytest.approx(-logprobs[kept].gather(-1, labels[kept, None]).sum().item(), abs=1e-4)
