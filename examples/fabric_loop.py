@@ -17,6 +17,7 @@ weights and the step's samples, which ``tests/test_fabric_loop.py`` compares wit
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -89,14 +90,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 break
         epoch += 1
     elapsed = time.perf_counter() - start
-    total = int(fabric.all_reduce(torch.tensor(tokens), reduce_op="sum"))
+    summed = fabric.all_reduce(torch.tensor(tokens), reduce_op="sum")  # referenced until the process group is gone
+    total = int(summed)
     fabric.print(
         f"fabric: {steps} steps x {args.accumulate_grad_batches} microbatches x {fabric.world_size} ranks in "
         f"{elapsed:.1f} s, {total / elapsed:,.0f} real tokens/s, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
     )
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # End the process group here, not at exit. gloo's worker threads free each finished collective, which takes
+        # the GIL when it frees a tensor Python has let go of, while destroying the group joins those threads with
+        # the GIL held: the two at once deadlock (torch 2.13), and at exit the threads die joinable (SIGABRT). So the
+        # DDP model goes first (its reducer holds the group, which would die with it when main returns), and the last
+        # collective's tensor is still referenced when destroy_process_group joins the threads.
         fabric.barrier()
-        torch.distributed.destroy_process_group()  # gloo's threads end before the interpreter (else: SIGABRT at exit)
+        del model, optimizer, loader
+        gc.collect()
+        torch.distributed.destroy_process_group()
+    del summed
     return {"steps": steps, "elapsed": elapsed, "first_loss": losses[0], "last_loss": losses[-1]}
 
 

@@ -370,8 +370,9 @@ def did_you_mean(message: str, options: list[str]) -> str:
     """``message`` with the closest known keys of each unknown one (``--data.max_token`` -> ``--data.max_tokens``).
 
     Unknown keys are read from argparse's ``unrecognized arguments: ...`` (the command line), jsonargparse's
-    ``does not accept option '...'`` (a config file) and ``Option '...' is not accepted`` of a ``class_path`` (its
-    ``init_args``: the class's own parameters are the known keys).
+    ``does not accept option '...'`` (a config file; ``nested key`` before jsonargparse 4.5x) and ``Option '...' is
+    not accepted`` of a ``class_path`` (its ``init_args``: the class's own parameters are the known keys; ``Key '...'
+    is not expected`` before 4.5x).
 
     Example:
         >>> did_you_mean("unrecognized arguments: --data.max_token 5", ["--data.max_tokens", "--data.mode"])
@@ -380,12 +381,15 @@ def did_you_mean(message: str, options: list[str]) -> str:
         "Subcommand 'fit' does not accept option 'data.val_fractio' (did you mean data.val_fraction?)"
         >>> did_you_mean("model: class_path 'lit_seqpack.ReferenceLM': Option 'n_layers' is not accepted", [])
         "model: class_path 'lit_seqpack.ReferenceLM': Option 'n_layers' is not accepted (did you mean n_layer?)"
+        >>> did_you_mean("class_path 'lit_seqpack.ReferenceLM': Key 'n_layers' is not expected", [])
+        "class_path 'lit_seqpack.ReferenceLM': Key 'n_layers' is not expected (did you mean n_layer?)"
     """
     unknown = [(word.split("=", 1)[0], "--") for word in message.split() if word.startswith("--")]
     if "unrecognized arguments" not in message.lower():
-        unknown = [(key, "") for key in re.findall(r"does not accept option '([^']+)'", message)]
+        unknown = [(key, "") for key in re.findall(r"does not accept (?:option|nested key) '([^']+)'", message)]
     hints = []
-    for class_path, name in re.findall(r"class_path '([\w.]+)':? Option '(\w+)' is not accepted", message):
+    unaccepted = r"class_path '([\w.]+)':? (?:Validation failed: )?(?:Option|Key) '(\w+)' is not (?:accepted|expected)"
+    for class_path, name in re.findall(unaccepted, message):
         try:
             accepted = [key for key in _parameters(_import_class(class_path)) if key not in ("self", "args", "kwargs")]
         except (ImportError, AttributeError, ValueError, TypeError):
@@ -410,7 +414,7 @@ class SeqPackArgumentParser(LightningArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        parser = getattr(ex, "subcommand_parser", None) or self
+        parser = getattr(ex, "subcommand_parser", None) or self._named_subcommand(message) or self
         options = [option for action in parser._actions for option in action.option_strings]
         message = did_you_mean(user_message(message), options)
         if not self.exit_on_error:  # jsonargparse's own ArgumentError, which its internal parsers catch
@@ -418,6 +422,13 @@ class SeqPackArgumentParser(LightningArgumentParser):
         prog = parser.prog.replace(" [options]", "")
         sys.stderr.write(f"{prog}: error: {message}\n(all the options: {prog} --help)\n")
         self.exit(2)
+
+    def _named_subcommand(self, message: str) -> Any:
+        """The parser of the subcommand a message names (``Subcommand 'fit' ...``), whose options are the known keys
+        (jsonargparse < 4.5x does not attach it to the error)."""
+        match = re.search(r"Subcommand '(\w+)'", message)
+        action = getattr(self, "_subcommands_action", None)
+        return action._name_parser_map.get(match.group(1)) if match and action is not None else None
 
 
 class SeqPackCLI(LightningCLI):
