@@ -157,8 +157,11 @@ def register_resolvers(args: Sequence[object] | None) -> None:
     from omegaconf import OmegaConf
 
     name = run_name(args)
-    OmegaConf.register_new_resolver("asset", asset_path, replace=True)
-    OmegaConf.register_new_resolver("config_name", lambda: name, replace=True)
+    # omegaconf 2.4 deprecates register_new_resolver for register_resolver, whose 2.3 form is the legacy one
+    modern = "replace" in inspect.signature(OmegaConf.register_resolver).parameters
+    register = OmegaConf.register_resolver if modern else OmegaConf.register_new_resolver
+    register("asset", asset_path, replace=True)
+    register("config_name", lambda: name, replace=True)
 
 
 def resolve_interpolation(parser: LightningArgumentParser, cfg: Any) -> Any:

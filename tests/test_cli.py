@@ -378,3 +378,15 @@ def test_test_subcommand_explains_a_datamodule_without_test_loader(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="defines no test_dataloader"):
         SeqPackCLI(datamodule_class=WithoutTestLoader, args=["test", "--config", str(tiny_demo(tmp_path))])
+
+
+def test_registering_the_resolvers_warns_nothing() -> None:
+    """omegaconf 2.4 deprecates register_new_resolver (register_resolver replaces it; 2.3 has only the former)."""
+    import warnings
+
+    from lit_seqpack.cli import register_resolvers
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        register_resolvers(["fit", "--config", "configs/demo.yaml"])
+    assert [str(w.message) for w in caught] == []

@@ -438,8 +438,8 @@ class HFCausalLM(_ChunkedLossMixin, PackedSequenceMixin, _OptimizerMixin, Lightn
                 "it does not dispatch through transformers' AttentionInterface): it trains with mode: dynamic or "
                 "padded, and packed batches are refused"
             )
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        if gradient_checkpointing:  # activation_checkpointing_enable: the name since transformers 5.24
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         self.model = apply_peft(model, peft_config) if peft_config is not None else model
         self._image_microbatches = 0  # this rank's microbatches with images since the last optimizer step
         self._probing = False  # inside the isolation probe's own forward passes

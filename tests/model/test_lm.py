@@ -145,3 +145,16 @@ def test_decay_groups_use_the_shapes_recorded_before_sharding() -> None:
     unrecorded.trainer = SimpleNamespace(strategy=FSDPStrategy())
     with pytest.raises(ValueError, match=r"under FSDPStrategy sees parameter .* super\(\).setup\(stage\)"):
         unrecorded.configure_optimizers()
+
+
+def test_gradient_checkpointing_is_switched_on_without_transformers_deprecation_warning() -> None:
+    """transformers 5.24 renamed gradient checkpointing to activation checkpointing (the old names warn)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = HFCausalLM(config={"model_type": "llama", **TINY_HF}, gradient_checkpointing=True)
+    assert not [str(w.message) for w in caught if "checkpointing" in str(w.message)]
+    model = module.model
+    on = getattr(model, "is_activation_checkpointing", None)
+    assert on if on is not None else model.is_gradient_checkpointing
