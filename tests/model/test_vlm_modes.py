@@ -214,7 +214,7 @@ def _two_rank_datamodule(data: Path):
 
 
 def _one_image_data(data: Path) -> tuple[list[int], list[int]]:
-    """Rewrite ``data``'s conversations so that one only has an image, one in the first of 2 DDP steps (ranks 2,
+    """Rewrite ``data``'s conversations so that only one has an image, one of the first of 2 steps (2 ranks,
     accumulation 2, ``max_tokens=48``): returns the conversations of the first and of the second step."""
     for chosen in range(16):
         counts = [int(i == chosen) for i in range(16)]
